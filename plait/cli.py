@@ -1,0 +1,161 @@
+"""`plait` command line: train, eval, check, prepare-model, tasks, rewards."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import textwrap
+
+
+def _options_table() -> str:
+    from plait.config import describe_options
+
+    lines = ["every option (set in YAML, or with --set SECTION.KEY=VALUE):", ""]
+    for name, default, meaning in describe_options():
+        lines.append(f"  {name} = {default}")
+        if meaning:
+            lines += textwrap.wrap(meaning, 88, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="plait", description="GRPO fine-tuning of language models.")
+    sub = p.add_subparsers(dest="command", required=True)
+    raw = argparse.RawDescriptionHelpFormatter
+
+    t = sub.add_parser("train", help="run GRPO training", formatter_class=raw, epilog=_options_table())
+    t.add_argument("config", nargs="?", help="YAML config (default: the built-in arithmetic demo)")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override one option, e.g. train.learning_rate=1e-6")
+    t.add_argument("--resume", nargs="?", const="", metavar="RUN_DIR", help="continue a run from its newest complete checkpoint (RUN_DIR, or the config's output_dir)")
+    t.add_argument("--output-dir", help="run directory (default: runs/NAME-TIMESTAMP)")
+    t.add_argument("--console", choices=["rich", "plain", "none"], help="console output style")
+
+    c = sub.add_parser("check", help="validate a config and print the batch plan; loads no model", formatter_class=raw, epilog=_options_table())
+    c.add_argument("config", nargs="?")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("--world-size", type=int, help="training processes to check against (default: WORLD_SIZE or 1)")
+
+    e = sub.add_parser("eval", help="greedy accuracy of a model (folder, run dir or checkpoint) on a task")
+    e.add_argument("model", help="model folder, run directory, checkpoint, or 'smollm2-135m-instruct'")
+    e.add_argument("config", nargs="?", help="config whose data/eval settings to use (default: built-in)")
+    e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    e.add_argument("--show", type=int, default=3, help="print this many sample completions")
+
+    sub.add_parser("prepare-model", help="convert the bundled SmolLM2-135M-Instruct GGUF to safetensors (once)")
+    sub.add_parser("tasks", help="list built-in tasks")
+    sub.add_parser("rewards", help="list built-in reward functions")
+    return p
+
+
+def _load(args):
+    from plait.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    return cfg
+
+
+def cmd_train(args) -> int:
+    from plait.config import load_config
+    from plait.train.loop import train
+
+    overrides = list(args.overrides)
+    config = args.config
+    if args.output_dir:
+        overrides.append(f"output_dir={args.output_dir}")
+    if args.resume is not None:
+        if args.resume:  # resume RUN_DIR: reuse that run's resolved config unless one is given
+            if config is None and os.path.isfile(os.path.join(args.resume, "config.yaml")):
+                config = os.path.join(args.resume, "config.yaml")
+            overrides += [f"output_dir={args.resume}", "resume=auto"]
+        else:
+            overrides.append("resume=auto")
+    cfg = load_config(config, overrides)
+    if args.resume is not None and cfg.output_dir is None:
+        print("plait: --resume needs a run directory: `plait train --resume runs/NAME`", file=sys.stderr)
+        return 2
+    result = train(cfg, console=args.console)
+    return 0 if result.steps else 1
+
+
+def cmd_check(args) -> int:
+    from plait.config import validate
+
+    cfg = _load(args)
+    plan = validate(cfg, args.world_size)
+    print(f"ok: {plan.training_processes} training process(es); {plan.prompts_per_step} prompts x "
+          f"{plan.num_generations} generations = {plan.completions_per_step} completions per step; "
+          f"{plan.completions_per_process} per process = {plan.gradient_accumulation_steps} micro-batches of {plan.micro_batch_size}")
+    for note in plan.notes:
+        print(note)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from plait.data import build_prompts, load_rows
+    from plait.evaluate import evaluate
+    from plait.models import load_model, load_tokenizer, model_path_problem
+    from plait.rewards import resolve_reward
+    from plait.rewards.runner import BoundReward
+    from plait.rollout import make_engine
+
+    cfg = _load(args)
+    why = model_path_problem(args.model)
+    if why:
+        print(f"plait eval: {why.split(': ', 1)[-1]}", file=sys.stderr)
+        return 2
+    tok = load_tokenizer(args.model)
+    prompts = build_prompts(load_rows(cfg.data, "eval", cfg.seed), tok, cfg.data)
+    model = load_model(args.model, cfg.model.dtype)
+    engine = make_engine(cfg, model, tok)
+    metric = BoundReward(cfg.eval.metric, resolve_reward(cfg.eval.metric))
+    res = evaluate(engine, prompts, metric, cfg.eval.max_completion_length or cfg.rollout.max_completion_length, cfg.rollout.stop)
+    for s in res.samples[: args.show]:
+        print(f"--- score {s['score']}  answer {s['answer']}\n{s['completion']}")
+    print(f"{cfg.eval.metric}: {res.accuracy:.3f} on {res.n} prompts ({args.model})")
+    return 0
+
+
+def cmd_prepare_model(_args) -> int:
+    from plait.models import prepare_default_model
+
+    print(prepare_default_model())
+    return 0
+
+
+def cmd_tasks(_args) -> int:
+    from plait.data import TASKS
+
+    for name, fn in TASKS.items():
+        print(f"{name}: {(fn.__doc__ or '').strip().splitlines()[0]}")
+    return 0
+
+
+def cmd_rewards(_args) -> int:
+    from plait.rewards import BUILTIN
+
+    for name, fn in BUILTIN.items():
+        print(f"{name}: {' '.join((fn.__doc__ or '').split())}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "check": cmd_check, "eval": cmd_eval, "prepare-model": cmd_prepare_model, "tasks": cmd_tasks, "rewards": cmd_rewards}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from plait.config import ConfigError
+    from plait.data import DataError
+    from plait.rewards.runner import RewardError
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # plait never reaches a hub at run time
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, DataError, RewardError) as err:
+        print(f"plait: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

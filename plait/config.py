@@ -1,0 +1,419 @@
+"""The typed configuration tree: YAML + dotted `--set` overrides, checked before anything loads.
+
+Defaults live here and only here; they are the built-in demo (SmolLM2-135M-Instruct learning
+to add inside \\boxed{} on a CPU). `load_config` turns a YAML file and overrides into a
+`Config`; `validate` reports every problem at once, each with the values that would work.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """Raised with every problem found, one per line, before any model is loaded."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problem(s) in the configuration:\n{lines}")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(Section):
+    r: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: int = Field(32, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA branch.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear'."
+    )
+
+
+class ModelConfig(Section):
+    name_or_path: str = Field(
+        "smollm2-135m-instruct",
+        description="A local Hugging Face model folder, or the bundled 'smollm2-135m-instruct'.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Dtype the weights are stored and updated in."
+    )
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of all weights.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+
+
+class DataConfig(Section):
+    task: str | None = Field(
+        "arithmetic", description="A built-in task (see `plait tasks`); null to read `path`."
+    )
+    path: str | None = Field(None, description="Prompts: a .jsonl/.parquet file or a saved `datasets` folder.")
+    format: Literal["auto", "jsonl", "parquet", "disk"] = Field("auto", description="How to read `path`.")
+    split: str = Field("train", description="Split to read from a DatasetDict folder.")
+    eval_path: str | None = Field(None, description="Held-out prompts for evaluation (same format).")
+    prompt_field: str = Field("prompt", description="Column holding the prompt text.")
+    messages_field: str | None = Field(None, description="Column holding chat messages (overrides prompt_field).")
+    answer_field: str | None = Field("answer", description="Column holding the reference answer.")
+    system_prompt: str | None = Field(None, description="System message put before every prompt.")
+    chat_template: bool = Field(True, description="Apply the tokenizer's chat template.")
+    max_prompt_length: int = Field(256, ge=1, description="Longest prompt in tokens.")
+    overlong_prompts: Literal["drop", "error"] = Field(
+        "drop", description="What to do with prompts longer than max_prompt_length."
+    )
+    num_train: int = Field(2000, ge=1, description="Built-in task: number of training problems.")
+    num_eval: int = Field(100, ge=1, description="Built-in task: number of held-out problems.")
+    shuffle: bool = Field(True, description="Shuffle the prompt order each epoch (seeded).")
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf"] = Field("hf", description="Generation engine (transformers-based 'hf').")
+    prompts_per_step: int = Field(16, ge=1, description="Distinct prompts sampled per optimizer step.")
+    num_generations: int = Field(8, ge=1, description="Completions per prompt (the group size).")
+    max_completion_length: int = Field(48, ge=1, description="Longest completion in tokens.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Sample among the top k tokens (0 = all).")
+    stop: list[str] = Field(default_factory=list, description="Extra stop strings besides EOS.")
+    batch_size: int = Field(64, ge=1, description="Sequences per generate call.")
+
+
+class RewardSpec(Section):
+    name: str = Field(description="A built-in reward (see `plait rewards`) or 'module:function'.")
+    weight: float = Field(1.0, description="Weight in the summed reward.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the reward.")
+
+
+def _default_rewards() -> list[RewardSpec]:
+    return [RewardSpec(name="accuracy", weight=1.0), RewardSpec(name="boxed_format", weight=0.5)]
+
+
+class AlgoConfig(Section):
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = Field(
+        "dapo", description="How per-token losses are averaged (see docs/algorithms.md)."
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide centred rewards by the group std, the batch std, or nothing."
+    )
+    epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="Lower clip: ratio >= 1 - epsilon.")
+    epsilon_high: float | None = Field(None, gt=0.0, description="Upper clip (DAPO clip-higher); null = epsilon.")
+    beta: float = Field(0.0, ge=0.0, description="KL coefficient to the reference model (0 = no reference model).")
+    num_iterations: int = Field(1, ge=1, description="Policy updates per generation batch.")
+    mask_truncated_completions: bool = Field(False, description="Exclude completions cut at max length from the loss.")
+
+
+class TrainConfig(Section):
+    max_steps: int = Field(40, ge=1, description="Optimizer steps to run.")
+    learning_rate: float = Field(1e-5, gt=0.0, description="Peak AdamW learning rate.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup.")
+    warmup_steps: int = Field(2, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="Clip the gradient norm (null = no clipping).")
+    micro_batch_size: int = Field(16, ge=1, description="Completions per forward/backward on each process.")
+    gradient_accumulation_steps: int | None = Field(
+        None, ge=1, description="Micro-batches per optimizer step; null = derived from the batch arithmetic."
+    )
+    auto_batch: bool = Field(False, description="If the batch arithmetic does not fit, pick the nearest values that do (and say so).")
+    precision: Literal["fp32", "bf16"] = Field("bf16", description="Autocast precision for forward passes.")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default).")
+
+
+class CheckpointConfig(Section):
+    save_steps: int = Field(0, ge=0, description="Save a resumable checkpoint every N steps (0 = only at the end).")
+    keep_last: int = Field(2, ge=1, description="Checkpoints to keep; older ones are deleted after a new one commits.")
+    save_final_model: bool = Field(True, description="Write the trained model as a HF folder to OUTPUT_DIR/final.")
+
+
+class EvalConfig(Section):
+    before: bool = Field(True, description="Evaluate (greedy) before training.")
+    after: bool = Field(True, description="Evaluate (greedy) after training.")
+    every_steps: int = Field(0, ge=0, description="Also evaluate every N steps (0 = never).")
+    metric: str = Field("boxed_accuracy", description="Reward function used as the accuracy metric.")
+    max_completion_length: int | None = Field(None, ge=1, description="Null = rollout.max_completion_length.")
+    batch_size: int = Field(100, ge=1, description="Prompts per greedy generate call.")
+
+
+class LogConfig(Section):
+    console: Literal["rich", "plain", "none"] = Field("rich", description="Console output style.")
+    every_steps: int = Field(1, ge=1, description="Print a metrics line every N steps.")
+    sample_every_steps: int = Field(10, ge=0, description="Log a sample completion every N steps (0 = never).")
+
+
+class ClusterConfig(Section):
+    devices: int | None = Field(
+        None, ge=1, description="Devices (GPUs, or processes on CPU) in the job; null = the launcher's world size."
+    )
+    generation_devices: int = Field(0, ge=0, description="Devices reserved for generation servers (not training).")
+
+
+class Config(Section):
+    name: str = Field("arithmetic-smollm2", description="Run name.")
+    output_dir: str | None = Field(None, description="Run directory; null = runs/NAME-TIMESTAMP.")
+    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+    resume: str = Field(
+        "never", description="'never', 'auto' (continue from the newest complete checkpoint if any), or a checkpoint path."
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    rewards: list[RewardSpec] = Field(default_factory=_default_rewards)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _nearest(name: str, choices: list[str]) -> str:
+    near = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return f" Did you mean '{near[0]}'?" if near else f" Valid keys: {', '.join(sorted(choices))}."
+
+
+def _section_type(model: type[BaseModel], key: str) -> type[BaseModel] | None:
+    """The pydantic class of a nested section field, or None for a leaf."""
+    ann = model.model_fields[key].annotation
+    for cand in (ann, *getattr(ann, "__args__", ())):
+        if isinstance(cand, type) and issubclass(cand, BaseModel):
+            return cand
+        for inner in getattr(cand, "__args__", ()):  # list[RewardSpec]
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                return inner
+    return None
+
+
+def unknown_keys(raw: Any, model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """Every key in `raw` that `model` does not have, with the nearest valid name."""
+    problems: list[str] = []
+    if not isinstance(raw, dict):
+        return problems
+    fields = list(model.model_fields)
+    for key, value in raw.items():
+        where = f"{prefix}{key}"
+        if key not in model.model_fields:
+            problems.append(f"unknown key '{where}'.{_nearest(str(key), fields)}")
+            continue
+        sub = _section_type(model, key)
+        if sub is None:
+            continue
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            sub_prefix = f"{where}.{i}." if isinstance(value, list) else f"{where}."
+            problems += unknown_keys(item, sub, sub_prefix)
+    return problems
+
+
+def apply_override(raw: dict, dotted: str) -> None:
+    """Apply one `a.b.c=value` override in place; the value is parsed as YAML."""
+    if "=" not in dotted:
+        raise ConfigError([f"override '{dotted}' must look like section.key=value"])
+    path, _, text = dotted.partition("=")
+    value = yaml.safe_load(text) if text.strip() else None
+    keys = path.strip().split(".")
+    node: Any = raw
+    for i, key in enumerate(keys[:-1]):
+        nxt = keys[i + 1]
+        if isinstance(node, list):
+            node = node[int(key)]
+            continue
+        if key not in node or node[key] is None:
+            # materialise the default so e.g. --set rewards.0.weight=2 edits the default list
+            default = Config.model_fields.get(key) if i == 0 else None
+            if default is not None and key == "rewards":
+                node[key] = [r.model_dump() for r in _default_rewards()]
+            else:
+                node[key] = [] if nxt.isdigit() else {}
+        node = node[key]
+    last = keys[-1]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def _format_validation_error(err: ValidationError) -> list[str]:
+    out = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("function-", "literal")))
+        got = e.get("input")
+        shown = "" if isinstance(got, dict) else f" (got {got!r})"
+        out.append(f"{loc}: {e['msg']}{shown}")
+    return out
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (or nothing: the built-in defaults), apply overrides, type-check it all."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError([f"config file '{path}' does not exist"])
+        raw = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError([f"config file '{path}' must hold a mapping at the top level"])
+    for ov in overrides or []:
+        apply_override(raw, ov)
+    problems = unknown_keys(raw)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def describe_options(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, meaning) for every option: the body of `plait train --help`."""
+    rows = []
+    for name, field in model.model_fields.items():
+        sub = _section_type(model, name)
+        if sub is not None and name != "rewards" and name != "lora":
+            rows += describe_options(sub, f"{prefix}{name}.")
+            continue
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, list) and default and isinstance(default[0], BaseModel):
+            default = [d.model_dump(exclude_defaults=True) for d in default]
+        rows.append((f"{prefix}{name}", repr(default), field.description or ""))
+    return rows
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _model_max_positions(name_or_path: str) -> int | None:
+    """max_position_embeddings from config.json, read without loading anything heavy."""
+    import json
+
+    from plait.models import DEFAULT_MODEL, default_model_dir
+
+    folder = default_model_dir() if name_or_path == DEFAULT_MODEL else Path(name_or_path)
+    for cand in (folder, folder / "final", folder / "model"):
+        f = cand / "config.json"
+        if f.is_file():
+            try:
+                return json.loads(f.read_text()).get("max_position_embeddings")
+            except (OSError, ValueError):
+                return None
+    return None
+
+
+def validate(cfg: Config, world_size: int | None = None):
+    """Check the whole config against itself and the machine; return the BatchPlan.
+
+    Runs before any model is loaded and raises one ConfigError listing *every* problem,
+    each with the numbers involved and values that would work.
+    """
+    from plait.data import TASKS, source_problem
+    from plait.models import model_path_problem
+    from plait.plan import BatchPlan, launcher_world_size, plan_batch
+    from plait.rewards import resolve_reward
+
+    problems: list[str] = []
+    r, t, a, d = cfg.rollout, cfg.train, cfg.algo, cfg.data
+
+    devices = cfg.cluster.devices or world_size or launcher_world_size()
+    if cfg.cluster.generation_devices >= devices:
+        problems.append(
+            f"cluster.generation_devices={cfg.cluster.generation_devices} leaves no device for training "
+            f"out of {devices}; use at most {devices - 1}"
+        )
+    plan = plan_batch(
+        r.prompts_per_step, r.num_generations, t.micro_batch_size, t.gradient_accumulation_steps,
+        devices, cfg.cluster.generation_devices, t.auto_batch,
+    )
+    if isinstance(plan, str):
+        problems.append(plan)
+    if cfg.cluster.generation_devices and r.engine == "hf":
+        problems.append(
+            "cluster.generation_devices > 0 needs a generation server engine; rollout.engine='hf' generates "
+            "on the training processes themselves (set cluster.generation_devices=0)"
+        )
+
+    if r.num_generations < 2:
+        problems.append("rollout.num_generations must be >= 2: GRPO's advantages compare completions of the same prompt")
+    if r.temperature == 0 and r.num_generations > 1:
+        problems.append(
+            "rollout.temperature=0 (greedy) makes all completions of a prompt identical, so every advantage is 0; "
+            "use a temperature in (0, 2], e.g. 1.0"
+        )
+    if a.epsilon_high is not None and a.epsilon_high < a.epsilon:
+        problems.append(f"algo.epsilon_high={a.epsilon_high} is below algo.epsilon={a.epsilon}; clip-higher needs epsilon_high >= epsilon")
+    if t.warmup_steps > t.max_steps * a.num_iterations:
+        problems.append(
+            f"train.warmup_steps={t.warmup_steps} is longer than the run ({t.max_steps * a.num_iterations} optimizer steps); "
+            f"use at most {t.max_steps * a.num_iterations}"
+        )
+
+    if not cfg.rewards:
+        problems.append("rewards is empty: name at least one reward function (e.g. [{name: accuracy}])")
+    names = [s.name for s in cfg.rewards]
+    if len(set(names)) != len(names):
+        problems.append(f"rewards: each reward may appear once, got {names}")
+    if cfg.rewards and all(s.weight == 0 for s in cfg.rewards):
+        problems.append("rewards: every weight is 0, so every advantage is 0")
+    for spec in cfg.rewards:
+        try:
+            resolve_reward(spec.name)
+        except KeyError as err:
+            problems.append(f"rewards: {err.args[0]}")
+    evaluating = cfg.eval.before or cfg.eval.after or cfg.eval.every_steps
+    if evaluating:
+        try:
+            resolve_reward(cfg.eval.metric)
+        except KeyError as err:
+            problems.append(f"eval.metric: {err.args[0]}")
+
+    if (d.task is None) == (d.path is None):
+        problems.append("data: set exactly one of data.task (a built-in task) and data.path (your prompts)")
+    if d.task is not None and d.task not in TASKS:
+        problems.append(f"data.task: unknown task '{d.task}'{_nearest(d.task, list(TASKS))}")
+    if d.task in TASKS:
+        from plait.data.tasks import CAPACITY
+
+        for split, n, key in (("train", d.num_train, "num_train"), ("eval", d.num_eval, "num_eval")):
+            if n > CAPACITY[d.task](split):
+                problems.append(f"data.{key}={n}: task '{d.task}' has at most {CAPACITY[d.task](split)} distinct {split} problems")
+    for key in ("path", "eval_path"):
+        why = source_problem(getattr(d, key), d.format)
+        if why:
+            problems.append(f"data.{key}: {why}")
+    if evaluating and d.task is None and d.eval_path is None:
+        problems.append("eval is on but there is no held-out data: set data.eval_path, or eval.before=false and eval.after=false")
+
+    why = model_path_problem(cfg.model.name_or_path)
+    if why:
+        problems.append(why)
+    limit = _model_max_positions(cfg.model.name_or_path)
+    if limit and d.max_prompt_length + r.max_completion_length > limit:
+        problems.append(
+            f"data.max_prompt_length={d.max_prompt_length} + rollout.max_completion_length={r.max_completion_length} "
+            f"exceeds the model's {limit} positions"
+        )
+
+    if cfg.resume not in ("never", "auto"):
+        from plait.checkpoint import MARKER, latest_checkpoint
+
+        p = Path(cfg.resume)
+        if not ((p / MARKER).is_file() or latest_checkpoint(p) is not None):
+            problems.append(f"resume: '{cfg.resume}' is neither a complete checkpoint nor a run directory that has one")
+    elif cfg.resume == "auto" and cfg.output_dir is None:
+        problems.append("resume='auto' needs a fixed output_dir to look for checkpoints in")
+
+    if problems:
+        raise ConfigError(problems)
+    assert isinstance(plan, BatchPlan)
+    return plan

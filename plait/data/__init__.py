@@ -1,0 +1,153 @@
+"""Prompt data: read rows (built-in task, JSONL, Parquet, a `datasets` folder), map fields,
+apply the chat template, enforce the prompt-length limit, and serve them in a seeded order."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from plait.data.tasks import TASKS, task_rows
+from plait.types import Prompt
+
+__all__ = ["TASKS", "load_rows", "build_prompts", "PromptOrder", "DataError", "source_problem"]
+
+
+class DataError(ValueError):
+    pass
+
+
+def _infer_format(path: Path, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    if path.is_dir():
+        return "disk"
+    if path.suffix in (".jsonl", ".json"):
+        return "jsonl"
+    if path.suffix == ".parquet":
+        return "parquet"
+    raise DataError(f"can't tell the format of '{path}': set data.format to jsonl, parquet or disk")
+
+
+def source_problem(path: str | None, fmt: str) -> str | None:
+    """Why a data path can't be read (checked at config time), or None."""
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.exists():
+        return f"'{path}' does not exist"
+    try:
+        _infer_format(p, fmt)
+    except DataError as err:
+        return str(err)
+    return None
+
+
+def read_file(path: str, fmt: str = "auto", split: str = "train") -> list[dict]:
+    """Rows from a JSONL file, a Parquet file, or a `datasets` folder saved with save_to_disk."""
+    p = Path(path)
+    kind = _infer_format(p, fmt)
+    if kind == "jsonl":
+        rows = []
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{n}: not valid JSON ({err.msg}); each line must be one JSON object") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+        return rows
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    from datasets import DatasetDict, load_from_disk
+
+    ds = load_from_disk(str(p))
+    if isinstance(ds, DatasetDict):
+        if split not in ds:
+            raise DataError(f"{path} has splits {list(ds)}, not '{split}': set data.split")
+        ds = ds[split]
+    return ds.to_list()
+
+
+def load_rows(data_cfg, split: str, seed: int = 0) -> list[dict]:
+    """Rows for 'train' or 'eval' from the configured task or files."""
+    if data_cfg.task is not None:
+        n = data_cfg.num_train if split == "train" else data_cfg.num_eval
+        return task_rows(data_cfg.task, split, n, seed)
+    path = data_cfg.path if split == "train" else data_cfg.eval_path
+    if path is None:
+        raise DataError("no evaluation data: set data.eval_path (or use a built-in data.task)")
+    return read_file(path, data_cfg.format, data_cfg.split)
+
+
+def build_prompts(rows: list[dict], tokenizer, data_cfg, log=print) -> list[Prompt]:
+    """Map fields, apply the chat template, and drop (or reject) prompts that are too long."""
+    prompts, too_long = [], []
+    key = data_cfg.messages_field or data_cfg.prompt_field
+    for i, row in enumerate(rows):
+        if key not in row:
+            raise DataError(f"row {i} has no field '{key}' (fields: {sorted(row)}); set data.prompt_field or data.messages_field")
+        if data_cfg.messages_field:
+            messages = list(row[key])
+        else:
+            messages = [{"role": "user", "content": str(row[key])}]
+        if data_cfg.system_prompt and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": data_cfg.system_prompt}, *messages]
+        if data_cfg.chat_template and tokenizer.chat_template:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        else:
+            text = "\n".join(m["content"] for m in messages)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > data_cfg.max_prompt_length:
+            too_long.append(i)
+            continue
+        answer = row.get(data_cfg.answer_field) if data_cfg.answer_field else None
+        columns = {k: v for k, v in row.items() if k not in (key, data_cfg.answer_field)}
+        prompts.append(Prompt(i, text, ids, None if answer is None else str(answer), columns))
+    if too_long:
+        msg = (
+            f"{len(too_long)} of {len(rows)} prompts are longer than data.max_prompt_length="
+            f"{data_cfg.max_prompt_length} tokens (first: row {too_long[0]})"
+        )
+        if data_cfg.overlong_prompts == "error":
+            raise DataError(msg + "; raise the limit or set data.overlong_prompts=drop")
+        log(f"dropped {msg}")
+    if not prompts:
+        raise DataError("no prompts left to train on")
+    return prompts
+
+
+@dataclass
+class PromptOrder:
+    """Which prompts each step uses: a seeded permutation per epoch, read sequentially.
+
+    The position is a plain counter (`consumed`), so resuming only needs that number.
+    """
+
+    size: int
+    seed: int
+    shuffle: bool = True
+    consumed: int = 0
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._cache:
+            order = list(range(self.size))
+            if self.shuffle:
+                random.Random(f"{self.seed}/{epoch}").shuffle(order)
+            self._cache = {epoch: order}
+        return self._cache[epoch]
+
+    def take(self, n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            epoch, pos = divmod(self.consumed, self.size)
+            out.append(self._perm(epoch)[pos])
+            self.consumed += 1
+        return out

@@ -1,0 +1,54 @@
+"""Built-in tasks: generated problems with checked answers, deterministic by seed.
+
+A task yields plain rows ({"prompt", "answer", ...}) exactly like a user's JSONL file would,
+so everything downstream treats built-in and user data the same way.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from typing import Callable
+
+ARITHMETIC_PROMPT = "What is {a} + {b}? Put the final answer in \\boxed{{}}."
+
+
+def _split_of(key: str, eval_share: int = 10) -> str:
+    """A problem's split from a hash of its content: held-out problems never appear in train."""
+    return "eval" if zlib.crc32(key.encode()) % eval_share == 0 else "train"
+
+
+def arithmetic_capacity(split: str, low: int = 10, high: int = 99) -> int:
+    """How many distinct problems a split may ask for (well inside the space, so sampling stays fast)."""
+    space = (high - low + 1) ** 2
+    return space // 20 if split == "eval" else space // 2
+
+
+def arithmetic(split: str, n: int, seed: int = 0, low: int = 10, high: int = 99) -> list[dict]:
+    """`n` sums a + b with a, b in [low, high]; answers are exact integers.
+
+    The train/eval split is decided by hashing the problem, so the two never overlap whatever
+    the seed, and the same seed always gives the same rows.
+    """
+    rng = random.Random(f"arithmetic/{split}/{seed}")
+    rows, seen = [], set()
+    if n > arithmetic_capacity(split, low, high):
+        raise ValueError(f"arithmetic: {n} {split} problems asked, at most {arithmetic_capacity(split, low, high)} fit")
+    while len(rows) < n:
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        key = f"{a}+{b}"
+        if key in seen or _split_of(key) != split:
+            continue
+        seen.add(key)
+        rows.append({"prompt": ARITHMETIC_PROMPT.format(a=a, b=b), "answer": str(a + b), "a": a, "b": b})
+    return rows
+
+
+TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic}
+CAPACITY: dict[str, Callable[[str], int]] = {"arithmetic": arithmetic_capacity}
+
+
+def task_rows(name: str, split: str, n: int, seed: int = 0) -> list[dict]:
+    if name not in TASKS:
+        raise KeyError(f"unknown task '{name}'; built-in tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name](split, n, seed)

@@ -1,0 +1,29 @@
+"""Greedy evaluation: the share of held-out prompts a metric (a reward function) scores 1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from plait.rewards.runner import BoundReward, call_reward, reward_inputs
+from plait.types import Group, Prompt, SamplingParams
+
+
+@dataclass
+class EvalResult:
+    accuracy: float
+    n: int
+    samples: list[dict] = field(default_factory=list)
+
+
+def evaluate(engine, prompts: list[Prompt], metric: BoundReward, max_tokens: int, stop: list[str] | None = None) -> EvalResult:
+    """Greedy-decode every prompt once and average `metric` over them."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=list(stop or []))
+    outs = engine.generate(prompts, params, n=1)
+    groups = [Group(p, cs) for p, cs in zip(prompts, outs)]
+    texts, kwargs = reward_inputs(groups)
+    scores = [s or 0.0 for s in call_reward(metric, texts, kwargs)]
+    samples = [
+        {"prompt": p.text, "answer": p.answer, "completion": t, "score": s}
+        for p, t, s in zip(prompts, texts, scores)
+    ]
+    return EvalResult(sum(scores) / max(1, len(scores)), len(scores), samples)

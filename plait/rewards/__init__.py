@@ -1,0 +1,51 @@
+"""Reward functions: plain callables over completions and dataset columns.
+
+    def my_reward(completions: list[str], **kwargs) -> list[float | None]
+
+kwargs hold `prompts`, `completion_ids`, `answer` and every other dataset column, one value
+per completion (the same keywords TRL passes, so TRL reward functions work unchanged).
+Return one float per completion. A config names a built-in (`accuracy`) or any importable
+function (`my_pkg.rewards:my_reward`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from plait.rewards.format import boxed_format, think_format
+from plait.rewards.length import length_penalty
+from plait.rewards.math import accuracy, boxed_accuracy
+
+RewardFn = Callable[..., list]
+
+BUILTIN: dict[str, RewardFn] = {
+    "accuracy": accuracy,
+    "boxed_accuracy": boxed_accuracy,
+    "boxed_format": boxed_format,
+    "think_format": think_format,
+    "length_penalty": length_penalty,
+}
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """A built-in by name, or `module:function` imported from the Python path."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if ":" not in name:
+        import difflib
+
+        near = difflib.get_close_matches(name, list(BUILTIN), n=1)
+        hint = f" Did you mean '{near[0]}'?" if near else ""
+        raise KeyError(
+            f"unknown reward '{name}'.{hint} Built-ins: {', '.join(sorted(BUILTIN))}; "
+            "or give 'module:function'"
+        )
+    module, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise KeyError(f"reward '{name}' could not be imported: {err}") from None
+    if not callable(fn):
+        raise KeyError(f"reward '{name}' is not callable")
+    return fn

@@ -1,0 +1,62 @@
+"""Math answer checking with `math-verify` (parses LaTeX and plain expressions)."""
+
+from __future__ import annotations
+
+import threading
+
+from math_verify import parse, verify
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _equal(gold: str | None, text: str) -> float:
+    """1.0 if `text` states an answer equal to `gold`, else 0.0.
+
+    math-verify enforces its time limits with signal.alarm, which only works in the main
+    thread; elsewhere we switch them off (the caller must bound the time itself).
+    """
+    if gold is None or not text.strip():
+        return 0.0
+    timeouts = {} if _in_main_thread() else {"parsing_timeout": None}
+    try:
+        target = parse(gold if "$" in gold or "\\" in gold else f"${gold}$", **timeouts)
+        guess = parse(text, **timeouts)
+        if not guess or not target:
+            return 0.0
+        return 1.0 if verify(target, guess, **({} if _in_main_thread() else {"timeout_seconds": None})) else 0.0
+    except Exception:  # math-verify raises on pathological LaTeX: that answer is simply wrong
+        return 0.0
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} in `text` (balanced braces), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None
+
+
+def accuracy(completions: list[str], answer: list[str | None], **_) -> list[float]:
+    """1.0 where the completion's final answer (\\boxed{} first, else its last expression)
+    equals the reference answer mathematically (math-verify), else 0.0."""
+    return [_equal(gold, text) for text, gold in zip(completions, answer)]
+
+
+def boxed_accuracy(completions: list[str], answer: list[str | None], **_) -> list[float]:
+    """1.0 only where the last \\boxed{...} holds a correct answer: the strict metric."""
+    out = []
+    for text, gold in zip(completions, answer):
+        inner = last_boxed(text)
+        out.append(0.0 if inner is None or not inner.strip() else _equal(gold, f"$\\boxed{{{inner}}}$"))
+    return out

@@ -1,0 +1,170 @@
+"""A transformers-based engine: batched decoding with a KV cache, written out so that it can
+return the sampling log-probs cheaply (one gathered value per token, never full-vocab
+score tensors) and stop each sequence at EOS or a stop string.
+
+It samples from the very module the trainer updates, so it needs no weight sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from plait.types import Completion, Prompt, SamplingParams
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L] ids and attention mask, padded on the left so every row ends at the last column."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the next token per row; return it and its log-prob under softmax(logits / T).
+
+    The reported log-prob ignores top-k/top-p truncation: it is the number the trainer
+    recomputes (TRL and vLLM report the same quantity), so the two can be compared.
+    """
+    logits = logits.float()
+    if params.temperature == 0:
+        token = logits.argmax(-1)
+        logp = F.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
+        return token, logp
+    logp_all = F.log_softmax(logits / params.temperature, -1)
+    filtered = logp_all
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(filtered, params.top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_lp, order = torch.sort(filtered, descending=True, dim=-1)
+        cum = sorted_lp.exp().cumsum(-1)
+        drop_sorted = cum - sorted_lp.exp() > params.top_p  # keep the smallest set reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        filtered = filtered.masked_fill(drop, float("-inf"))
+    token = torch.multinomial(filtered.softmax(-1), 1, generator=gen).squeeze(-1)
+    return token, logp_all.gather(-1, token[:, None]).squeeze(-1)
+
+
+class HFEngine:
+    def __init__(self, model, tokenizer, batch_size: int = 64, precision: str = "fp32"):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.precision = precision
+        eos = model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = sorted({e for e in [*eos, tokenizer.eos_token_id] if e is not None})
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    def update_weights(self, model) -> None:
+        self.model = model  # same process, same tensors: nothing to copy
+
+    def _autocast(self):
+        if self.precision == "bf16":
+            return torch.autocast(device_type=self._device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @property
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def generate(self, prompts: list[Prompt], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
+        gen = torch.Generator().manual_seed(params.seed)
+        per_call = max(1, self.batch_size // n)  # whole groups per call: their prompt is prefilled once
+        done: list[Completion] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(prompts), per_call):
+                done += self._decode(prompts[start : start + per_call], n, params, gen)
+        finally:
+            self.model.train(was_training)
+        return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _decode(self, prompts: list[Prompt], n: int, params: SamplingParams, gen: torch.Generator) -> list[Completion]:
+        """Prefill each distinct prompt once, copy its KV cache to its n rows, then decode,
+        dropping rows from the batch as soon as they finish."""
+        from transformers import DynamicCache
+
+        dev = self._device
+        ids, mask = left_pad([p.token_ids for p in prompts], self.pad_id)
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        rows = len(prompts) * n
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        logps: list[list[float]] = [[] for _ in range(rows)]
+        reason = ["length"] * rows
+        active = torch.arange(rows, device=dev)  # original row of each row still decoding
+        cache = DynamicCache()
+        with self._autocast():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1].repeat_interleave(n, 0)
+            if n > 1:
+                cache.batch_repeat_interleave(n)
+            mask, last_pos = mask.repeat_interleave(n, 0), pos[:, -1:].repeat_interleave(n, 0)
+            for t in range(params.max_tokens):
+                token, logp = sample_next(logits, params, gen)
+                keep = self._record(active.tolist(), token.tolist(), logp.tolist(), tokens, logps, reason, params.stop)
+                if not keep or t == params.max_tokens - 1:
+                    break
+                if len(keep) < len(active):
+                    idx = torch.tensor(keep, device=dev)
+                    cache.batch_select_indices(idx)
+                    active, token, mask, last_pos = active[idx], token[idx], mask[idx], last_pos[idx]
+                mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
+                last_pos = last_pos + 1
+                out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=last_pos, past_key_values=cache, use_cache=True)
+                logits = out.logits[:, -1]
+        return self._collect([p for p in prompts for _ in range(n)], tokens, logps, reason, params)
+
+    def _record(self, active, toks, lps, tokens, logps, reason, stops) -> list[int]:
+        """Append this step's token to each active row; return the positions still decoding."""
+        keep = []
+        for j, row in enumerate(active):
+            tokens[row].append(toks[j])
+            logps[row].append(lps[j])
+            if toks[j] in self.eos_ids:
+                reason[row] = "eos"
+            elif stops and any(s in self.tokenizer.decode(tokens[row][-8:]) for s in stops):
+                reason[row] = "stop"
+            else:
+                keep.append(j)
+        return keep
+
+    def _collect(self, prompts, tokens, logps, reason, params) -> list[Completion]:
+        out = []
+        for i, p in enumerate(prompts):
+            row = tokens[i]
+            end = self._stop_end(row, params.stop) if reason[i] == "stop" else len(row)
+            kept = row[:end]
+            text = self.tokenizer.decode(kept, skip_special_tokens=True)
+            for s in params.stop if reason[i] == "stop" else []:
+                if s in text:
+                    text = text[: text.index(s) + len(s)]
+            out.append(
+                Completion(
+                    prompt_index=p.index,
+                    token_ids=kept,
+                    text=text,
+                    logprobs=logps[i][:end],
+                    truncated=reason[i] == "length",
+                    finish_reason=reason[i],
+                )
+            )
+        return out
+
+    def _stop_end(self, row: list[int], stops: list[str]) -> int:
+        """Smallest prefix length whose text contains a stop string."""
+        for end in range(1, len(row) + 1):
+            if any(s in self.tokenizer.decode(row[:end]) for s in stops):
+                return end
+        return len(row)

@@ -1,0 +1,1 @@
+"""Training: the loop (loop.py) and the small pieces it calls."""

@@ -1,0 +1,30 @@
+"""AdamW and the LR schedule (linear warmup, then constant / linear / cosine decay to 0)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_factor(step: int, warmup: int, total: int, kind: str) -> float:
+    """Multiplier of the peak LR for optimizer step `step` (0-based)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if kind == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    t = cfg.train
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay
+    )
+    total = t.max_steps * cfg.algo.num_iterations
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t.warmup_steps, total, t.lr_scheduler))
+    return opt, sched
