@@ -164,7 +164,9 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    rewards: list[RewardSpec] = Field(default_factory=_default_rewards)
+    rewards: list[RewardSpec] = Field(
+        default_factory=_default_rewards, description="Reward functions [{name, weight, kwargs}], summed with their weights."
+    )
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

@@ -18,13 +18,13 @@ def _split_of(key: str, eval_share: int = 10) -> str:
     return "eval" if zlib.crc32(key.encode()) % eval_share == 0 else "train"
 
 
-def arithmetic_capacity(split: str, low: int = 10, high: int = 99) -> int:
+def arithmetic_capacity(split: str, low: int = 1, high: int = 50) -> int:
     """How many distinct problems a split may ask for (well inside the space, so sampling stays fast)."""
     space = (high - low + 1) ** 2
     return space // 20 if split == "eval" else space // 2
 
 
-def arithmetic(split: str, n: int, seed: int = 0, low: int = 10, high: int = 99) -> list[dict]:
+def arithmetic(split: str, n: int, seed: int = 0, low: int = 1, high: int = 50) -> list[dict]:
     """`n` sums a + b with a, b in [low, high]; answers are exact integers.
 
     The train/eval split is decided by hashing the problem, so the two never overlap whatever

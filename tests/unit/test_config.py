@@ -1,0 +1,119 @@
+import pytest
+import yaml
+
+from plait.config import Config, ConfigError, describe_options, load_config, validate
+
+
+def problems_of(overrides, **kw):
+    with pytest.raises(ConfigError) as err:
+        validate(load_config(None, overrides), **kw)
+    return err.value.problems
+
+
+def test_defaults_are_the_demo_and_valid():
+    cfg = load_config()
+    plan = validate(cfg, world_size=1)
+    assert cfg.model.name_or_path == "smollm2-135m-instruct" and cfg.data.task == "arithmetic"
+    assert plan.completions_per_step == cfg.rollout.prompts_per_step * cfg.rollout.num_generations
+    assert plan.gradient_accumulation_steps * plan.micro_batch_size == plan.completions_per_step
+
+
+def test_seed_004_four_gpus_one_for_generation():
+    """Seed 004: 4 GPUs, 1 runs generation, num_generations 8, one completion per device batch."""
+    probs = problems_of(
+        ["cluster.devices=4", "cluster.generation_devices=1", "rollout.num_generations=8",
+         "train.micro_batch_size=1", "rollout.prompts_per_step=4"]
+    )
+    batch = next(p for p in probs if p.startswith("batch arithmetic"))
+    # the arithmetic with the user's numbers ...
+    assert "rollout.prompts_per_step=4 x rollout.num_generations=8 = 32 completions" in batch
+    assert "3 training processes (4 devices - 1 for generation)" in batch
+    assert "4 prompts / 3 processes = 1.33 is not whole" in batch
+    # ... and the values that would work with 3 training processes
+    assert "rollout.prompts_per_step in [3, 6, 9, 12]" in batch
+    assert "training processes in [1, 2, 4]" in batch
+
+
+def test_micro_batch_that_does_not_divide_lists_working_values():
+    probs = problems_of(["rollout.prompts_per_step=3", "rollout.num_generations=6", "train.micro_batch_size=4"])
+    (batch,) = [p for p in probs if p.startswith("batch arithmetic")]
+    assert "Each process gets 18 completions, which is not a multiple of 4" in batch
+    assert "train.micro_batch_size in [1, 2, 3, 6, 9, 18]" in batch
+    assert "rollout.num_generations in" in batch and "4" in batch.split("rollout.num_generations in")[1][:30]
+
+
+def test_explicit_accumulation_must_match():
+    probs = problems_of(["rollout.prompts_per_step=4", "rollout.num_generations=4", "train.micro_batch_size=4", "train.gradient_accumulation_steps=3"])
+    assert any("= 4 micro-batches of 4, not 3" in p and "train.gradient_accumulation_steps=4" in p for p in probs)
+
+
+def test_auto_batch_picks_fitting_values_and_says_so():
+    cfg = load_config(None, ["cluster.devices=4", "cluster.generation_devices=1", "rollout.engine=hf",
+                             "rollout.prompts_per_step=4", "train.micro_batch_size=5", "train.auto_batch=true"])
+    with pytest.raises(ConfigError) as err:  # the hf engine can't use generation devices ...
+        validate(cfg)
+    assert not any(p.startswith("batch arithmetic") for p in err.value.problems)  # ... but the batch was fixed
+    plan = validate(load_config(None, ["cluster.devices=3", "rollout.prompts_per_step=4", "train.micro_batch_size=5", "train.auto_batch=true"]))
+    assert (plan.prompts_per_step, plan.micro_batch_size, plan.gradient_accumulation_steps) == (6, 4, 4)
+    assert any("prompts_per_step 4 -> 6" in n for n in plan.notes)
+
+
+def test_unknown_keys_get_the_nearest_name():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.learning_rat=1e-5", "rollouts.num_generations=4", "rewards.0.wieght=2"])
+    msg = str(err.value)
+    assert "unknown key 'train.learning_rat'. Did you mean 'learning_rate'?" in msg
+    assert "unknown key 'rollouts'. Did you mean 'rollout'?" in msg
+    assert "unknown key 'rewards.0.wieght'. Did you mean 'weight'?" in msg
+    assert "3 problem(s)" in msg
+
+
+def test_type_and_choice_errors_name_the_field():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["algo.loss_type=ppo", "train.learning_rate=fast"])
+    msg = str(err.value)
+    assert "algo.loss_type" in msg and "'grpo'" in msg and "'ppo'" in msg
+    assert "train.learning_rate" in msg
+
+
+def test_contradictions_are_all_reported_at_once():
+    probs = problems_of(
+        ["algo.epsilon=0.3", "algo.epsilon_high=0.2", "rollout.temperature=0", "rewards=[]",
+         "data.path=/nope.jsonl", "model.name_or_path=/no/such/model", "train.warmup_steps=1000"]
+    )
+    text = "\n".join(probs)
+    assert "epsilon_high=0.2 is below algo.epsilon=0.3" in text
+    assert "temperature=0" in text
+    assert "rewards is empty" in text
+    assert "exactly one of data.task" in text  # task and path both set
+    assert "/nope.jsonl' does not exist" in text
+    assert "'/no/such/model' does not exist" in text
+    assert "warmup_steps=1000" in text
+    assert len(probs) >= 7
+
+
+def test_unknown_reward_and_task_suggest_names():
+    probs = problems_of(["rewards=[{name: acuracy}]", "data.task=arithmatic"])
+    text = "\n".join(probs)
+    assert "Did you mean 'accuracy'?" in text
+    assert "Did you mean 'arithmetic'?" in text
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"train": {"learning_rate": 3e-6}, "rollout": {"num_generations": 4}}))
+    cfg = load_config(f, ["train.learning_rate=1e-6", "rewards.1.weight=2", "rollout.stop=['</answer>']"])
+    assert cfg.train.learning_rate == 1e-6 and cfg.rollout.num_generations == 4
+    assert cfg.rewards[1].weight == 2 and cfg.rewards[1].name == "boxed_format"
+    assert cfg.rollout.stop == ["</answer>"]
+    # the resolved config round-trips
+    again = Config.model_validate(yaml.safe_load(cfg.to_yaml()))
+    assert again == cfg
+
+
+def test_every_option_is_described():
+    rows = describe_options()
+    names = {r[0] for r in rows}
+    assert {"train.learning_rate", "rollout.num_generations", "algo.loss_type", "rewards", "model.lora"} <= names
+    undocumented = [n for n, _, meaning in rows if not meaning and not n.startswith("train.adam")]
+    assert undocumented == []

@@ -1,0 +1,94 @@
+import json
+
+import pytest
+
+from plait.config import DataConfig
+from plait.data import DataError, PromptOrder, build_prompts, read_file
+from plait.data.tasks import arithmetic
+
+
+class FakeTokenizer:
+    """Whitespace tokenizer with a chat template flag: enough to test field mapping and limits."""
+
+    chat_template = "yes"
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return "".join(f"<{m['role']}> {m['content']} " for m in messages) + "<assistant>"
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(range(len(text.split())))}
+
+
+ROWS = [
+    {"question": "What is 2 + 2?", "solution": 4, "level": "easy"},
+    {"question": "word " * 50, "solution": 1, "level": "hard"},
+]
+
+
+def test_jsonl_parquet_and_disk_read_the_same_rows(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n\n")
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "p.parquet")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "ds"))
+    assert read_file(str(tmp_path / "p.jsonl")) == ROWS
+    assert read_file(str(tmp_path / "p.parquet")) == ROWS
+    assert read_file(str(tmp_path / "ds"), split="train") == ROWS
+    with pytest.raises(DataError, match="has splits \\['train'\\], not 'test'"):
+        read_file(str(tmp_path / "ds"), split="test")
+
+
+def test_bad_jsonl_line_is_named(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "a"}\n{"prompt": oops}\n')
+    with pytest.raises(DataError, match="bad.jsonl:2: not valid JSON"):
+        read_file(str(f))
+
+
+def test_field_mapping_chat_template_and_columns():
+    cfg = DataConfig(task=None, path="x", prompt_field="question", answer_field="solution", system_prompt="Be brief.", max_prompt_length=30)
+    logs = []
+    prompts = build_prompts(ROWS, FakeTokenizer(), cfg, log=logs.append)
+    assert len(prompts) == 1  # the 50-word prompt is dropped ...
+    assert "dropped 1 of 2 prompts" in logs[0]  # ... and counted in the log
+    p = prompts[0]
+    assert p.text == "<system> Be brief. <user> What is 2 + 2? <assistant>"
+    assert p.answer == "4" and p.columns == {"level": "easy"}
+
+
+def test_overlong_prompts_can_be_an_error():
+    cfg = DataConfig(task=None, path="x", prompt_field="question", max_prompt_length=30, overlong_prompts="error")
+    with pytest.raises(DataError, match="longer than data.max_prompt_length=30"):
+        build_prompts(ROWS, FakeTokenizer(), cfg)
+
+
+def test_messages_field_and_missing_field():
+    rows = [{"msgs": [{"role": "user", "content": "hi"}], "answer": "x"}]
+    cfg = DataConfig(task=None, path="x", messages_field="msgs")
+    assert build_prompts(rows, FakeTokenizer(), cfg)[0].text == "<user> hi <assistant>"
+    with pytest.raises(DataError, match="row 0 has no field 'prompt'"):
+        build_prompts(rows, FakeTokenizer(), DataConfig(task=None, path="x"))
+
+
+def test_arithmetic_is_deterministic_correct_and_held_out():
+    a, b = arithmetic("train", 500, seed=3), arithmetic("train", 500, seed=3)
+    assert a == b
+    assert arithmetic("train", 50, seed=4) != a[:50]
+    for row in a:
+        assert int(row["answer"]) == row["a"] + row["b"]
+        assert f"{row['a']} + {row['b']}" in row["prompt"] and "\\boxed{}" in row["prompt"]
+    held_out = {r["prompt"] for r in arithmetic("eval", 200, seed=3)}
+    assert len(held_out) == 200 and not held_out & {r["prompt"] for r in arithmetic("train", 2000, seed=9)}
+
+
+def test_prompt_order_is_a_seeded_permutation_per_epoch_and_resumable():
+    order = PromptOrder(10, seed=1)
+    first = order.take(10)
+    assert sorted(first) == list(range(10))
+    second = order.take(10)
+    assert sorted(second) == list(range(10)) and second != first  # reshuffled each epoch
+    resumed = PromptOrder(10, seed=1, consumed=7)
+    assert resumed.take(6) == (first + second)[7:13]
+    assert PromptOrder(4, seed=0, shuffle=False).take(6) == [0, 1, 2, 3, 0, 1]

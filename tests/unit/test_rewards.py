@@ -1,0 +1,89 @@
+import math
+
+import pytest
+
+from plait.rewards import BUILTIN, resolve_reward
+from plait.rewards.math import accuracy, boxed_accuracy, last_boxed
+from plait.rewards.runner import BoundReward, RewardError, score_groups
+from plait.types import Completion, Group, Prompt
+
+
+def test_accuracy_edge_cases():
+    texts = ["", "no answer here", "\\boxed{8", "$\\frac{1}{$", "23 + 58 = 81", "so \\boxed{81}.", "\\boxed{81.0}", "\\boxed{80}"]
+    got = accuracy(texts, answer=["81"] * len(texts))
+    assert got == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def test_accuracy_latex_answers():
+    assert accuracy(["\\boxed{\\frac{1}{2}}", "0.5", "\\boxed{\\sqrt{4}}"], answer=["\\frac12", "1/2", "2"]) == [1.0, 1.0, 1.0]
+    assert accuracy(["\\boxed{3}"], answer=[None]) == [0.0]
+
+
+def test_boxed_accuracy_is_strict():
+    texts = ["23 + 58 = 81", "\\boxed{81}", "\\boxed{80} no wait \\boxed{81}", "\\boxed{}", "\\boxed{81"]
+    assert boxed_accuracy(texts, answer=["81"] * 5) == [0.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_last_boxed_balances_braces():
+    assert last_boxed("a \\boxed{\\frac{1}{2}} b") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{1} \\boxed{2}") == "2"
+    assert last_boxed("\\boxed{unclosed") is None
+    assert last_boxed("nothing") is None
+
+
+def test_format_and_length_rewards():
+    assert BUILTIN["boxed_format"](["\\boxed{3}", "\\boxed{ }", "3", ""]) == [1.0, 0.0, 0.0, 0.0]
+    assert BUILTIN["think_format"](["<think>a</think><answer>b</answer>", "<answer>b</answer>", ""]) == [1.0, 0.0, 0.0]
+    assert BUILTIN["length_penalty"](["", "x"], completion_ids=[[], [1] * 128], max_tokens=256) == [0.0, -0.5]
+
+
+def test_accuracy_works_outside_the_main_thread():
+    """math-verify's signal-based timeouts only work in the main thread; plait turns them off there."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(accuracy, ["\\boxed{81}"], answer=["81"]).result() == [1.0]
+
+
+def _groups():
+    p = Prompt(7, "What is 1 + 1?", [1, 2], "2", {"level": 1})
+    cs = [Completion(7, [3], t, [0.0], False, "eos") for t in ("\\boxed{2}", "3")]
+    return [Group(p, cs)]
+
+
+def test_runner_scores_weights_and_passes_columns():
+    seen = {}
+
+    def spy(completions, prompts, answer, completion_ids, level, **_):
+        seen.update(prompts=prompts, answer=answer, level=level, ids=completion_ids)
+        return [0.5, None]
+
+    groups = _groups()
+    score_groups(groups, [BoundReward("accuracy", accuracy, 2.0), BoundReward("spy", spy, 1.0)])
+    assert groups[0].rewards == {"accuracy": [1.0, 0.0], "spy": [0.5, None]}
+    assert groups[0].total == [2.5, 0.0]  # None adds nothing
+    assert seen == {"prompts": ["What is 1 + 1?"] * 2, "answer": ["2", "2"], "level": [1, 1], "ids": [[3], [3]]}
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (lambda completions, **_: 1 / 0, "reward 'bad' raised ZeroDivisionError"),
+        (lambda completions, **_: [1.0], "returned 1 values for 2 completions"),
+        (lambda completions, **_: [1.0, math.nan], "returned nan for completion 1 '3'"),
+        (lambda completions, **_: [1.0, "yes"], "returned 'yes' for completion 1"),
+        (lambda completions, **_: 3.0, "returned float, expected a list"),
+    ],
+)
+def test_runner_names_function_and_sample(fn, message):
+    with pytest.raises(RewardError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        score_groups(_groups(), [BoundReward("bad", fn)])
+
+
+def test_resolve_reward():
+    assert resolve_reward("accuracy") is accuracy
+    assert resolve_reward("plait.rewards.math:boxed_accuracy") is boxed_accuracy
+    with pytest.raises(KeyError, match="Did you mean 'accuracy'"):
+        resolve_reward("acuracy")
+    with pytest.raises(KeyError, match="could not be imported"):
+        resolve_reward("no_such_module:fn")
