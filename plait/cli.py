@@ -106,7 +106,9 @@ def cmd_eval(args) -> int:
         return 2
     tok = load_tokenizer(args.model)
     prompts = build_prompts(load_rows(cfg.data, "eval", cfg.seed), tok, cfg.data)
-    model = load_model(args.model, cfg.model.dtype)
+    from plait.train.backend import resolve_device
+
+    model = load_model(args.model, cfg.model.dtype).to(resolve_device(cfg.train.device))
     engine = make_engine(cfg, model, tok)
     metric = BoundReward(cfg.eval.metric, resolve_reward(cfg.eval.metric))
     res = evaluate(engine, prompts, metric, cfg.eval.max_completion_length or cfg.rollout.max_completion_length, cfg.rollout.stop)

@@ -67,16 +67,16 @@ class DataConfig(Section):
     overlong_prompts: Literal["drop", "error"] = Field(
         "drop", description="What to do with prompts longer than max_prompt_length."
     )
-    num_train: int = Field(2000, ge=1, description="Built-in task: number of training problems.")
+    num_train: int = Field(1000, ge=1, description="Built-in task: number of training problems.")
     num_eval: int = Field(100, ge=1, description="Built-in task: number of held-out problems.")
     shuffle: bool = Field(True, description="Shuffle the prompt order each epoch (seeded).")
 
 
 class RolloutConfig(Section):
     engine: Literal["hf"] = Field("hf", description="Generation engine (transformers-based 'hf').")
-    prompts_per_step: int = Field(16, ge=1, description="Distinct prompts sampled per optimizer step.")
+    prompts_per_step: int = Field(8, ge=1, description="Distinct prompts sampled per optimizer step.")
     num_generations: int = Field(8, ge=1, description="Completions per prompt (the group size).")
-    max_completion_length: int = Field(48, ge=1, description="Longest completion in tokens.")
+    max_completion_length: int = Field(32, ge=1, description="Longest completion in tokens.")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Sample among the top k tokens (0 = all).")
@@ -109,13 +109,13 @@ class AlgoConfig(Section):
 
 
 class TrainConfig(Section):
-    max_steps: int = Field(40, ge=1, description="Optimizer steps to run.")
-    learning_rate: float = Field(1e-5, gt=0.0, description="Peak AdamW learning rate.")
+    max_steps: int = Field(20, ge=1, description="Optimizer steps to run.")
+    learning_rate: float = Field(3e-5, gt=0.0, description="Peak AdamW learning rate.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup.")
     warmup_steps: int = Field(2, ge=0, description="Linear warmup steps.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
-    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    adam_beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1.")
+    adam_beta2: float = Field(0.99, ge=0.0, lt=1.0, description="AdamW beta2.")
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="Clip the gradient norm (null = no clipping).")
     micro_batch_size: int = Field(16, ge=1, description="Completions per forward/backward on each process.")
     gradient_accumulation_steps: int | None = Field(
@@ -123,6 +123,7 @@ class TrainConfig(Section):
     )
     auto_batch: bool = Field(False, description="If the batch arithmetic does not fit, pick the nearest values that do (and say so).")
     precision: Literal["fp32", "bf16"] = Field("bf16", description="Autocast precision for forward passes.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train; auto = cuda when available, else cpu.")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default).")
 
 
@@ -396,6 +397,11 @@ def validate(cfg: Config, world_size: int | None = None):
     if evaluating and d.task is None and d.eval_path is None:
         problems.append("eval is on but there is no held-out data: set data.eval_path, or eval.before=false and eval.after=false")
 
+    if t.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append("train.device='cuda' but torch sees no CUDA device (CPU-only torch build, or no GPU); use 'auto' or 'cpu'")
     why = model_path_problem(cfg.model.name_or_path)
     if why:
         problems.append(why)

@@ -106,7 +106,9 @@ def load_tokenizer(name_or_path: str):
 def load_model(name_or_path: str, dtype: str = "float32", lora=None, gradient_checkpointing: bool = False):
     """A causal LM from a local folder, optionally wrapped with LoRA adapters (peft)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # plait shows its own progress
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=_DTYPES[dtype])
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
     if gradient_checkpointing:

@@ -94,6 +94,17 @@ class Batch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def to(self, device) -> "Batch":
+        """The same batch with every tensor on `device`."""
+
+        def mv(t):
+            return None if t is None else t.to(device)
+
+        return Batch(
+            mv(self.input_ids), mv(self.attention_mask), mv(self.completion_mask), mv(self.advantages),
+            self.prompt_len, mv(self.old_logprobs), mv(self.ref_logprobs), mv(self.sampling_logprobs),
+        )
+
     def slice(self, start: int, stop: int) -> "Batch":
         """Rows [start, stop) as a new Batch (a micro-batch)."""
 

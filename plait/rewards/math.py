@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 from math_verify import parse, verify
+
+
+# a plain number: "81", "-3.5", "1,000"
+_NUMBER = re.compile(r"^-?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?$")
 
 
 def _in_main_thread() -> bool:
@@ -25,6 +30,10 @@ def _equal(gold: str | None, text: str) -> float:
         target = parse(gold if "$" in gold or "\\boxed" in gold else f"\\boxed{{{gold}}}", **timeouts)
         guess = parse(text, **timeouts)
         if not guess or not target:
+            return 0.0
+        # When the reference is a number, the answer must be one too: math-verify would
+        # evaluate "\\boxed{4 + 9}" to 13, and a policy learns to copy the question into the box.
+        if _NUMBER.match(gold.strip()) and not _NUMBER.match(str(guess[-1]).replace(" ", "")):
             return 0.0
         return 1.0 if verify(target, guess, **({} if _in_main_thread() else {"timeout_seconds": None})) else 0.0
     except Exception:  # math-verify raises on pathological LaTeX: that answer is simply wrong
@@ -50,7 +59,8 @@ def last_boxed(text: str) -> str | None:
 
 def accuracy(completions: list[str], answer: list[str | None], **_) -> list[float]:
     """1.0 where the completion's final answer (\\boxed{} first, else its last expression)
-    equals the reference answer mathematically (math-verify), else 0.0."""
+    equals the reference answer mathematically (math-verify), else 0.0. When the reference is
+    a plain number the answer must be a number, not an expression that evaluates to it."""
     return [_equal(gold, text) for text, gold in zip(completions, answer)]
 
 

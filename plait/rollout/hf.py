@@ -78,7 +78,7 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
-        gen = torch.Generator().manual_seed(params.seed)
+        gen = torch.Generator(device=self._device).manual_seed(params.seed)
         per_call = max(1, self.batch_size // n)  # whole groups per call: their prompt is prefilled once
         done: list[Completion] = []
         was_training = self.model.training

@@ -38,7 +38,7 @@ class MetricsSink:
         self.path = None if run_dir is None else Path(run_dir) / "metrics.jsonl"
         self.every = every
         self.style = style
-        self.console = Console(highlight=False, quiet=style == "none")
+        self.console = Console(highlight=False, quiet=style == "none", soft_wrap=True)
         self.progress = None
         if style == "rich":
             self.progress = Progress(

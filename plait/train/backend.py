@@ -8,6 +8,12 @@ import contextlib
 import torch
 
 
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 class LocalBackend:
     rank = 0
     world_size = 1

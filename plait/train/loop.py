@@ -35,7 +35,7 @@ from plait.rewards import resolve_reward
 from plait.rewards.runner import BoundReward, bind_rewards, call_reward, reward_inputs, score_groups
 from plait.rollout import make_engine
 from plait.telemetry import MetricsSink, PhaseTimer
-from plait.train.backend import LocalBackend
+from plait.train.backend import LocalBackend, resolve_device
 from plait.train.batch import collate, micro_batches
 from plait.train.metrics import phase_summary, rollout_metrics, sample_record
 from plait.train.optim import make_optimizer
@@ -107,7 +107,7 @@ def policy_update(model, ref_model, batch: Batch, cfg: Config, backend, optimize
     """num_iterations optimizer steps on one generation batch, accumulating over micro-batches."""
     a = cfg.algo
     temperature = cfg.rollout.temperature or 1.0
-    mbs = micro_batches(batch, cfg.train.micro_batch_size)
+    mbs = [mb.to(backend.device) for mb in micro_batches(batch, cfg.train.micro_batch_size)]
     seqs, toks = backend.all_sum([len(batch), float(batch.completion_mask.sum())])
     counts = StepCounts(int(seqs), int(toks), len(mbs), cfg.rollout.max_completion_length)
 
@@ -128,11 +128,13 @@ def policy_update(model, ref_model, batch: Batch, cfg: Config, backend, optimize
                 logp, old, mb.advantages, mb.completion_mask, counts, a.loss_type, a.epsilon, a.epsilon_high, a.beta, mb.ref_logprobs
             )
             loss.backward()
-            sums["loss"] += float(loss.detach())
-            for k, v in parts.items():
-                sums[k] += float(v)
-            mask = mb.completion_mask.bool()
-            sums["logprob_gap_tokens"] += float((logp.detach() - mb.sampling_logprobs).abs()[mask].sum())
+            gap = ((logp.detach() - mb.sampling_logprobs).abs() * mb.completion_mask).sum()
+            # one device->host sync per micro-batch, not one per number
+            values = torch.stack([loss.detach(), gap, *parts.values()]).tolist()
+            sums["loss"] += values[0]
+            sums["logprob_gap_tokens"] += values[1]
+            for k, v in zip(parts, values[2:]):
+                sums[k] += v
         sums["grad_norm"] += backend.clip_and_step(model, optimizer, cfg.train.max_grad_norm)
         sums["lr"] += scheduler.get_last_lr()[0]
         scheduler.step()
@@ -169,7 +171,8 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
     train_prompts = build_prompts(load_rows(cfg.data, "train", cfg.seed), tokenizer, cfg.data, log=say)
     evaluating = cfg.eval.before or cfg.eval.after or cfg.eval.every_steps
     eval_prompts = build_prompts(load_rows(cfg.data, "eval", cfg.seed), tokenizer, cfg.data, log=say) if evaluating else []
-    model = load_model(cfg.model.name_or_path, cfg.model.dtype, cfg.model.lora, cfg.model.gradient_checkpointing)
+    device = resolve_device(cfg.train.device)
+    model = load_model(cfg.model.name_or_path, cfg.model.dtype, cfg.model.lora, cfg.model.gradient_checkpointing).to(device)
     model.train()
     # beta = 0 loads no reference model; with LoRA the reference is the base model itself
     ref_model = None
@@ -179,7 +182,7 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
     rewards = bind_rewards(cfg.rewards)
     metric = BoundReward(cfg.eval.metric, resolve_reward(cfg.eval.metric))
     optimizer, scheduler = make_optimizer(model, cfg)
-    backend = LocalBackend(cfg.train.precision)
+    backend = LocalBackend(cfg.train.precision, device)
     order = PromptOrder(len(train_prompts), cfg.seed, cfg.data.shuffle)
     pad_id = engine.pad_id
 

@@ -115,5 +115,28 @@ def test_every_option_is_described():
     rows = describe_options()
     names = {r[0] for r in rows}
     assert {"train.learning_rate", "rollout.num_generations", "algo.loss_type", "rewards", "model.lora"} <= names
-    undocumented = [n for n, _, meaning in rows if not meaning and not n.startswith("train.adam")]
+    undocumented = [n for n, _, meaning in rows if not meaning]
     assert undocumented == []
+
+
+def test_train_help_lists_every_option(capsys):
+    from plait.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for name, default, _ in describe_options():
+        assert f"{name} = {default}" in out
+
+
+@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).parents[2].joinpath("configs").glob("*.yaml")))
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.rewards and cfg.train.max_steps > 0
+
+
+def test_cli_reports_config_errors_with_exit_code_2(capsys):
+    from plait.cli import main
+
+    assert main(["check", "--set", "train.lerning_rate=1"]) == 2
+    assert "Did you mean 'learning_rate'?" in capsys.readouterr().err

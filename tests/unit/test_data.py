@@ -79,8 +79,8 @@ def test_arithmetic_is_deterministic_correct_and_held_out():
     for row in a:
         assert int(row["answer"]) == row["a"] + row["b"]
         assert f"{row['a']} + {row['b']}" in row["prompt"] and "\\boxed{}" in row["prompt"]
-    held_out = {r["prompt"] for r in arithmetic("eval", 200, seed=3)}
-    assert len(held_out) == 200 and not held_out & {r["prompt"] for r in arithmetic("train", 2000, seed=9)}
+    held_out = {r["prompt"] for r in arithmetic("eval", 100, seed=3)}
+    assert len(held_out) == 100 and not held_out & {r["prompt"] for r in arithmetic("train", 1000, seed=9)}
 
 
 def test_prompt_order_is_a_seeded_permutation_per_epoch_and_resumable():

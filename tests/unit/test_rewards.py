@@ -14,8 +14,17 @@ def test_accuracy_edge_cases():
     assert got == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
 
 
+def test_an_unevaluated_expression_is_not_a_numeric_answer():
+    """Seen in a real run: the policy learned to answer 'What is 4 + 9?' with \\boxed{4 + 9},
+    which math-verify evaluates to 13. A numeric reference needs a numeric answer."""
+    texts = ["\\boxed{4 + 9}", "the answer is 4+9", "\\boxed{13}", "\\boxed{13 }", "\\boxed{\\frac{26}{2}}"]
+    assert accuracy(texts, answer=["13"] * 5) == [0.0, 0.0, 1.0, 1.0, 0.0]
+    assert boxed_accuracy(texts, answer=["13"] * 5) == [0.0, 0.0, 1.0, 1.0, 0.0]
+    assert accuracy(["\\boxed{1,000}", "\\boxed{-3.5}"], answer=["1000", "-3.5"]) == [1.0, 1.0]
+
+
 def test_accuracy_latex_answers():
-    assert accuracy(["\\boxed{\\frac{1}{2}}", "0.5", "\\boxed{\\sqrt{4}}"], answer=["\\frac12", "1/2", "2"]) == [1.0, 1.0, 1.0]
+    assert accuracy(["\\boxed{\\frac{1}{2}}", "0.5", "\\boxed{2}"], answer=["\\frac12", "1/2", "\\sqrt{4}"]) == [1.0, 1.0, 1.0]
     assert accuracy(["\\boxed{3}"], answer=[None]) == [0.0]
 
 
