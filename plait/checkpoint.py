@@ -57,10 +57,13 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     full = len(names) == sum(1 for _ in model.parameters())
     state = model.state_dict()
-    keep = state if full else {k: v for k, v in state.items() if k in names}
-    # safetensors refuses tensors that share storage (tied embeddings): store each once
+    return _dedup(state if full else {k: v for k, v in state.items() if k in names})
+
+
+def _dedup(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share storage (tied embeddings): store each once."""
     seen, out = {}, {}
-    for k, v in keep.items():
+    for k, v in tensors.items():
         key = (v.data_ptr(), tuple(v.shape)) if v.numel() else None
         if key is not None and key in seen:
             continue
@@ -70,7 +73,8 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, keep_last: int = 2) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, keep_last: int = 2, ref_model=None) -> Path:
+    """Write step `step` atomically; `ref_model` too when given (it changes under reference sync)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
@@ -78,6 +82,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_file(trainable_state(model), str(tmp / "model.safetensors"))
+    if ref_model is not None:
+        save_file(_dedup(ref_model.state_dict()), str(tmp / "reference.safetensors"))
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()}, tmp / "optimizer.pt")
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
     for f in tmp.iterdir():
@@ -117,7 +123,7 @@ def prune(root: Path, keep_last: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, model, optimizer=None, scheduler=None) -> dict:
+def load_checkpoint(path: Path, model, optimizer=None, scheduler=None, ref_model=None) -> dict:
     """Restore weights (and optimizer, scheduler, RNG when given); return trainer_state."""
     path = Path(path)
     if not (path / MARKER).is_file():
@@ -130,6 +136,8 @@ def load_checkpoint(path: Path, model, optimizer=None, scheduler=None) -> dict:
     lost = [k for k in missing if k in trainable]  # tied copies aren't in named_parameters
     if lost:
         raise RuntimeError(f"checkpoint {path} lacks trained weights: {lost[:5]}")
+    if ref_model is not None and (path / "reference.safetensors").is_file():
+        ref_model.load_state_dict(load_file(str(path / "reference.safetensors")), strict=False)
     extra = torch.load(path / "optimizer.pt", weights_only=False)
     if optimizer is not None:
         optimizer.load_state_dict(extra["optimizer"])

@@ -95,17 +95,35 @@ def _default_rewards() -> list[RewardSpec]:
 
 
 class AlgoConfig(Section):
-    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = Field(
-        "dapo", description="How per-token losses are averaged (see docs/algorithms.md)."
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo"] = Field(
+        "dapo", description="Objective + averaging: grpo, bnpo, dapo, dr_grpo, cispo (see docs/algorithms.md)."
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="Importance ratio per token (GRPO) or per sequence (GSPO)."
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Divide centred rewards by the group std, the batch std, or nothing."
     )
+    reward_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize", description="Several rewards: weighted sum then normalize (GRPO), or normalize each then sum (GDPO)."
+    )
     epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="Lower clip: ratio >= 1 - epsilon.")
-    epsilon_high: float | None = Field(None, gt=0.0, description="Upper clip (DAPO clip-higher); null = epsilon.")
+    epsilon_high: float | None = Field(None, gt=0.0, description="Upper clip (DAPO clip-higher; CISPO's weight cap is 1 + this); null = epsilon.")
+    delta: float | None = Field(None, gt=1.0, description="Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta; null = off.")
     beta: float = Field(0.0, ge=0.0, description="KL coefficient to the reference model (0 = no reference model).")
-    num_iterations: int = Field(1, ge=1, description="Policy updates per generation batch.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator.")
+    kl_in_reward: bool = Field(False, description="Subtract beta x sequence KL from the reward instead of adding KL to the loss.")
+    ref_model_sync_steps: int = Field(0, ge=0, description="Every N optimizer steps, mix the policy into the reference (0 = frozen).")
+    ref_model_mixup_alpha: float = Field(0.6, gt=0.0, le=1.0, description="ref <- alpha * policy + (1 - alpha) * ref at each sync.")
+    num_iterations: int = Field(1, ge=1, description="Policy updates per generation batch (reusing it against old log-probs).")
+    steps_per_generation: int = Field(1, ge=1, description="Optimizer steps one generation batch is split over.")
     mask_truncated_completions: bool = Field(False, description="Exclude completions cut at max length from the loss.")
+    top_entropy_quantile: float = Field(1.0, gt=0.0, le=1.0, description="Train only on this top share of tokens by entropy (1 = all).")
+    entropy_coeff: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient (0 = none).")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal and refill with new prompts.")
+    max_sampling_rounds: int = Field(4, ge=1, description="Dynamic sampling: generation rounds per step at most.")
+    engine_is_correction: bool = Field(False, description="Reweight tokens by min(pi_trainer / pi_engine, engine_is_cap) (truncated IS).")
+    engine_is_cap: float = Field(2.0, gt=0.0, description="Cap of the engine-mismatch importance weight.")
 
 
 class TrainConfig(Section):
@@ -314,6 +332,29 @@ def _model_max_positions(name_or_path: str) -> int | None:
     return None
 
 
+def _algo_problems(cfg: Config) -> list[str]:
+    """Options of the algorithm that contradict each other."""
+    a, out = cfg.algo, []
+    uses_reference = a.beta > 0
+    if a.ref_model_sync_steps and not uses_reference:
+        out.append("algo.ref_model_sync_steps > 0 but algo.beta = 0: there is no reference model to sync; set beta > 0 or sync_steps = 0")
+    if a.ref_model_sync_steps and cfg.model.lora is not None:
+        out.append("algo.ref_model_sync_steps with LoRA: the reference is the base model under the adapters and can't be mixed; drop one")
+    if a.kl_in_reward and not uses_reference:
+        out.append("algo.kl_in_reward=true needs algo.beta > 0 (the penalty is beta x sequence KL)")
+    if a.delta is not None and a.delta <= 1 + (a.epsilon_high or a.epsilon):
+        out.append(f"algo.delta={a.delta} must exceed 1 + epsilon_high = {1 + (a.epsilon_high or a.epsilon)} or it clips inside the trust region")
+    if a.loss_type == "cispo" and a.importance_sampling_level == "sequence":
+        out.append("algo.loss_type=cispo weights each token by its own ratio; use importance_sampling_level=token")
+    if a.loss_type == "cispo" and a.delta is not None:
+        out.append("algo.delta applies to the clipped objective, not cispo; drop delta")
+    if a.entropy_coeff and a.top_entropy_quantile < 1:
+        out.append("algo.entropy_coeff with top_entropy_quantile < 1: the bonus would only reach the kept tokens; pick one")
+    if a.dynamic_sampling and cfg.rollout.num_generations < 2:
+        out.append("algo.dynamic_sampling needs rollout.num_generations >= 2")
+    return out
+
+
 def validate(cfg: Config, world_size: int | None = None):
     """Check the whole config against itself and the machine; return the BatchPlan.
 
@@ -353,12 +394,14 @@ def validate(cfg: Config, world_size: int | None = None):
             "rollout.temperature=0 (greedy) makes all completions of a prompt identical, so every advantage is 0; "
             "use a temperature in (0, 2], e.g. 1.0"
         )
-    if a.epsilon_high is not None and a.epsilon_high < a.epsilon:
+    problems += _algo_problems(cfg)
+    if a.epsilon_high is not None and a.epsilon_high < a.epsilon and a.loss_type != "cispo":
         problems.append(f"algo.epsilon_high={a.epsilon_high} is below algo.epsilon={a.epsilon}; clip-higher needs epsilon_high >= epsilon")
-    if t.warmup_steps > t.max_steps * a.num_iterations:
+    optimizer_steps = t.max_steps * a.num_iterations * a.steps_per_generation
+    if t.warmup_steps > optimizer_steps:
         problems.append(
-            f"train.warmup_steps={t.warmup_steps} is longer than the run ({t.max_steps * a.num_iterations} optimizer steps); "
-            f"use at most {t.max_steps * a.num_iterations}"
+            f"train.warmup_steps={t.warmup_steps} is longer than the run ({optimizer_steps} optimizer steps); "
+            f"use at most {optimizer_steps}"
         )
 
     if not cfg.rewards:

@@ -1,26 +1,31 @@
-"""Per-token log-probs of completions under a model, without materialising what isn't needed."""
+"""Per-token log-probs (and entropies) of completions, without materialising what isn't needed."""
 
 from __future__ import annotations
 
 import torch
 
 
-def selective_log_softmax(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 8) -> torch.Tensor:
-    """log softmax(logits)[tokens], computed a few rows at a time in fp32.
+def selective_log_softmax(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 8, with_entropy: bool = False):
+    """log softmax(logits)[tokens] (and the entropy of each position), a few rows at a time in fp32.
 
-    logits: [B, C, V], tokens: [B, C] -> [B, C]. Doing it in chunks keeps the fp32
-    full-vocabulary copy to `chunk` rows (49k vocab x C tokens each), not the whole batch.
+    logits: [B, C, V], tokens: [B, C] -> [B, C] (or a pair). Chunking keeps the fp32
+    full-vocabulary copy to `chunk` rows instead of the whole batch.
     """
-    out = []
+    logps, ents = [], []
     for start in range(0, logits.shape[0], chunk):
         lg = logits[start : start + chunk].float()
-        picked = lg.gather(-1, tokens[start : start + chunk, :, None]).squeeze(-1)
-        out.append(picked - torch.logsumexp(lg, dim=-1))
-    return torch.cat(out)
+        lse = torch.logsumexp(lg, dim=-1)
+        logps.append(lg.gather(-1, tokens[start : start + chunk, :, None]).squeeze(-1) - lse)
+        if with_entropy:  # H = logsumexp - sum p * logit
+            ents.append(lse - (torch.softmax(lg, -1) * lg).sum(-1))
+    if with_entropy:
+        return torch.cat(logps), torch.cat(ents)
+    return torch.cat(logps)
 
 
-def completion_logprobs(model, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0) -> torch.Tensor:
-    """[B, C] log-probs of the completion tokens (positions >= prompt_len) under `model`.
+def completion_logprobs(model, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0, with_entropy: bool = False):
+    """[B, C] log-probs of the completion tokens (positions >= prompt_len) under `model`
+    (and their entropies when asked).
 
     Only the last C+1 positions go through the LM head (`logits_to_keep`), so prompt
     positions never produce vocabulary-sized logits. Logits are divided by the sampling
@@ -38,4 +43,4 @@ def completion_logprobs(model, input_ids, attention_mask, prompt_len: int, tempe
     logits = out.logits[:, :-1]
     if temperature and temperature != 1.0:
         logits = logits / temperature
-    return selective_log_softmax(logits, input_ids[:, prompt_len:])
+    return selective_log_softmax(logits, input_ids[:, prompt_len:], with_entropy=with_entropy)

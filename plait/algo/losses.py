@@ -1,13 +1,15 @@
-"""The clipped GRPO objective and the table of loss aggregations.
+"""Policy objectives and loss aggregations, each a named table entry.
 
-Per token t of completion i (PPO's clipped surrogate, Schulman et al. 2017, as used by GRPO):
+A `loss_type` is an (objective, aggregation) pair from `LOSS_TYPES`:
 
-    r_it   = exp(logp_it - old_logp_it)
-    loss_it = -min(r_it * A_i, clip(r_it, 1 - eps, 1 + eps_high) * A_i) + beta * KL_it
+    grpo    clipped  + mean per sequence, then over sequences   (DeepSeekMath, arXiv:2402.03300)
+    bnpo    clipped  + token mean per micro-batch               (TRL's "bnpo")
+    dapo    clipped  + token mean over the whole step           (DAPO, arXiv:2503.14476)
+    dr_grpo clipped  + token sum / (sequences x max length)     (Dr. GRPO, arXiv:2503.20783)
+    cispo   cispo    + token mean over the whole step           (MiniMax-M1, arXiv:2506.13585)
 
-How the per-token losses are averaged is a named entry in `AGGREGATIONS`; each divides by
-counts of the *whole optimizer step* (`StepCounts`), so summing the micro-batch losses gives
-exactly the loss of the full batch, however it is split.
+Aggregations divide by counts of the *whole optimizer step* (`StepCounts`), so summing the
+micro-batch losses gives exactly the loss of the full batch, however it is split.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from plait.algo.kl import kl_k3
+from plait.algo.kl import KL_ESTIMATORS
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,25 @@ class StepCounts:
     tokens: int
     micro_batches: int
     max_completion_length: int
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    importance_sampling_level: str = "token"
+    beta: float = 0.0  # KL in the loss; 0 when the KL goes into the reward instead
+    kl_estimator: str = "k3"
+    entropy_coeff: float = 0.0
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+# ---------------------------------------------------------------- aggregations
 
 
 def _grpo(loss, mask, n: StepCounts):
@@ -41,42 +62,83 @@ def _bnpo(loss, mask, n: StepCounts):
     return (loss * mask).sum() / mask.sum().clamp(min=1) / n.micro_batches
 
 
-def _dapo(loss, mask, n: StepCounts):
-    """Token mean over the whole step (DAPO, Yu et al. 2025, arXiv:2503.14476): every token
-    weighs the same, so long completions are not down-weighted."""
+def _token_mean(loss, mask, n: StepCounts):
+    """Token mean over the whole step (DAPO): every token weighs the same, so long
+    completions are not down-weighted."""
     return (loss * mask).sum() / max(n.tokens, 1)
 
 
 def _dr_grpo(loss, mask, n: StepCounts):
     """Sum over tokens divided by a constant, sequences x max_completion_length
-    (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783): removes the length bias."""
+    (Dr. GRPO): removes the length bias."""
     return (loss * mask).sum() / (n.sequences * n.max_completion_length)
 
 
-AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, StepCounts], torch.Tensor]] = {
-    "grpo": _grpo,
-    "bnpo": _bnpo,
-    "dapo": _dapo,
-    "dr_grpo": _dr_grpo,
-}
+Aggregation = Callable[[torch.Tensor, torch.Tensor, StepCounts], torch.Tensor]
+AGGREGATIONS: dict[str, Aggregation] = {"grpo": _grpo, "bnpo": _bnpo, "dapo": _token_mean, "dr_grpo": _dr_grpo}
 
 
-def clipped_surrogate(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, epsilon: float, epsilon_high: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token -min(r A, clip(r, 1-eps, 1+eps_high) A), and where each clip side was active.
+# ---------------------------------------------------------------- importance ratios
 
-    advantages: [B] (broadcast over tokens). A side counts as active where the clipped term
-    is the one min() picked and differs from the unclipped one (its gradient is zero there).
+
+def importance_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """log(pi / pi_old) per token ("token", GRPO), or the length-normalised sequence ratio
+    log s_i = mean_t log(pi / pi_old) broadcast to every token ("sequence", GSPO, Zheng et al.
+    2025, arXiv:2507.18071), which clips whole sequences instead of single tokens."""
+    log_ratio = logp - old_logp
+    if level == "token":
+        return log_ratio
+    if level != "sequence":
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}")
+    seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return seq.expand_as(log_ratio)
+
+
+# ---------------------------------------------------------------- objectives
+
+
+def clipped_objective(logp, log_ratio, advantages, s: LossSettings):
+    """PPO's clipped surrogate (Schulman et al. 2017) as GRPO uses it, per token:
+
+        loss = -min(r A, clip(r, 1 - eps, 1 + eps_high) A)
+
+    eps_high > eps is DAPO's clip-higher. With `delta` (INTELLECT-2 two-sided clipping,
+    arXiv:2505.07291) the unclipped term's ratio is also capped at delta, bounding the update
+    on negative-advantage tokens whose ratio has grown large.
+    Returns (loss, low-clip mask, high-clip mask).
     """
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv
-    loss = -torch.min(unclipped, clipped)
-    low = (ratio < 1 - epsilon) & (adv < 0)
-    high = (ratio > 1 + epsilon_high) & (adv > 0)
+    unclipped_ratio = ratio if s.delta is None else torch.clamp(ratio, max=s.delta)
+    clipped = torch.clamp(ratio, 1 - s.epsilon, 1 + s.eps_high) * adv
+    loss = -torch.min(unclipped_ratio * adv, clipped)
+    low = (ratio < 1 - s.epsilon) & (adv < 0)
+    high = (ratio > 1 + s.eps_high) & (adv > 0)
     return loss, low, high
+
+
+def cispo_objective(logp, log_ratio, advantages, s: LossSettings):
+    """CISPO (MiniMax-M1): clip the importance weight itself and stop its gradient, so every
+    token keeps a gradient (none is dropped by clipping):
+
+        loss = -sg(min(r, 1 + eps_high)) * A * log pi
+    """
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, max=1 + s.eps_high).detach()
+    loss = -weight * advantages[:, None] * logp
+    high = ratio > 1 + s.eps_high
+    return loss, torch.zeros_like(high), high
+
+
+OBJECTIVES = {"clipped": clipped_objective, "cispo": cispo_objective}
+
+LOSS_TYPES: dict[str, tuple[str, str]] = {
+    "grpo": ("clipped", "grpo"),
+    "bnpo": ("clipped", "bnpo"),
+    "dapo": ("clipped", "dapo"),
+    "dr_grpo": ("clipped", "dr_grpo"),
+    "cispo": ("cispo", "dapo"),
+}
 
 
 def policy_loss(
@@ -85,28 +147,59 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     counts: StepCounts,
-    loss_type: str = "dapo",
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    beta: float = 0.0,
+    settings: LossSettings,
     ref_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """This micro-batch's share of the step loss, and summed metrics (divide by counts.tokens).
+    """This micro-batch's share of the step loss, and summed statistics (per token sums).
 
-    logp, old_logp, ref_logp, mask: [B, C]; advantages: [B].
+    logp, old_logp, ref_logp, entropy, token_weights, mask: [B, C]; advantages: [B].
+    token_weights multiply the per-token policy term (the engine-mismatch correction).
     """
-    eps_high = epsilon if epsilon_high is None else epsilon_high
-    per_token, low, high = clipped_surrogate(logp, old_logp, advantages, epsilon, eps_high)
+    objective, aggregation = LOSS_TYPES[settings.loss_type]
+    log_ratio = importance_log_ratio(logp, old_logp, mask, settings.importance_sampling_level)
+    per_token, low, high = OBJECTIVES[objective](logp, log_ratio, advantages, settings)
+    if token_weights is not None:
+        per_token = per_token * token_weights
     mask = mask.to(per_token.dtype)
-    metrics = {
+    stats = {
         "clip_low_tokens": (low * mask).sum().detach(),
         "clip_high_tokens": (high * mask).sum().detach(),
+        "ratio_tokens": (torch.exp(log_ratio) * mask).sum().detach(),
     }
-    if beta:
+    if settings.beta:
         if ref_logp is None:
             raise ValueError("beta > 0 needs ref_logp")
-        kl = kl_k3(logp, ref_logp)
-        per_token = per_token + beta * kl
-        metrics["kl_tokens"] = (kl * mask).sum().detach()
-    loss = AGGREGATIONS[loss_type](per_token, mask, counts)
-    return loss, metrics
+        kl = KL_ESTIMATORS[settings.kl_estimator](logp, ref_logp)
+        per_token = per_token + settings.beta * kl
+        stats["kl_tokens"] = (kl * mask).sum().detach()
+    if settings.entropy_coeff:
+        if entropy is None:
+            raise ValueError("entropy_coeff > 0 needs the per-token entropy")
+        per_token = per_token - settings.entropy_coeff * entropy
+    loss = AGGREGATIONS[aggregation](per_token, mask, counts)
+    return loss, stats
+
+
+# ---------------------------------------------------------------- token selection and weights
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """Keep only the top-`quantile` share of real tokens by entropy ("Beyond the 80/20 rule",
+    Wang et al. 2025, arXiv:2506.01939: the high-entropy "forking" tokens carry the learning).
+    quantile = 1 keeps every token. Ties at the threshold are kept."""
+    if quantile >= 1.0:
+        return mask
+    real = entropy[mask.bool()]
+    if real.numel() == 0:
+        return mask
+    threshold = torch.quantile(real.float(), 1.0 - quantile)
+    return mask * (entropy >= threshold).to(mask.dtype)
+
+
+def engine_mismatch_weights(trainer_logp: torch.Tensor, engine_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling for the gap between the engine that sampled and the
+    trainer (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training"): w = min(pi_trainer / pi_engine, cap), no gradient."""
+    return torch.clamp(torch.exp(trainer_logp - engine_logp), max=cap).detach()

@@ -8,10 +8,10 @@ from plait.rollout.hf import left_pad
 from plait.types import Batch, Group
 
 
-def collate(groups: list[Group], advantages: torch.Tensor, pad_id: int, mask_truncated: bool = False) -> Batch:
+def collate(groups: list[Group], pad_id: int, mask_truncated: bool = False) -> Batch:
     """One row per completion: [left-padded prompt | right-padded completion].
 
-    advantages: [groups, num_generations]. With `mask_truncated`, completions cut at
+    Advantages start at zero; the loop fills them in. With `mask_truncated`, completions cut at
     max_completion_length keep their row but contribute no tokens to the loss.
     """
     prompts, completions, truncated, sampling = [], [], [], []
@@ -37,7 +37,7 @@ def collate(groups: list[Group], advantages: torch.Tensor, pad_id: int, mask_tru
         input_ids=torch.cat([p_ids, c_ids], 1),
         attention_mask=torch.cat([p_mask, c_mask], 1),
         completion_mask=loss_mask,
-        advantages=advantages.reshape(-1).float(),
+        advantages=torch.zeros(len(completions)),
         prompt_len=p_ids.shape[1],
         sampling_logprobs=s_lp,
     )

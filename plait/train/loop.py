@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plait.algo.advantages import group_advantages
+from plait.algo.advantages import combine_rewards
+from plait.algo.kl import mix_reference, sequence_kl
 from plait.algo.logprobs import completion_logprobs
-from plait.algo.losses import StepCounts, policy_loss
+from plait.algo.losses import LossSettings, StepCounts, engine_mismatch_weights, high_entropy_mask, policy_loss
 from plait.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from plait.config import Config, ConfigError, validate
 from plait.data import PromptOrder, build_prompts, load_rows
@@ -32,14 +33,15 @@ from plait.evaluate import evaluate
 from plait.models import load_model, load_tokenizer, save_model
 from plait.plan import BatchPlan
 from plait.rewards import resolve_reward
-from plait.rewards.runner import BoundReward, bind_rewards, call_reward, reward_inputs, score_groups
+from plait.rewards.runner import BoundReward, bind_rewards, call_reward, reward_inputs
 from plait.rollout import make_engine
 from plait.telemetry import MetricsSink, PhaseTimer
 from plait.train.backend import LocalBackend, resolve_device
 from plait.train.batch import collate, micro_batches
 from plait.train.metrics import phase_summary, rollout_metrics, sample_record
 from plait.train.optim import make_optimizer
-from plait.types import Batch, Group, SamplingParams
+from plait.train.sampling import collect_groups
+from plait.types import Batch, Group
 
 
 @dataclass
@@ -87,66 +89,125 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def sampling_params(cfg: Config, step: int) -> SamplingParams:
-    """Step `step`'s sampling: its own seed, so a resumed run draws the same completions."""
-    r = cfg.rollout
-    return SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k, list(r.stop), seed=cfg.seed * 1_000_003 + step)
-
-
 # ---------------------------------------------------------------- the policy update
 
 
+def loss_settings(cfg: Config) -> LossSettings:
+    a = cfg.algo
+    return LossSettings(
+        a.loss_type, a.epsilon, a.epsilon_high, a.delta, a.importance_sampling_level,
+        0.0 if a.kl_in_reward else a.beta, a.kl_estimator, a.entropy_coeff,
+    )
+
+
 def reference_logprobs(model, ref_model, mb: Batch, temperature: float) -> torch.Tensor:
-    """log-probs under the frozen reference: a separate copy, or the base model under LoRA."""
+    """log-probs under the reference: a separate copy, or the base model under LoRA."""
     ctx = model.disable_adapter() if ref_model is None else nullcontext()
     with ctx:
         return completion_logprobs(ref_model or model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature)
 
 
-def policy_update(model, ref_model, batch: Batch, cfg: Config, backend, optimizer, scheduler) -> dict[str, float]:
-    """num_iterations optimizer steps on one generation batch, accumulating over micro-batches."""
+@torch.no_grad()
+def logprob_prepass(model, ref_model, batch: Batch, cfg: Config, backend) -> None:
+    """Fill batch.old_logprobs (needed when the policy moves before a row is trained on, or
+    for the KL reward) and batch.ref_logprobs (beta > 0), micro-batch by micro-batch."""
     a = cfg.algo
+    need_old = a.num_iterations > 1 or a.steps_per_generation > 1 or a.kl_in_reward
+    if not need_old and a.beta == 0:
+        return
     temperature = cfg.rollout.temperature or 1.0
-    mbs = [mb.to(backend.device) for mb in micro_batches(batch, cfg.train.micro_batch_size)]
-    seqs, toks = backend.all_sum([len(batch), float(batch.completion_mask.sum())])
-    counts = StepCounts(int(seqs), int(toks), len(mbs), cfg.rollout.max_completion_length)
-
-    with torch.no_grad(), backend.autocast():
-        for mb in mbs:
-            if a.num_iterations > 1:  # the policy that sampled; with one pass it equals logp itself
-                mb.old_logprobs = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature).float()
+    old = torch.zeros_like(batch.completion_mask, dtype=torch.float32)
+    ref = torch.zeros_like(old)
+    size = cfg.train.micro_batch_size
+    for start, mb in zip(range(0, len(batch), size), micro_batches(batch, size)):
+        mb = mb.to(backend.device)
+        rows, cols = slice(start, start + len(mb)), slice(0, mb.completion_mask.shape[1])
+        with backend.autocast():
+            if need_old:
+                old[rows, cols] = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature).float().cpu()
             if a.beta > 0:
-                mb.ref_logprobs = reference_logprobs(model, ref_model, mb, temperature).float()
+                ref[rows, cols] = reference_logprobs(model, ref_model, mb, temperature).float().cpu()
+    batch.old_logprobs = old if need_old else None
+    batch.ref_logprobs = ref if a.beta > 0 else None
 
+
+def step_advantages(groups: list[Group], batch: Batch, cfg: Config, reward_names: list[str], weights: list[float]) -> torch.Tensor:
+    """[B] advantages from every reward (None -> NaN), with the KL penalty as one more reward
+    (weight beta) when `kl_in_reward`."""
+    nan = float("nan")
+    per_reward = torch.tensor(
+        [[[nan if v is None else v for v in g.rewards[name]] for g in groups] for name in reward_names], dtype=torch.float32
+    )
+    w = torch.tensor(weights, dtype=torch.float32)
+    a = cfg.algo
+    if a.kl_in_reward:
+        seq_kl = sequence_kl(batch.old_logprobs, batch.ref_logprobs, batch.completion_mask, a.kl_estimator)
+        per_reward = torch.cat([per_reward, -seq_kl.reshape(1, len(groups), -1)])
+        w = torch.cat([w, torch.tensor([a.beta])])
+    return combine_rewards(per_reward, w, a.reward_aggregation, a.scale_rewards).reshape(-1)
+
+
+def train_micro_batch(model, mb: Batch, counts: StepCounts, cfg: Config, settings: LossSettings, backend) -> dict[str, float]:
+    """Forward, loss and backward for one micro-batch; returns its summed statistics."""
+    a = cfg.algo
+    with_entropy = a.top_entropy_quantile < 1 or a.entropy_coeff > 0
+    with backend.autocast():
+        out = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, cfg.rollout.temperature or 1.0, with_entropy)
+    logp, entropy = (out[0].float(), out[1].float()) if with_entropy else (out.float(), None)
+    old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()  # one pass: ratio is exactly 1
+    mask = high_entropy_mask(entropy.detach(), mb.completion_mask, a.top_entropy_quantile) if entropy is not None else mb.completion_mask
+    weights = engine_mismatch_weights(old, mb.sampling_logprobs, a.engine_is_cap) if a.engine_is_correction else None
+    loss, parts = policy_loss(logp, old, mb.advantages, mask, counts, settings, mb.ref_logprobs, entropy, weights)
+    loss.backward()
+    real = mb.completion_mask.float()
+    extra = {
+        "logprob_gap_tokens": ((logp.detach() - mb.sampling_logprobs).abs() * real).sum(),
+        "trained_tokens": mask.float().sum(),
+    }
+    if entropy is not None:
+        extra["entropy_tokens"] = (entropy.detach() * real).sum()
+    named = {"loss": loss.detach(), **parts, **extra}
+    return dict(zip(named, torch.stack(list(named.values())).tolist()))  # one device->host sync
+
+
+def policy_update(model, ref_model, batch: Batch, cfg: Config, backend, optimizer, scheduler) -> dict[str, float]:
+    """num_iterations passes over the generation batch, split into steps_per_generation
+    optimizer steps, each accumulating gradients over its micro-batches."""
+    a = cfg.algo
+    settings = loss_settings(cfg)
+    rows = len(batch) // a.steps_per_generation
     sums: dict[str, float] = defaultdict(float)
     for _ in range(a.num_iterations):
-        for mb in mbs:
-            with backend.autocast():
-                logp = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature).float()
-            old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
-            loss, parts = policy_loss(
-                logp, old, mb.advantages, mb.completion_mask, counts, a.loss_type, a.epsilon, a.epsilon_high, a.beta, mb.ref_logprobs
-            )
-            loss.backward()
-            gap = ((logp.detach() - mb.sampling_logprobs).abs() * mb.completion_mask).sum()
-            # one device->host sync per micro-batch, not one per number
-            values = torch.stack([loss.detach(), gap, *parts.values()]).tolist()
-            sums["loss"] += values[0]
-            sums["logprob_gap_tokens"] += values[1]
-            for k, v in zip(parts, values[2:]):
-                sums[k] += v
-        sums["grad_norm"] += backend.clip_and_step(model, optimizer, cfg.train.max_grad_norm)
-        sums["lr"] += scheduler.get_last_lr()[0]
-        scheduler.step()
-
-    n, tokens = a.num_iterations, max(1.0, toks * a.num_iterations)
-    out = {"loss": sums["loss"] / n, "grad_norm": sums["grad_norm"] / n, "lr": sums["lr"] / n}
+        for part in range(a.steps_per_generation):
+            chunk = batch.slice(part * rows, (part + 1) * rows)
+            mbs = [mb.to(backend.device) for mb in micro_batches(chunk, cfg.train.micro_batch_size)]
+            seqs, toks = backend.all_sum([len(chunk), float(chunk.completion_mask.sum())])
+            counts = StepCounts(int(seqs), int(toks), len(mbs), cfg.rollout.max_completion_length)
+            for mb in mbs:
+                for k, v in train_micro_batch(model, mb, counts, cfg, settings, backend).items():
+                    sums[k] += v
+            sums["real_tokens"] += toks
+            sums["grad_norm"] += backend.clip_and_step(model, optimizer, cfg.train.max_grad_norm)
+            sums["lr"] += scheduler.get_last_lr()[0]
+            scheduler.step()
+            if a.ref_model_sync_steps and scheduler.last_epoch % a.ref_model_sync_steps == 0:
+                mix_reference(ref_model, model, a.ref_model_mixup_alpha)
+                sums["ref_syncs"] += 1
+    steps = a.num_iterations * a.steps_per_generation
+    tokens = max(1.0, sums["real_tokens"])
+    out = {"loss": sums["loss"] / steps, "grad_norm": sums["grad_norm"] / steps, "lr": sums["lr"] / steps}
     out["clip/low"] = sums["clip_low_tokens"] / tokens
     out["clip/high"] = sums["clip_high_tokens"] / tokens
     out["clip/fraction"] = out["clip/low"] + out["clip/high"]
+    out["ratio/mean"] = sums["ratio_tokens"] / tokens
     out["logprob_gap"] = sums["logprob_gap_tokens"] / tokens  # engine vs trainer, mean |diff|
-    if a.beta > 0:
+    out["tokens/trained_share"] = sums["trained_tokens"] / tokens
+    if "entropy_tokens" in sums:
+        out["entropy"] = sums["entropy_tokens"] / tokens
+    if "kl_tokens" in sums:
         out["kl"] = sums["kl_tokens"] / tokens
+    if a.ref_model_sync_steps:
+        out["ref_syncs"] = sums["ref_syncs"]
     return out
 
 
@@ -186,9 +247,12 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
     order = PromptOrder(len(train_prompts), cfg.seed, cfg.data.shuffle)
     pad_id = engine.pad_id
 
+    def take_prompts(n: int):
+        return [train_prompts[i] for i in order.take(n)]
+
     start, result = 0, TrainResult(run_dir, cfg.train.max_steps)
     if resume_from is not None:
-        state = load_checkpoint(resume_from, model, optimizer, scheduler)
+        state = load_checkpoint(resume_from, model, optimizer, scheduler, ref_model)
         start, order.consumed = state["step"], state["prompts_consumed"]
         result.eval_before = state.get("eval_before")
         say(f"resumed from {resume_from} (step {start}, {order.consumed} prompts consumed)")
@@ -209,25 +273,26 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
     if sink.progress is not None:
         sink.progress.update(sink.task, completed=start)
     timer = PhaseTimer()
+    names, weights = [r.name for r in rewards], [r.weight for r in rewards]
+    prompts_per_round = plan.prompts_per_step * cfg.algo.steps_per_generation
     for step in range(start + 1, cfg.train.max_steps + 1):
-        prompts = [train_prompts[i] for i in order.take(plan.prompts_per_step)]
-        with timer("generate"):
-            completions = engine.generate(prompts, sampling_params(cfg, step), n=plan.num_generations)
-        groups = [Group(p, cs) for p, cs in zip(prompts, completions)]
+        groups, sampling = collect_groups(engine, take_prompts, prompts_per_round, cfg, step, rewards, timer)
         with timer("score"):
-            score_groups(groups, rewards)  # raises RewardError naming the function and sample
             texts, kwargs = reward_inputs(groups)
-            accuracy = [v or 0.0 for v in call_reward(metric, texts, kwargs)] if prompts[0].answer is not None else None
-        totals = torch.tensor([g.total for g in groups], dtype=torch.float32)
-        advantages = group_advantages(totals, cfg.algo.scale_rewards)
-        batch = collate(groups, advantages, pad_id, cfg.algo.mask_truncated_completions)
+            accuracy = [v or 0.0 for v in call_reward(metric, texts, kwargs)] if groups[0].prompt.answer is not None else None
+        batch = collate(groups, pad_id, cfg.algo.mask_truncated_completions)
+        with timer("reference"):
+            logprob_prepass(model, ref_model, batch, cfg, backend)
+        batch.advantages = step_advantages(groups, batch, cfg, names, weights)
         with timer("train"):
             update = policy_update(model, ref_model, batch, cfg, backend, optimizer, scheduler)
 
         metrics = {**rollout_metrics(groups, accuracy), **update}
+        if cfg.algo.dynamic_sampling:
+            metrics.update(sampling.metrics())
         if cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0 and step < cfg.train.max_steps:
             with timer("checkpoint"):
-                save_checkpoint(run_dir, step, model, optimizer, scheduler, _trainer_state(order, result), cfg.checkpoint.keep_last)
+                save_checkpoint(run_dir, step, model, optimizer, scheduler, _trainer_state(order, result), cfg.checkpoint.keep_last, ref_model)
         metrics.update(timer.reset())
         metrics["tokens/s_generate"] = metrics["tokens/generated"] / max(1e-9, metrics["time/generate"])
         sink.log(step, metrics)
@@ -242,7 +307,7 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
 
     sink.close()
     if start < cfg.train.max_steps:  # the final checkpoint makes the finished run resumable/extendable
-        save_checkpoint(run_dir, cfg.train.max_steps, model, optimizer, scheduler, _trainer_state(order, result), cfg.checkpoint.keep_last)
+        save_checkpoint(run_dir, cfg.train.max_steps, model, optimizer, scheduler, _trainer_state(order, result), cfg.checkpoint.keep_last, ref_model)
     if cfg.eval.after:
         result.eval_after = run_eval("after")
     if cfg.checkpoint.save_final_model:

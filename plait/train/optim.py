@@ -25,6 +25,6 @@ def make_optimizer(model, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_sc
     opt = torch.optim.AdamW(
         params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay
     )
-    total = t.max_steps * cfg.algo.num_iterations
+    total = t.max_steps * cfg.algo.num_iterations * cfg.algo.steps_per_generation
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t.warmup_steps, total, t.lr_scheduler))
     return opt, sched

@@ -49,7 +49,7 @@ def test_engine_logprobs_equal_the_trainers(setup):
     tok, model, prompts = setup
     out = HFEngine(model, tok).generate(prompts, SamplingParams(max_tokens=8, temperature=0.7, seed=1), n=2)
     groups = [Group(p, cs) for p, cs in zip(prompts, out)]
-    batch = collate(groups, torch.zeros(3, 2), tok.pad_token_id)
+    batch = collate(groups, tok.pad_token_id)
     with torch.no_grad():
         trainer = completion_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_len, temperature=0.7)
     mask = batch.completion_mask.bool()

@@ -1,0 +1,130 @@
+"""The GRPO family's variants, each against numbers worked out in the comments.
+
+Shared example (see test_losses.py): ratios row 0 (A=+1) 1.0, 1.5, 0.5; row 1 (A=-1) 0.5,
+1.5, [1.0 masked]; epsilon 0.2, epsilon_high 0.28.
+"""
+
+import math
+
+import pytest
+import torch
+
+from plait.algo.advantages import EPS, combine_rewards, group_advantages
+from plait.algo.kl import kl_k1, kl_k2, mix_reference, sequence_kl
+from plait.algo.losses import LossSettings, StepCounts, engine_mismatch_weights, high_entropy_mask, policy_loss
+
+RATIOS = torch.tensor([[1.0, 1.5, 0.5], [0.5, 1.5, 1.0]])
+OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -2.2]])
+LOGP = OLD + RATIOS.log()
+ADV = torch.tensor([1.0, -1.0])
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+COUNTS = StepCounts(sequences=2, tokens=5, micro_batches=1, max_completion_length=4)
+
+
+def settings(loss_type="dapo", **kw):
+    return LossSettings(loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, **kw)
+
+
+def test_gspo_sequence_level_ratio():
+    # s_0 = exp(mean(log 1, log 1.5, log .5)) = .75^(1/3) = 0.9086; s_1 = exp(mean(log .5, log 1.5)) = .75^(1/2) = 0.8660
+    # both inside [0.8, 1.28]: row 0 tokens lose -s_0 each, row 1's real tokens +s_1 each
+    s0, s1 = 0.75 ** (1 / 3), 0.75 ** 0.5
+    loss, stats = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings(importance_sampling_level="sequence"))
+    assert float(loss) == pytest.approx((-3 * s0 + 2 * s1) / 5, abs=1e-6)
+    assert float(stats["clip_low_tokens"] + stats["clip_high_tokens"]) == 0
+    assert float(stats["ratio_tokens"]) == pytest.approx(3 * s0 + 2 * s1, abs=1e-5)
+
+
+def test_gspo_clips_whole_sequences():
+    ratios = torch.tensor([[1.6, 1.6, 1.6]])  # s = 1.6 > 1.28 with A > 0: every token clipped
+    loss, stats = policy_loss(ratios.log(), torch.zeros(1, 3), torch.tensor([1.0]), torch.ones(1, 3), StepCounts(1, 3, 1, 3),
+                              settings(importance_sampling_level="sequence"))
+    assert float(loss) == pytest.approx(-1.28, abs=1e-6) and float(stats["clip_high_tokens"]) == 3
+
+
+def test_two_sided_delta_clipping():
+    # row 1 token 1 (A=-1, r=1.5): max(min(r, delta)=1.4, clip=1.28) = 1.4 instead of 1.5; row 0 unchanged
+    loss, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo", delta=1.4))
+    assert float(loss) == pytest.approx((-1 - 1.28 - 0.5 + 0.8 + 1.4) / 5, abs=1e-6)
+
+
+def test_cispo_clipped_weight_with_stop_gradient():
+    logp = LOGP.clone().requires_grad_(True)
+    loss, stats = policy_loss(logp, OLD, ADV, MASK, COUNTS, settings("cispo"))
+    w = torch.tensor([[1.0, 1.28, 0.5], [0.5, 1.28, 1.0]])  # min(r, 1 + 0.28)
+    expected = (-(w * ADV[:, None] * LOGP) * MASK).sum() / 5
+    assert float(loss.detach()) == pytest.approx(float(expected), abs=1e-6)
+    (g,) = torch.autograd.grad(loss, logp)
+    # the gradient is -w A / tokens on every real token: clipped tokens keep theirs (unlike PPO)
+    assert torch.allclose(g, -w * ADV[:, None] * MASK / 5, atol=1e-6)
+    assert float(stats["clip_high_tokens"]) == 2
+
+
+def test_kl_estimators_by_hand():
+    x = torch.tensor([0.5, -0.2])  # logp - ref
+    assert torch.allclose(kl_k1(x, torch.zeros(2)), x)
+    assert torch.allclose(kl_k2(x, torch.zeros(2)), 0.5 * x**2)
+    loss, stats = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo", beta=0.5, kl_estimator="k2"), torch.zeros_like(LOGP))
+    k2 = 0.5 * LOGP**2
+    assert float(stats["kl_tokens"]) == pytest.approx(float((k2 * MASK).sum()), rel=1e-6)
+    assert float(loss) == pytest.approx((-0.48 + 0.5 * float((k2 * MASK).sum())) / 5, abs=1e-6)
+    # the sequence KL used as a reward penalty sums k1 over each completion's real tokens
+    assert torch.allclose(sequence_kl(LOGP, OLD, MASK), torch.tensor([math.log(0.75), math.log(0.75)]), atol=1e-6)
+
+
+def test_entropy_mask_keeps_the_top_quantile():
+    entropy = torch.tensor([[0.1, 0.5, 0.9], [0.3, 0.7, 5.0]])  # 5.0 is padding: ignored
+    # real entropies sorted 0.1 0.3 0.5 0.7 0.9; the 60% quantile (linear) = 0.5 + 0.4 * 0.2 = 0.58
+    kept = high_entropy_mask(entropy, MASK, quantile=0.4)
+    assert kept.tolist() == [[0, 0, 1], [0, 1, 0]]
+    assert torch.equal(high_entropy_mask(entropy, MASK, 1.0), MASK)
+
+
+def test_entropy_bonus_lowers_the_loss():
+    entropy = torch.full_like(LOGP, 2.0)
+    base, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo"))
+    bonus, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo", entropy_coeff=0.1), entropy=entropy)
+    assert float(bonus) == pytest.approx(float(base) - 0.1 * 2.0, abs=1e-6)
+
+
+def test_engine_mismatch_weights_truncate():
+    trainer = torch.tensor([0.0, 0.0, -1.0])
+    engine = torch.tensor([-1.0, 0.0, 0.0])
+    w = engine_mismatch_weights(trainer, engine, cap=2.0)
+    assert torch.allclose(w, torch.tensor([2.0, 1.0, math.exp(-1)]))  # e^1 = 2.72 capped at 2
+    loss, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo"), token_weights=torch.full_like(LOGP, 0.5))
+    assert float(loss) == pytest.approx(0.5 * -0.48 / 5, abs=1e-6)
+
+
+def test_none_rewards_are_left_out_of_the_statistics():
+    r = torch.tensor([[1.0, float("nan"), 0.0, 1.0]])
+    # mean of [1, 0, 1] = 2/3; unbiased std = sqrt(((1/3)^2 * 2 + (2/3)^2) / 2) = sqrt(1/3)
+    a = group_advantages(r, "group")
+    s = math.sqrt(1 / 3) + EPS
+    assert torch.allclose(a, torch.tensor([[1 / 3 / s, 0.0, -2 / 3 / s, 1 / 3 / s]]), atol=1e-6)
+
+
+def test_reward_combination_modes():
+    per_reward = torch.tensor([[[1.0, 0.0, 0.0, 1.0]], [[10.0, 20.0, 30.0, 40.0]]])
+    w = torch.tensor([1.0, 1.0])
+    # sum then normalize: the large reward dominates: [11, 20, 30, 41] is monotonic
+    a = combine_rewards(per_reward, w, "sum_then_normalize")
+    assert torch.allclose(a, group_advantages(torch.tensor([[11.0, 20.0, 30.0, 41.0]])))
+    assert a[0].argsort().tolist() == [0, 1, 2, 3]
+    # normalize then sum (GDPO): each reward counts equally. norm(r1) = +-0.866,
+    # norm(r2) = [-15, -5, 5, 15] / 12.91 = [-1.162, -0.387, 0.387, 1.162]
+    n1 = 0.5 / (math.sqrt(1 / 3) + EPS)
+    n2 = torch.tensor([-15.0, -5.0, 5.0, 15.0]) / (math.sqrt(500 / 3) + EPS)
+    summed = torch.tensor([n1, -n1, -n1, n1]) + n2
+    b = combine_rewards(per_reward, w, "normalize_then_sum")
+    assert torch.allclose(b[0], summed / (summed.std() + EPS), atol=1e-5)
+    # summed = [-0.296, -1.253, -0.479, 2.028]: the 0/1 reward now outranks a +10 difference
+    assert b[0].argsort().tolist() == [1, 2, 0, 3]
+
+
+def test_mix_reference():
+    policy, ref = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    expected = [0.6 * p.detach() + 0.4 * r.detach() for p, r in zip(policy.parameters(), ref.parameters())]
+    mix_reference(ref, policy, 0.6)
+    for e, r in zip(expected, ref.parameters()):
+        assert torch.allclose(e, r)
