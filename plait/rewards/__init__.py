@@ -14,7 +14,7 @@ import importlib
 from typing import Callable
 
 from plait.rewards.format import boxed_format, think_format
-from plait.rewards.length import length_penalty
+from plait.rewards.length import length_penalty, soft_overlong_punishment
 from plait.rewards.math import accuracy, boxed_accuracy
 
 RewardFn = Callable[..., list]
@@ -25,6 +25,7 @@ BUILTIN: dict[str, RewardFn] = {
     "boxed_format": boxed_format,
     "think_format": think_format,
     "length_penalty": length_penalty,
+    "soft_overlong_punishment": soft_overlong_punishment,
 }
 
 

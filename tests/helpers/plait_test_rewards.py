@@ -14,3 +14,10 @@ def vowel_share_crashing(completions, **kwargs):
     if CALLS["crash_at"] is not None and CALLS["n"] >= CALLS["crash_at"]:
         raise RuntimeError("simulated crash")
     return vowel_share(completions, **kwargs)
+
+
+def sometimes_constant(completions, prompts, **_):
+    """0 for every completion of prompts with an even length (those groups teach nothing),
+    vowel share otherwise: exercises dynamic sampling."""
+    shares = vowel_share(completions)
+    return [0.0 if len(p) % 2 == 0 else s for p, s in zip(prompts, shares)]

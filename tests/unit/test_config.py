@@ -140,3 +140,25 @@ def test_cli_reports_config_errors_with_exit_code_2(capsys):
 
     assert main(["check", "--set", "train.lerning_rate=1"]) == 2
     assert "Did you mean 'learning_rate'?" in capsys.readouterr().err
+
+
+def test_algorithm_options_are_checked_against_each_other():
+    probs = problems_of(["algo.ref_model_sync_steps=10", "algo.kl_in_reward=true", "algo.delta=1.1",
+                         "algo.entropy_coeff=0.01", "algo.top_entropy_quantile=0.2"])
+    text = "\n".join(probs)
+    assert "ref_model_sync_steps > 0 but algo.beta = 0: there is no reference model" in text
+    assert "kl_in_reward=true needs algo.beta > 0" in text
+    assert "algo.delta=1.1 must exceed 1 + epsilon_high = 1.2" in text
+    assert "entropy_coeff with top_entropy_quantile < 1" in text
+    probs = problems_of(["algo.loss_type=cispo", "algo.importance_sampling_level=sequence", "algo.beta=0.1",
+                         "algo.ref_model_sync_steps=5", "model.lora={r: 4}"])
+    text = "\n".join(probs)
+    assert "cispo weights each token by its own ratio" in text
+    assert "ref_model_sync_steps with LoRA" in text
+
+
+def test_warmup_counts_every_optimizer_step():
+    cfg = load_config(None, ["train.max_steps=2", "algo.num_iterations=2", "algo.steps_per_generation=2", "train.warmup_steps=8"])
+    validate(cfg)  # 2 x 2 x 2 = 8 optimizer steps: fits
+    (msg,) = problems_of(["train.max_steps=2", "algo.num_iterations=2", "train.warmup_steps=5"])
+    assert "train.warmup_steps=5 is longer than the run (4 optimizer steps)" in msg

@@ -96,3 +96,12 @@ def test_resolve_reward():
         resolve_reward("acuracy")
     with pytest.raises(KeyError, match="could not be imported"):
         resolve_reward("no_such_module:fn")
+
+
+def test_soft_overlong_punishment_by_hand():
+    fn = BUILTIN["soft_overlong_punishment"]
+    # max 20, cache 8: free up to 12 tokens, then linear to -1 at 20, -1 beyond
+    ids = [[0] * n for n in (0, 12, 13, 16, 20, 21)]
+    assert fn([""] * 6, completion_ids=ids, max_length=20, cache=8) == [0.0, 0.0, -1 / 8, -4 / 8, -1.0, -1.0]
+    with pytest.raises(ValueError, match="cache"):
+        fn([""], completion_ids=[[]], max_length=4, cache=8)
