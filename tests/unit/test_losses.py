@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from plait.algo.kl import kl_k3
-from plait.algo.losses import AGGREGATIONS, LOSS_TYPES, LossSettings, StepCounts, clipped_objective, policy_loss
+from plait.algo.losses import LOSS_TYPES, LossSettings, StepCounts, clipped_objective, policy_loss
 
 # two completions, three positions; the last token of row 1 is padding.
 # ratios r = exp(logp - old): row 0 (A=+1): 1.0, 1.5, 0.5; row 1 (A=-1): 0.5, 1.5, 1.0
