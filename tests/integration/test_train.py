@@ -117,3 +117,15 @@ def test_variants_train(tiny_model_path, prompts_jsonl, tmp_path, extra):
     AutoModelForCausalLM.from_pretrained(out / "final")  # LoRA runs export merged weights
     if any(e.startswith("model.lora") for e in extra):
         assert (out / "final" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_cli_eval_scores_a_model_folder(tiny_model_path, prompts_jsonl, helper_env):
+    train_f, eval_f = prompts_jsonl
+    cmd = [sys.executable, "-m", "plait.cli", "eval", str(tiny_model_path), "--show", "1",
+           "--set", "data.task=null", "--set", f"data.path={train_f}", "--set", f"data.eval_path={eval_f}",
+           "--set", "data.prompt_field=question", "--set", "rollout.max_completion_length=8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=helper_env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "boxed_accuracy: 0.000 on 8 prompts" in proc.stdout  # a random model never boxes the sum
+    missing = subprocess.run([sys.executable, "-m", "plait.cli", "eval", "/no/such/model"], capture_output=True, text=True, env=helper_env)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
