@@ -253,8 +253,7 @@ def apply_override(raw: dict, dotted: str) -> None:
             continue
         if key not in node or node[key] is None:
             # materialise the default so e.g. --set rewards.0.weight=2 edits the default list
-            default = Config.model_fields.get(key) if i == 0 else None
-            if default is not None and key == "rewards":
+            if i == 0 and key == "rewards":
                 node[key] = [r.model_dump() for r in _default_rewards()]
             else:
                 node[key] = [] if nxt.isdigit() else {}

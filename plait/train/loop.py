@@ -218,7 +218,7 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
     plan = validate(cfg)  # every config problem, before anything heavy loads
     run_dir, resume_from = prepare_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    sink = MetricsSink(None, cfg.train.max_steps, console or cfg.log.console)
+    sink = MetricsSink(run_dir, cfg.train.max_steps, console or cfg.log.console)
     cfg = apply_plan(cfg, plan, sink.print)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     if cfg.train.threads:
@@ -269,7 +269,6 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
     if cfg.eval.before and start == 0:
         result.eval_before = run_eval("before")
 
-    sink.path = run_dir / "metrics.jsonl"
     if sink.progress is not None:
         sink.progress.update(sink.task, completed=start)
     timer = PhaseTimer()
