@@ -74,8 +74,8 @@ def cmd_train(args) -> int:
     if args.resume is not None and cfg.output_dir is None:
         print("plait: --resume needs a run directory: `plait train --resume runs/NAME`", file=sys.stderr)
         return 2
-    result = train(cfg, console=args.console)
-    return 0 if result.steps else 1
+    train(cfg, console=args.console)
+    return 0
 
 
 def cmd_check(args) -> int:

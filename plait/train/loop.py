@@ -277,8 +277,7 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
     for step in range(start + 1, cfg.train.max_steps + 1):
         groups, sampling = collect_groups(engine, take_prompts, prompts_per_round, cfg, step, rewards, timer)
         with timer("score"):
-            texts, kwargs = reward_inputs(groups)
-            accuracy = [v or 0.0 for v in call_reward(metric, texts, kwargs)] if groups[0].prompt.answer is not None else None
+            accuracy = step_accuracy(groups, metric)
         batch = collate(groups, pad_id, cfg.algo.mask_truncated_completions)
         with timer("reference"):
             logprob_prepass(model, ref_model, batch, cfg, backend)
@@ -313,6 +312,16 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
         save_model(model, tokenizer, run_dir / "final")
     _summary(say, result, cfg, run_dir)
     return result
+
+
+def step_accuracy(groups: list[Group], metric: BoundReward) -> list[float] | None:
+    """The eval metric on this step's completions (reusing its scores when it is also a reward)."""
+    if groups[0].prompt.answer is None:
+        return None
+    if metric.name in groups[0].rewards:
+        return [v or 0.0 for g in groups for v in g.rewards[metric.name]]
+    texts, kwargs = reward_inputs(groups)
+    return [v or 0.0 for v in call_reward(metric, texts, kwargs)]
 
 
 def _trainer_state(order: PromptOrder, result: TrainResult) -> dict:

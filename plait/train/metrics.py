@@ -7,6 +7,11 @@ import statistics
 from plait.types import Group
 
 
+def informative(group: Group) -> bool:
+    """A group teaches something only if its rewards differ (else every advantage is 0)."""
+    return len(set(group.total)) > 1
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     if not values:
         return float("nan"), float("nan")
@@ -21,7 +26,7 @@ def rollout_metrics(groups: list[Group], accuracy: list[float] | None = None) ->
         out[f"reward/{name}/mean"], out[f"reward/{name}/std"] = _mean_std(vals)
     totals = [v for g in groups for v in g.total]
     out["reward/total/mean"], out["reward/total/std"] = _mean_std(totals)
-    out["groups/all_equal"] = sum(len(set(g.total)) == 1 for g in groups) / max(1, len(groups))
+    out["groups/all_equal"] = sum(not informative(g) for g in groups) / max(1, len(groups))
     lengths = [len(c.token_ids) for g in groups for c in g.completions]
     out["completion/length_mean"] = statistics.fmean(lengths) if lengths else 0.0
     out["completion/length_max"] = float(max(lengths, default=0))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from plait.rewards.runner import BoundReward, score_groups
+from plait.train.metrics import informative
 from plait.types import Group, Prompt, SamplingParams
 
 
@@ -15,11 +16,6 @@ def sampling_params(cfg, step: int, round_: int = 0) -> SamplingParams:
     r = cfg.rollout
     seed = cfg.seed * 1_000_003 + step + 100_003 * round_
     return SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k, list(r.stop), seed=seed)
-
-
-def informative(group: Group) -> bool:
-    """A group teaches something only if its rewards differ (else every advantage is 0)."""
-    return len(set(group.total)) > 1
 
 
 @dataclass
