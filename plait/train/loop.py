@@ -47,7 +47,6 @@ from plait.types import Batch, Group
 @dataclass
 class TrainResult:
     run_dir: Path
-    steps: int
     eval_before: float | None = None
     eval_after: float | None = None
     history: list[dict] = field(default_factory=list)
@@ -250,7 +249,7 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
     def take_prompts(n: int):
         return [train_prompts[i] for i in order.take(n)]
 
-    start, result = 0, TrainResult(run_dir, cfg.train.max_steps)
+    start, result = 0, TrainResult(run_dir)
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer, scheduler, ref_model)
         start, order.consumed = state["step"], state["prompts_consumed"]
