@@ -13,9 +13,11 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from plait.rewards.format import boxed_format, think_format
-from plait.rewards.length import length_penalty, soft_overlong_punishment
+from plait.rewards.format import boxed_format, reasoning_steps, tag_count, think_format
+from plait.rewards.length import cosine_length, length_penalty, soft_overlong_punishment
 from plait.rewards.math import accuracy, boxed_accuracy
+from plait.rewards.model import reward_model
+from plait.rewards.repetition import repetition_penalty
 
 RewardFn = Callable[..., list]
 
@@ -26,6 +28,11 @@ BUILTIN: dict[str, RewardFn] = {
     "think_format": think_format,
     "length_penalty": length_penalty,
     "soft_overlong_punishment": soft_overlong_punishment,
+    "tag_count": tag_count,
+    "reasoning_steps": reasoning_steps,
+    "cosine_length": cosine_length,
+    "repetition_penalty": repetition_penalty,
+    "reward_model": reward_model,
 }
 
 

@@ -17,3 +17,45 @@ def boxed_format(completions: list[str], **_) -> list[float]:
 def think_format(completions: list[str], **_) -> list[float]:
     """1.0 for exactly `<think>...</think><answer>...</answer>` (the Open-R1 / DeepSeek-R1 layout)."""
     return [1.0 if _THINK.match(text) else 0.0 for text in completions]
+
+
+_TAG_MARKERS = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
+
+
+def tag_count(completions: list[str], **_) -> list[float]:
+    """Partial credit for the `<think>`/`<answer>` layout: 0.25 per marker that appears exactly once.
+
+        r = 0.25 * #{m in ("<think>\\n", "\\n</think>\\n", "\\n<answer>\\n", "\\n</answer>") : count(m) == 1}
+
+    From Open-R1's `tag_count_reward` (Hugging Face, https://github.com/huggingface/open-r1):
+    a denser signal than `think_format` early in training, when the full layout is rare.
+    A marker that is missing or repeated earns nothing.
+    """
+    return [sum(0.25 for m in _TAG_MARKERS if text.count(m) == 1) for text in completions]
+
+
+# One match per step marker: "Step 3:", a numbered line "2. ", a bullet line "- " or "* ",
+# or a transition word "First," "Second," "Next," "Finally,".
+_STEP = re.compile(
+    r"\bStep\s+\d+\s*:"
+    r"|^[ \t]*\d+\.(?=\s)"
+    r"|^[ \t]*[-*][ \t]"
+    r"|\b(?:First|Second|Next|Finally),",
+    re.MULTILINE,
+)
+
+
+def reasoning_steps(completions: list[str], expected_steps: int = 3, **_) -> list[float]:
+    """Rewards visible step-by-step reasoning, saturating at `expected_steps` markers:
+
+        r = min(1, n / expected_steps)
+
+    n counts every step marker: `Step k:`, a line starting with a number and a dot (`1. `),
+    a bullet line (`- ` or `* `), and the transition words `First,` `Second,` `Next,`
+    `Finally,` (a line "1. First, ..." counts twice). From Open-R1's `reasoning_steps_reward`
+    (Hugging Face, https://github.com/huggingface/open-r1), which uses the same markers and
+    expects 3 steps.
+    """
+    if isinstance(expected_steps, bool) or not isinstance(expected_steps, int) or expected_steps < 1:
+        raise ValueError(f"reasoning_steps: expected_steps must be an integer >= 1, got {expected_steps!r}")
+    return [min(1.0, len(_STEP.findall(text)) / expected_steps) for text in completions]
