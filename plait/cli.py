@@ -1,4 +1,4 @@
-"""`plait` command line: train, eval, check, prepare-model, tasks, rewards."""
+"""`plait` command line: train, eval, check, prepare-model, tasks, rewards, sandbox."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("prepare-model", help="convert the bundled SmolLM2-135M-Instruct GGUF to safetensors (once)")
     sub.add_parser("tasks", help="list built-in tasks")
     sub.add_parser("rewards", help="list built-in reward functions")
+    sb = sub.add_parser("sandbox", help="show which code-sandbox isolation tiers work on this machine")
+    sb.add_argument("--min-tier", choices=["process", "namespaces", "seccomp"], default="namespaces", help="exit 2 if the best tier is below this")
     return p
 
 
@@ -141,20 +143,30 @@ def cmd_rewards(_args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "check": cmd_check, "eval": cmd_eval, "prepare-model": cmd_prepare_model, "tasks": cmd_tasks, "rewards": cmd_rewards}
+def cmd_sandbox(args) -> int:
+    from plait.rewards import sandbox
+
+    print(sandbox.describe())
+    tier = sandbox.require(args.min_tier)  # raises SandboxUnavailable -> exit 2
+    print(f"code rewards will run under '{tier}'")
+    return 0
+
+
+COMMANDS = {"sandbox": cmd_sandbox, "train": cmd_train, "check": cmd_check, "eval": cmd_eval, "prepare-model": cmd_prepare_model, "tasks": cmd_tasks, "rewards": cmd_rewards}
 
 
 def main(argv: list[str] | None = None) -> int:
     from plait.config import ConfigError
     from plait.data import DataError
     from plait.rewards.runner import RewardError
+    from plait.rewards.sandbox import SandboxUnavailable
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # plait never reaches a hub at run time
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = _parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, DataError, RewardError) as err:
+    except (ConfigError, DataError, RewardError, SandboxUnavailable) as err:
         print(f"plait: {err}", file=sys.stderr)
         return 2
 

@@ -82,12 +82,42 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0, description="Sample among the top k tokens (0 = all).")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings besides EOS.")
     batch_size: int = Field(64, ge=1, description="Sequences per generate call.")
+    two_stage: TwoStageConfig | None = Field(
+        None, description="Sample a few candidates per prompt first; spend the rest of the group only on prompts that can still teach (seed 001)."
+    )
+
+
+class TwoStageConfig(Section):
+    first_generations: int = Field(2, ge=1, description="Candidates sampled per prompt first, before deciding whether the prompt gets the rest.")
+    keep: Literal["mixed", "not_all_correct", "not_all_failed"] = Field(
+        "not_all_correct",
+        description="Which prompts get the rest of the group: 'mixed' (the first candidates disagree), "
+        "'not_all_correct' (skip prompts already solved every time), 'not_all_failed' (skip prompts failed every time).",
+    )
+    reward: str | None = Field(None, description="The reward that decides correct/failed (default: the first configured reward).")
+    threshold: float = Field(1.0, description="A candidate counts as correct when that reward is >= this.")
 
 
 class RewardSpec(Section):
     name: str = Field(description="A built-in reward (see `plait rewards`) or 'module:function'.")
     weight: float = Field(1.0, description="Weight in the summed reward.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the reward.")
+    timeout_s: float = Field(
+        600.0, gt=0, description="Time limit for one call over a step's completions; past it the reward is None (excluded) for that step, with a warning."
+    )
+
+
+class SandboxConfig(Section):
+    min_tier: Literal["process", "namespaces", "seccomp"] = Field(
+        "namespaces", description="Weakest isolation code rewards may run under; plait refuses to start below it (see `plait sandbox`)."
+    )
+    timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit per execution.")
+    cpu_s: int = Field(10, ge=1, description="CPU seconds per process (RLIMIT_CPU).")
+    memory_mb: int = Field(512, ge=64, description="Address space per process, and total resident memory of an execution.")
+    max_processes: int = Field(32, ge=1, description="Processes and threads per execution (RLIMIT_NPROC).")
+    output_bytes: int = Field(65536, ge=1024, description="stdout/stderr kept per execution; more kills the program.")
+    workers: int = Field(2, ge=1, description="Executions run at once.")
+    python: str | None = Field(None, description="Interpreter for the program (default: this Python, or the system python3 when running as root).")
 
 
 def _default_rewards() -> list[RewardSpec]:
@@ -192,6 +222,7 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -351,6 +382,19 @@ def _algo_problems(cfg: Config) -> list[str]:
         out.append("algo.entropy_coeff with top_entropy_quantile < 1: the bonus would only reach the kept tokens; pick one")
     if a.dynamic_sampling and cfg.rollout.num_generations < 2:
         out.append("algo.dynamic_sampling needs rollout.num_generations >= 2")
+    ts = cfg.rollout.two_stage
+    if ts is not None:
+        n = cfg.rollout.num_generations
+        if ts.first_generations >= n:
+            out.append(
+                f"rollout.two_stage.first_generations={ts.first_generations} must be below rollout.num_generations={n} "
+                f"(e.g. {max(1, min(2, n - 1))}), or drop two_stage"
+            )
+        if a.dynamic_sampling:
+            out.append("rollout.two_stage and algo.dynamic_sampling both filter prompts: enable one of them")
+        names = [r.name for r in cfg.rewards]
+        if ts.reward is not None and ts.reward not in names:
+            out.append(f"rollout.two_stage.reward='{ts.reward}' is not one of the configured rewards ({', '.join(names)})")
     return out
 
 

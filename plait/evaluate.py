@@ -21,9 +21,10 @@ def evaluate(engine, prompts: list[Prompt], metric: BoundReward, max_tokens: int
     outs = engine.generate(prompts, params, n=1)
     groups = [Group(p, cs) for p, cs in zip(prompts, outs)]
     texts, kwargs = reward_inputs(groups)
-    scores = [s or 0.0 for s in call_reward(metric, texts, kwargs)]
+    scores = call_reward(metric, texts, kwargs)
     samples = [
         {"prompt": p.text, "answer": p.answer, "completion": t, "score": s}
         for p, t, s in zip(prompts, texts, scores)
     ]
-    return EvalResult(sum(scores) / max(1, len(scores)), len(scores), samples)
+    valid = [s for s in scores if s is not None]  # None: not applicable / the sandbox failed
+    return EvalResult(sum(valid) / max(1, len(valid)), len(valid), samples)

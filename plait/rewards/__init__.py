@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+from plait.rewards.code import code_pass, code_tests_passed
 from plait.rewards.format import boxed_format, reasoning_steps, tag_count, think_format
 from plait.rewards.length import cosine_length, length_penalty, soft_overlong_punishment
 from plait.rewards.math import accuracy, boxed_accuracy
@@ -33,6 +34,8 @@ BUILTIN: dict[str, RewardFn] = {
     "cosine_length": cosine_length,
     "repetition_penalty": repetition_penalty,
     "reward_model": reward_model,
+    "code_pass": code_pass,
+    "code_tests_passed": code_tests_passed,
 }
 
 

@@ -7,15 +7,26 @@ updated (so no checkpoint ever holds weights trained on a broken reward).
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import logging
 import math
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from plait.types import Group
 
 
+log = logging.getLogger("plait.rewards")
+
+
 class RewardError(RuntimeError):
     pass
+
+
+TIMEOUTS: Counter = Counter()  # reward name -> calls that ran past timeout_s (read per step)
 
 
 @dataclass
@@ -24,13 +35,18 @@ class BoundReward:
     fn: Callable[..., list]
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float | None = None
+
+    @property
+    def needs_sandbox(self) -> bool:
+        return getattr(self.fn, "needs_sandbox", False)
 
 
 def bind_rewards(specs) -> list[BoundReward]:
     """Config RewardSpecs -> callables (raises KeyError naming any that can't be found)."""
     from plait.rewards import resolve_reward
 
-    return [BoundReward(s.name, resolve_reward(s.name), s.weight, dict(s.kwargs)) for s in specs]
+    return [BoundReward(s.name, resolve_reward(s.name), s.weight, dict(s.kwargs), s.timeout_s) for s in specs]
 
 
 def reward_inputs(groups: list[Group]) -> tuple[list[str], dict[str, list]]:
@@ -59,6 +75,8 @@ def call_reward(reward: BoundReward, texts: list[str], kwargs: dict[str, list]) 
     """One reward over all completions, checked: len == len(texts), finite floats or None."""
     try:
         values = reward.fn(completions=texts, **kwargs, **reward.kwargs)
+        if inspect.isawaitable(values):  # an async reward: run it to completion on this thread
+            values = asyncio.run(_awaited(values))
     except Exception as err:
         raise RewardError(
             f"reward '{reward.name}' raised {type(err).__name__}: {err} "
@@ -88,6 +106,33 @@ def call_reward(reward: BoundReward, texts: list[str], kwargs: dict[str, list]) 
     return out
 
 
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def call_rewards(rewards: list[BoundReward], texts: list[str], kwargs: dict[str, list]) -> dict[str, list[float | None]]:
+    """Every reward over the same completions, all at once (one thread each, so a slow judge
+    or sandbox doesn't hold up the rest). A call past its timeout_s gives None for that step
+    (excluded, not 0), a warning and a count in TIMEOUTS; the thread is left to finish."""
+    if len(rewards) == 1 and rewards[0].timeout_s is None:
+        return {rewards[0].name: call_reward(rewards[0], texts, kwargs)}
+    pool = ThreadPoolExecutor(max_workers=len(rewards), thread_name_prefix="plait-reward")
+    try:
+        futures = {r.name: pool.submit(call_reward, r, texts, kwargs) for r in rewards}
+        out = {}
+        for r in rewards:
+            try:
+                out[r.name] = futures[r.name].result(timeout=r.timeout_s)
+            except FutureTimeout:
+                TIMEOUTS[r.name] += 1
+                log.warning("reward '%s' took longer than %ss on %d completions: scored None (excluded) this step",
+                            r.name, r.timeout_s, len(texts))
+                out[r.name] = [None] * len(texts)
+        return out
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
 def score_groups(groups: list[Group], rewards: list[BoundReward]) -> None:
     """Fill each group's per-reward scores and weighted total in place.
 
@@ -95,7 +140,7 @@ def score_groups(groups: list[Group], rewards: list[BoundReward]) -> None:
     reward's logged mean).
     """
     texts, kwargs = reward_inputs(groups)
-    per_reward = {r.name: call_reward(r, texts, kwargs) for r in rewards}
+    per_reward = call_rewards(rewards, texts, kwargs)
     i = 0
     for g in groups:
         n = len(g.completions)

@@ -33,7 +33,8 @@ from plait.evaluate import evaluate
 from plait.models import load_model, load_tokenizer, save_model
 from plait.plan import BatchPlan
 from plait.rewards import resolve_reward
-from plait.rewards.runner import BoundReward, bind_rewards, call_reward, reward_inputs
+from plait.rewards.code import STATS as SANDBOX_STATS, configure as configure_sandbox, sandbox_settings
+from plait.rewards.runner import TIMEOUTS, BoundReward, bind_rewards, call_reward, reward_inputs
 from plait.rollout import make_engine
 from plait.telemetry import MetricsSink, PhaseTimer
 from plait.train.backend import LocalBackend, resolve_device
@@ -226,6 +227,12 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
     say = sink.print
     say(f"[bold]plait[/] run dir {run_dir}  |  {plan.prompts_per_step} prompts x {plan.num_generations} generations, "
         f"micro-batch {plan.micro_batch_size} x {plan.gradient_accumulation_steps} accumulation")
+    rewards = bind_rewards(cfg.rewards)
+    metric = BoundReward(cfg.eval.metric, resolve_reward(cfg.eval.metric))
+    uses_sandbox = any(r.needs_sandbox for r in [*rewards, metric])
+    if uses_sandbox:  # refuses (SandboxUnavailable) below sandbox.min_tier, before any model loads
+        tier = configure_sandbox(sandbox_settings(cfg.sandbox))
+        say(f"sandbox: model-written code runs under isolation tier '{tier}' (minimum '{cfg.sandbox.min_tier}'; `plait sandbox` shows why)")
 
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     train_prompts = build_prompts(load_rows(cfg.data, "train", cfg.seed), tokenizer, cfg.data, log=say)
@@ -239,8 +246,6 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
     if cfg.algo.beta > 0 and cfg.model.lora is None:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     engine = make_engine(cfg, model, tokenizer)
-    rewards = bind_rewards(cfg.rewards)
-    metric = BoundReward(cfg.eval.metric, resolve_reward(cfg.eval.metric))
     optimizer, scheduler = make_optimizer(model, cfg)
     backend = LocalBackend(cfg.train.precision, device)
     order = PromptOrder(len(train_prompts), cfg.seed, cfg.data.shuffle)
@@ -285,8 +290,8 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
             update = policy_update(model, ref_model, batch, cfg, backend, optimizer, scheduler)
 
         metrics = {**rollout_metrics(groups, accuracy), **update}
-        if cfg.algo.dynamic_sampling:
-            metrics.update(sampling.metrics())
+        metrics.update(sampling.metrics())
+        metrics.update(reward_health(uses_sandbox))
         if cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0 and step < cfg.train.max_steps:
             with timer("checkpoint"):
                 save_checkpoint(run_dir, step, model, optimizer, scheduler, _trainer_state(order, result), cfg.checkpoint.keep_last, ref_model)
@@ -313,9 +318,19 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
     return result
 
 
+def reward_health(uses_sandbox: bool) -> dict[str, float]:
+    """Reward calls that timed out, and the sandbox's executions/seconds/invalid runs, this step."""
+    out = {f"reward/{name}/timeouts": float(n) for name, n in TIMEOUTS.items()}
+    TIMEOUTS.clear()
+    if uses_sandbox:
+        out.update(SANDBOX_STATS.take())
+    return out
+
+
 def step_accuracy(groups: list[Group], metric: BoundReward) -> list[float] | None:
     """The eval metric on this step's completions (reusing its scores when it is also a reward)."""
-    if groups[0].prompt.answer is None:
+    has_reference = "tests" in groups[0].prompt.columns if metric.needs_sandbox else groups[0].prompt.answer is not None
+    if not has_reference:
         return None
     if metric.name in groups[0].rewards:
         return [v or 0.0 for g in groups for v in g.rewards[metric.name]]

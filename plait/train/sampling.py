@@ -1,11 +1,18 @@
-"""One step's groups: generate, score, and (with DAPO's dynamic sampling) keep only the
-groups that can teach something, refilling with new prompts for a bounded number of rounds."""
+"""One step's groups: generate, score, and keep the groups that can teach something.
+
+Two ways to spend less on prompts that teach nothing:
+- DAPO's dynamic sampling: generate whole groups, drop those whose rewards are all equal,
+  refill with new prompts for a bounded number of rounds;
+- two-stage generation (seed 001, for expensive verifiers): sample a few candidates per
+  prompt, and generate (and verify) the rest of the group only for prompts that pass a rule.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+from plait.rewards.code import STATS as SANDBOX_STATS
 from plait.rewards.runner import BoundReward, score_groups
 from plait.train.metrics import informative
 from plait.types import Group, Prompt, SamplingParams
@@ -23,13 +30,38 @@ class SamplingStats:
     rounds: int = 0
     generated_groups: int = 0
     kept_informative: int = 0
+    # two-stage only
+    prompts_skipped: int = 0
+    generations_saved: int = 0
+    sandbox_seconds_saved: float = 0.0
 
     def metrics(self) -> dict[str, float]:
-        return {
+        out = {
             "sampling/rounds": float(self.rounds),
             "sampling/generated_groups": float(self.generated_groups),
             "sampling/informative_kept": float(self.kept_informative),
         }
+        if self.prompts_skipped or self.generations_saved:
+            out["two_stage/prompts_skipped"] = float(self.prompts_skipped)
+            out["two_stage/generations_saved"] = float(self.generations_saved)
+            out["two_stage/sandbox_seconds_saved"] = self.sandbox_seconds_saved
+        return out
+
+
+def keep_for_second_stage(scores: list[float | None], rule: str, threshold: float) -> bool:
+    """Does a prompt whose first candidates scored `scores` get the rest of its group?
+
+    mixed: the candidates disagree (some correct, some not); not_all_correct: at least one
+    failed; not_all_failed: at least one succeeded. None (not applicable) counts as failed.
+    """
+    correct = [s is not None and s >= threshold for s in scores]
+    if rule == "mixed":
+        return any(correct) and not all(correct)
+    if rule == "not_all_correct":
+        return not all(correct)
+    if rule == "not_all_failed":
+        return any(correct)
+    raise ValueError(f"unknown two-stage rule {rule!r}")
 
 
 def collect_groups(
@@ -45,6 +77,8 @@ def collect_groups(
     rounds of fresh prompts until n_prompts informative groups are found or
     `max_sampling_rounds` is reached; the shortfall is then filled with uninformative groups
     (they contribute zero advantage) and the stats say so."""
+    if cfg.rollout.two_stage is not None:
+        return collect_two_stage(engine, take, n_prompts, cfg, step, rewards, timer)
     a = cfg.algo
     stats = SamplingStats()
     kept: list[Group] = []
@@ -66,3 +100,59 @@ def collect_groups(
             break
     stats.kept_informative = min(len(kept), n_prompts)
     return (kept + spare)[:n_prompts], stats
+
+
+def _extend(group: Group, more: Group) -> Group:
+    """A group with `more`'s completions and scores appended."""
+    return Group(
+        group.prompt, group.completions + more.completions,
+        {k: group.rewards[k] + more.rewards[k] for k in group.rewards}, group.total + more.total,
+    )
+
+
+def collect_two_stage(engine, take, n_prompts: int, cfg, step: int, rewards: list[BoundReward], timer) -> tuple[list[Group], SamplingStats]:
+    """Stage 1: `first_generations` candidates per prompt, scored. Stage 2: the other
+    num_generations - first for the prompts `keep_for_second_stage` selects. Rounds of new
+    prompts continue until n_prompts groups are kept or max_sampling_rounds is reached; the
+    shortfall is filled by completing skipped groups (those then cost their full price)."""
+    ts, n = cfg.rollout.two_stage, cfg.rollout.num_generations
+    judge = ts.reward or rewards[0].name
+    stats = SamplingStats()
+    kept: list[Group] = []
+    skipped: list[Group] = []
+    sandbox_start = SANDBOX_STATS.seconds
+    first_seconds = 0.0
+    first_count = 0
+
+    def stage(groups_prompts: list[Prompt], k: int, round_: int) -> list[Group]:
+        with timer("generate"):
+            outs = engine.generate(groups_prompts, sampling_params(cfg, step, round_), n=k)
+        groups = [Group(p, cs) for p, cs in zip(groups_prompts, outs)]
+        with timer("score"):
+            score_groups(groups, rewards)
+        return groups
+
+    while len(kept) < n_prompts and stats.rounds < cfg.algo.max_sampling_rounds:
+        before = SANDBOX_STATS.seconds
+        first = stage(take(n_prompts - len(kept)), ts.first_generations, 2 * stats.rounds)
+        first_seconds += SANDBOX_STATS.seconds - before
+        first_count += len(first) * ts.first_generations
+        passes = [keep_for_second_stage(g.rewards[judge], ts.keep, ts.threshold) for g in first]
+        go = [g for g, ok in zip(first, passes) if ok]
+        skipped += [g for g, ok in zip(first, passes) if not ok]
+        if go:
+            rest = stage([g.prompt for g in go], n - ts.first_generations, 2 * stats.rounds + 1)
+            kept += [_extend(g, r) for g, r in zip(go, rest)]
+        stats.rounds += 1
+        stats.generated_groups += len(first)
+    if len(kept) < n_prompts:  # not enough prompts passed the rule: complete skipped ones
+        fill = skipped[: n_prompts - len(kept)]
+        skipped = skipped[len(fill):]
+        rest = stage([g.prompt for g in fill], n - ts.first_generations, 2 * stats.rounds + 1) if fill else []
+        kept += [_extend(g, r) for g, r in zip(fill, rest)]
+    stats.kept_informative = sum(1 for g in kept[:n_prompts] if informative(g))
+    stats.prompts_skipped = len(skipped)
+    stats.generations_saved = len(skipped) * (n - ts.first_generations)
+    per_execution = first_seconds / first_count if first_count else 0.0
+    stats.sandbox_seconds_saved = per_execution * stats.generations_saved if SANDBOX_STATS.seconds > sandbox_start else 0.0
+    return kept[:n_prompts], stats

@@ -21,3 +21,17 @@ def sometimes_constant(completions, prompts, **_):
     vowel share otherwise: exercises dynamic sampling."""
     shares = vowel_share(completions)
     return [0.0 if len(p) % 2 == 0 else s for p, s in zip(prompts, shares)]
+
+
+def even_a(completions, a, **_):
+    """1.0 for every completion of prompts whose column `a` is even, else 0.0: a group is
+    all-correct or all-failed, which is what two-stage generation's rules decide on."""
+    return [1.0 if x % 2 == 0 else 0.0 for x in a]
+
+
+async def async_vowel_share(completions, **kwargs):
+    """vowel_share as a coroutine function (async rewards are awaited by the runner)."""
+    import asyncio
+
+    await asyncio.sleep(0)
+    return vowel_share(completions, **kwargs)
