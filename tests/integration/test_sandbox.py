@@ -363,8 +363,12 @@ def test_infrastructure_failure_is_invalid_not_wrong():
     assert not broken.valid, broken
 
 
-def test_refuses_below_the_minimum_tier(monkeypatch):
+def test_refuses_below_the_minimum_tier(monkeypatch, capsys):
+    from plait.cli import main
+
     assert sandbox.require("process") in sandbox.TIERS
+    config = str(REPO / "configs" / "humaneval.yaml")
+    assert main(["check", config]) == 0 and "sandbox: code rewards will run under" in capsys.readouterr().out
     monkeypatch.setattr(sandbox, "find_bwrap", lambda: None)
     sandbox.probe(refresh=True)
     try:
@@ -372,6 +376,9 @@ def test_refuses_below_the_minimum_tier(monkeypatch):
             sandbox.require("namespaces")
         assert "min_tier" in str(err.value)
         assert sandbox.active_tier() == "process"
+        assert main(["check", config]) == 2  # refuses, before any model loads
+        assert "Refusing to run model-written code" in capsys.readouterr().err
+        assert main(["check", config, "--set", "sandbox.min_tier=process"]) == 0
     finally:
         monkeypatch.undo()
         sandbox.probe(refresh=True)
