@@ -264,6 +264,7 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
 
     def run_eval(tag: str) -> float:
         res = evaluate(engine, eval_prompts, metric, eval_tokens, cfg.rollout.stop)
+        SANDBOX_STATS.take()  # evaluation's executions are not a training step's cost
         say(f"[bold cyan]eval {tag}[/]: {cfg.eval.metric} = {res.accuracy:.3f} on {res.n} held-out prompts (greedy)")
         with (run_dir / "eval.jsonl").open("a") as f:
             f.write(json.dumps({"tag": tag, "step": step, cfg.eval.metric: res.accuracy, "n": res.n}) + "\n")
