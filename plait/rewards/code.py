@@ -67,6 +67,14 @@ def sandbox_settings(cfg) -> SandboxSettings:
     return SandboxSettings(limits, cfg.min_tier, cfg.workers, cfg.python)
 
 
+def uses_sandbox(cfg) -> bool:
+    """Does a configured reward, or the eval metric, execute code?"""
+    from plait.rewards import resolve_reward
+
+    names = [r.name for r in cfg.rewards] + [cfg.eval.metric]
+    return any(getattr(resolve_reward(name), "needs_sandbox", False) for name in names)
+
+
 def configure(settings: SandboxSettings) -> str:
     """Set the limits and check the tier before training starts; returns the active tier
     (raises sandbox.SandboxUnavailable below `settings.min_tier`)."""

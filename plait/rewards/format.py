@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from plait.rewards._checks import require_int
 from plait.rewards.math import last_boxed
 
 _THINK = re.compile(r"^\s*<think>.+?</think>\s*<answer>.+?</answer>\s*$", re.DOTALL)
@@ -56,6 +57,5 @@ def reasoning_steps(completions: list[str], expected_steps: int = 3, **_) -> lis
     (Hugging Face, https://github.com/huggingface/open-r1), which uses the same markers and
     expects 3 steps.
     """
-    if isinstance(expected_steps, bool) or not isinstance(expected_steps, int) or expected_steps < 1:
-        raise ValueError(f"reasoning_steps: expected_steps must be an integer >= 1, got {expected_steps!r}")
+    require_int("reasoning_steps", "expected_steps", expected_steps)
     return [min(1.0, len(_STEP.findall(text)) / expected_steps) for text in completions]

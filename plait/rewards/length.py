@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from plait.rewards._checks import require_int, require_number
 from plait.rewards.math import accuracy
 
 
@@ -65,10 +66,8 @@ def cosine_length(
         ("min_value_correct", min_value_correct),
         ("max_value_correct", max_value_correct),
     ):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"cosine_length: {name} must be a finite number, got {value!r}")
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-        raise ValueError(f"cosine_length: max_length must be an integer >= 1, got {max_length!r}")
+        require_number("cosine_length", name, value)
+    require_int("cosine_length", "max_length", max_length)
     if not min_value_wrong <= max_value_wrong:
         raise ValueError(f"cosine_length: min_value_wrong must be <= max_value_wrong, got {min_value_wrong} > {max_value_wrong}")
     if not min_value_correct <= max_value_correct:

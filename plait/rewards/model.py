@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import threading
 from pathlib import Path
 from typing import Any
+
+from plait.rewards._checks import require_int, require_number
 
 # (resolved folder, device) -> (model, tokenizer, pad id, lock serialising its use)
 _CACHE: dict[tuple[str, str], tuple[Any, Any, int, threading.Lock]] = {}
@@ -90,12 +91,9 @@ def reward_model(
             f"reward_model: path must be a local model folder (config.json + weights + tokenizer); {str(path)!r} "
             + ("is not a folder" if folder.exists() else "does not exist")
         )
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"reward_model: batch_size must be an integer >= 1, got {batch_size!r}")
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-        raise ValueError(f"reward_model: max_length must be an integer >= 1, got {max_length!r}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"reward_model: scale must be a finite number, got {scale!r}")
+    require_int("reward_model", "batch_size", batch_size)
+    require_int("reward_model", "max_length", max_length)
+    require_number("reward_model", "scale", scale)
     import torch
 
     try:

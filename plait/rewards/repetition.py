@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+from plait.rewards._checks import require_int, require_number
 
 
 def repetition_penalty(completions: list[str], ngram_size: int = 3, max_penalty: float = -1.0, **_) -> list[float]:
@@ -14,10 +14,8 @@ def repetition_penalty(completions: list[str], ngram_size: int = 3, max_penalty:
     0 when no n-gram repeats, approaching max_penalty as the text becomes one phrase over and
     over. Texts with fewer than `ngram_size` words get 0. ngram_size >= 1, max_penalty <= 0.
     """
-    if isinstance(ngram_size, bool) or not isinstance(ngram_size, int) or ngram_size < 1:
-        raise ValueError(f"repetition_penalty: ngram_size must be an integer >= 1, got {ngram_size!r}")
-    if isinstance(max_penalty, bool) or not isinstance(max_penalty, (int, float)) or not math.isfinite(max_penalty) or max_penalty > 0:
-        raise ValueError(f"repetition_penalty: max_penalty must be a finite number <= 0, got {max_penalty!r}")
+    require_int("repetition_penalty", "ngram_size", ngram_size)
+    require_number("repetition_penalty", "max_penalty", max_penalty, at_most=0)
     out = []
     for text in completions:
         words = text.lower().split()

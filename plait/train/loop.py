@@ -33,7 +33,7 @@ from plait.evaluate import evaluate
 from plait.models import load_model, load_tokenizer, save_model
 from plait.plan import BatchPlan
 from plait.rewards import resolve_reward
-from plait.rewards.code import STATS as SANDBOX_STATS, configure as configure_sandbox, sandbox_settings
+from plait.rewards.code import STATS as SANDBOX_STATS, configure as configure_sandbox, sandbox_settings, uses_sandbox
 from plait.rewards.runner import TIMEOUTS, BoundReward, bind_rewards, call_reward, reward_inputs
 from plait.rollout import make_engine
 from plait.telemetry import MetricsSink, PhaseTimer
@@ -229,8 +229,8 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
         f"micro-batch {plan.micro_batch_size} x {plan.gradient_accumulation_steps} accumulation")
     rewards = bind_rewards(cfg.rewards)
     metric = BoundReward(cfg.eval.metric, resolve_reward(cfg.eval.metric))
-    uses_sandbox = any(r.needs_sandbox for r in [*rewards, metric])
-    if uses_sandbox:  # refuses (SandboxUnavailable) below sandbox.min_tier, before any model loads
+    sandboxed = uses_sandbox(cfg)
+    if sandboxed:  # refuses (SandboxUnavailable) below sandbox.min_tier, before any model loads
         tier = configure_sandbox(sandbox_settings(cfg.sandbox))
         say(f"sandbox: model-written code runs under isolation tier '{tier}' (minimum '{cfg.sandbox.min_tier}'; `plait sandbox` shows why)")
 
@@ -292,7 +292,7 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
 
         metrics = {**rollout_metrics(groups, accuracy), **update}
         metrics.update(sampling.metrics())
-        metrics.update(reward_health(uses_sandbox))
+        metrics.update(reward_health(sandboxed))
         if cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0 and step < cfg.train.max_steps:
             with timer("checkpoint"):
                 save_checkpoint(run_dir, step, model, optimizer, scheduler, _trainer_state(order, result), cfg.checkpoint.keep_last, ref_model)
@@ -319,11 +319,11 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
     return result
 
 
-def reward_health(uses_sandbox: bool) -> dict[str, float]:
+def reward_health(sandboxed: bool) -> dict[str, float]:
     """Reward calls that timed out, and the sandbox's executions/seconds/invalid runs, this step."""
     out = {f"reward/{name}/timeouts": float(n) for name, n in TIMEOUTS.items()}
     TIMEOUTS.clear()
-    if uses_sandbox:
+    if sandboxed:
         out.update(SANDBOX_STATS.take())
     return out
 

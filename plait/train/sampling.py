@@ -120,7 +120,6 @@ def collect_two_stage(engine, take, n_prompts: int, cfg, step: int, rewards: lis
     stats = SamplingStats()
     kept: list[Group] = []
     skipped: list[Group] = []
-    sandbox_start = SANDBOX_STATS.seconds
     first_seconds = 0.0
     first_count = 0
 
@@ -154,5 +153,5 @@ def collect_two_stage(engine, take, n_prompts: int, cfg, step: int, rewards: lis
     stats.prompts_skipped = len(skipped)
     stats.generations_saved = len(skipped) * (n - ts.first_generations)
     per_execution = first_seconds / first_count if first_count else 0.0
-    stats.sandbox_seconds_saved = per_execution * stats.generations_saved if SANDBOX_STATS.seconds > sandbox_start else 0.0
+    stats.sandbox_seconds_saved = per_execution * stats.generations_saved
     return kept[:n_prompts], stats

@@ -169,27 +169,16 @@ def tiny_rm_path(tiny_model_path, tmp_path_factory):
 
     The config has no pad_token_id, so reward_model must set it from the tokenizer.
     """
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+    from transformers import LlamaForSequenceClassification
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        num_labels=1,
+    from plait.models import tiny_model
+
+    return tiny_model(
+        tmp_path_factory.mktemp("rm") / "model", vocab_from=str(tiny_model_path), model_class=LlamaForSequenceClassification,
+        hidden_size=32, intermediate_size=64, num_attention_heads=2, max_position_embeddings=512, num_labels=1,
         initializer_range=0.2,  # large enough that inputs get clearly different scores
         pad_token_id=None,
     )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("rm") / "model"
-    LlamaForSequenceClassification(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 PROMPTS = ["What is 2 + 2?", "Name a colour.", "What is 2 + 2?", "Say hi."]

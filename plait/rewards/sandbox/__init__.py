@@ -31,6 +31,7 @@ from pathlib import Path
 from plait.rewards.sandbox.supervisor import SAFE_PATH, TIERS, find_bwrap, sweep_uid
 
 HERE = Path(__file__).parent
+HARNESS = (HERE / "harness.py").read_text()  # sent with every execution: read once
 
 
 class SandboxUnavailable(RuntimeError):
@@ -122,7 +123,7 @@ def run_tests(
         "limits": asdict(limits),
         "python": python,
         "python_prefix": prefix,
-        "files": {"harness.py": (HERE / "harness.py").read_text(), "spec.json": json.dumps(spec)},
+        "files": {"harness.py": HARNESS, "spec.json": json.dumps(spec)},
     }
     return _supervise(request, limits, tier, len(spec["tests"]))
 
