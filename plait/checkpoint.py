@@ -1,13 +1,18 @@
 """Resumable checkpoints: written to a temp folder, marked complete last, renamed into place.
 
 Layout of one checkpoint, RUN_DIR/checkpoints/step_00000010/:
-    model.safetensors   trainable weights (the whole model, or only LoRA's for a peft model)
-    optimizer.pt        optimizer + LR scheduler state
-    trainer_state.json  step, data position, RNG states (python, numpy, torch), metrics so far
-    COMMITTED           written last; a folder without it is never loaded
+    model.safetensors, optimizer.pt   local / ddp: weights and optimizer state (rank 0)
+    dcp/                              fsdp2: torch.distributed.checkpoint shards (every rank)
+    deepspeed/                        deepspeed: ZeRO partitions (every rank)
+    scheduler.pt                      LR schedule (identical on every rank)
+    rng_<rank>.pt                     each process's RNG states (python, numpy, torch, cuda)
+    trainer_state.json                step, data position per process, backend, world size
+    COMMITTED                         written last; a folder without it is never loaded
 
-A crash mid-save leaves only `step_X.tmp`, which `latest_checkpoint` ignores and the next
-save removes. Retention deletes old checkpoints only after a newer one has committed.
+Every process writes its part into `step_X.tmp`; after a barrier rank 0 commits (marker,
+fsync, rename). A crash mid-save leaves only `step_X.tmp`, which `latest_checkpoint` ignores
+and the next save removes. Retention deletes old checkpoints only after a newer one has
+committed. With several nodes, the run directory must be on storage every node sees.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+
+from plait.cluster import comm
 
 MARKER = "COMMITTED"
 
@@ -31,6 +37,15 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    for d in [path, *(p for p in path.rglob("*") if p.is_dir())]:
+        _fsync_dir(d)
 
 
 def rng_state() -> dict:
@@ -52,50 +67,34 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    """The tensors training changes: every parameter that requires grad (+ buffers for full models)."""
-    names = {n for n, p in model.named_parameters() if p.requires_grad}
-    full = len(names) == sum(1 for _ in model.parameters())
-    state = model.state_dict()
-    return _dedup(state if full else {k: v for k, v in state.items() if k in names})
-
-
-def _dedup(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share storage (tied embeddings): store each once."""
-    seen, out = {}, {}
-    for k, v in tensors.items():
-        key = (v.data_ptr(), tuple(v.shape)) if v.numel() else None
-        if key is not None and key in seen:
-            continue
-        if key is not None:
-            seen[key] = k
-        out[k] = v.detach().contiguous().clone()
-    return out
-
-
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, keep_last: int = 2, ref_model=None) -> Path:
-    """Write step `step` atomically; `ref_model` too when given (it changes under reference sync)."""
+def save_checkpoint(run_dir: Path, step: int, backend, state: dict, keep_last: int = 2) -> Path:
+    """Write step `step` atomically. Every process calls this (the backend's save is a
+    collective); `state` is the trainer state, taken from rank 0."""
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(trainable_state(model), str(tmp / "model.safetensors"))
-    if ref_model is not None:
-        save_file(_dedup(ref_model.state_dict()), str(tmp / "reference.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()}, tmp / "optimizer.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    (tmp / MARKER).write_text("ok\n")
-    _fsync_dir(tmp)
-    if final.exists():  # re-saving the same step (e.g. resumed at it): replace atomically-ish
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    prune(root, keep_last)
+    if comm.is_main():
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    comm.barrier()
+    backend.save_state(tmp)
+    torch.save(rng_state(), tmp / f"rng_{comm.rank()}.pt")
+    if comm.is_main():
+        torch.save(backend.scheduler.state_dict(), tmp / "scheduler.pt")
+        info = {"step": step, "backend": backend.name, "world_size": comm.world_size(), **state}
+        (tmp / "trainer_state.json").write_text(json.dumps(info, indent=1))
+    comm.barrier()  # every process's files are written
+    if comm.is_main():
+        _fsync_tree(tmp)
+        (tmp / MARKER).write_text("ok\n")
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving the same step (e.g. resumed at it): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        prune(root, keep_last)
+    comm.barrier()
     return final
 
 
@@ -123,25 +122,16 @@ def prune(root: Path, keep_last: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, model, optimizer=None, scheduler=None, ref_model=None) -> dict:
-    """Restore weights (and optimizer, scheduler, RNG when given); return trainer_state."""
+def load_checkpoint(path: Path, backend) -> dict:
+    """Restore weights, optimizer, LR schedule and this process's RNG; return trainer_state."""
     path = Path(path)
     if not (path / MARKER).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker): refusing to load it")
-    weights = load_file(str(path / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected:
-        raise RuntimeError(f"checkpoint {path} has weights this model lacks: {unexpected[:5]}")
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    lost = [k for k in missing if k in trainable]  # tied copies aren't in named_parameters
-    if lost:
-        raise RuntimeError(f"checkpoint {path} lacks trained weights: {lost[:5]}")
-    if ref_model is not None and (path / "reference.safetensors").is_file():
-        ref_model.load_state_dict(load_file(str(path / "reference.safetensors")), strict=False)
-    extra = torch.load(path / "optimizer.pt", weights_only=False)
-    if optimizer is not None:
-        optimizer.load_state_dict(extra["optimizer"])
-    if scheduler is not None:
-        scheduler.load_state_dict(extra["scheduler"])
-    set_rng_state(extra["rng"])
-    return json.loads((path / "trainer_state.json").read_text())
+    state = json.loads((path / "trainer_state.json").read_text())
+    backend.load_state(path)
+    if backend.scheduler is not None:
+        backend.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    rng = path / f"rng_{comm.rank()}.pt"
+    if rng.is_file():  # absent when resuming with more processes than wrote it
+        set_rng_state(torch.load(rng, weights_only=False))
+    return state

@@ -1,4 +1,6 @@
-"""`plait` command line: train, eval, check, prepare-model, tasks, rewards, sandbox."""
+"""`plait` command line: train, eval, check, prepare-model, tasks, rewards, sandbox.
+
+Under torchrun: `torchrun --nproc_per_node 8 -m plait train CONFIG.yaml` (docs/scaling.md)."""
 
 from __future__ import annotations
 
@@ -90,6 +92,11 @@ def cmd_check(args) -> int:
           f"{plan.completions_per_process} per process = {plan.gradient_accumulation_steps} micro-batches of {plan.micro_batch_size}")
     for note in plan.notes:
         print(note)
+    from plait.config import resolve_backend
+
+    backend = resolve_backend(cfg, plan.training_processes)
+    chosen = " (auto)" if cfg.train.backend == "auto" else ""
+    print(f"backend: {backend}{chosen}" + (f", ZeRO stage {cfg.train.deepspeed.zero_stage}" if backend == "deepspeed" else ""))
     from plait.rewards.code import uses_sandbox
 
     if uses_sandbox(cfg):
@@ -115,7 +122,7 @@ def cmd_eval(args) -> int:
         return 2
     tok = load_tokenizer(args.model)
     prompts = build_prompts(load_rows(cfg.data, "eval", cfg.seed), tok, cfg.data)
-    from plait.train.backend import resolve_device
+    from plait.train.backends import resolve_device
 
     model = load_model(args.model, cfg.model.dtype).to(resolve_device(cfg.train.device))
     engine = make_engine(cfg, model, tok)
@@ -174,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, DataError, RewardError, SandboxUnavailable) as err:
-        print(f"plait: {err}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every process found the same problem
+            print(f"plait: {err}", file=sys.stderr)
         return 2
 
 

@@ -156,6 +156,22 @@ class AlgoConfig(Section):
     engine_is_cap: float = Field(2.0, gt=0.0, description="Cap of the engine-mismatch importance weight.")
 
 
+class FsdpConfig(Section):
+    reshard_after_forward: bool = Field(
+        True, description="Free each layer's gathered weights after its forward (ZeRO-3-like, least memory); false keeps them until backward (ZeRO-2-like, less communication)."
+    )
+    cpu_offload: bool = Field(False, description="Keep sharded parameters, gradients and optimizer state in CPU memory (GPU only; slower, fits bigger models).")
+
+
+class DeepSpeedConfig(Section):
+    zero_stage: Literal[2, 3] = Field(3, description="ZeRO stage: 2 shards gradients + optimizer state, 3 also the parameters.")
+    offload_optimizer: bool = Field(False, description="ZeRO-Offload: optimizer state and step in CPU memory (GPU only).")
+    offload_params: bool = Field(False, description="ZeRO-Infinity: parameters in CPU memory (stage 3, GPU only).")
+    extra: dict[str, Any] = Field(
+        default_factory=dict, description="Keys merged into the DeepSpeed JSON plait writes (e.g. {zero_optimization: {overlap_comm: true}})."
+    )
+
+
 class TrainConfig(Section):
     max_steps: int = Field(20, ge=1, description="Optimizer steps to run.")
     learning_rate: float = Field(3e-5, gt=0.0, description="Peak AdamW learning rate.")
@@ -173,6 +189,13 @@ class TrainConfig(Section):
     precision: Literal["fp32", "bf16"] = Field("bf16", description="Autocast precision for forward passes.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train; auto = cuda when available, else cpu.")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default).")
+    backend: Literal["auto", "local", "ddp", "fsdp2", "deepspeed"] = Field(
+        "auto",
+        description="How training processes share the work: local (one process), ddp (replicated weights), fsdp2 "
+        "(sharded weights/grads/optimizer), deepspeed (ZeRO 2/3); auto = local for one process, ddp for more.",
+    )
+    fsdp: FsdpConfig = Field(default_factory=FsdpConfig, description="Options of backend fsdp2.")
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="Options of backend deepspeed.")
 
 
 class CheckpointConfig(Section):
@@ -398,6 +421,66 @@ def _algo_problems(cfg: Config) -> list[str]:
     return out
 
 
+def resolve_backend(cfg: Config, world_size: int) -> str:
+    """The backend `auto` stands for: local for one process, ddp for more."""
+    if cfg.train.backend != "auto":
+        return cfg.train.backend
+    return "local" if world_size <= 1 else "ddp"
+
+
+def _backend_problems(cfg: Config, processes: int, launched: int) -> list[str]:
+    """Backend choices that can't work with this launch, model or algorithm."""
+    import importlib.util
+
+    t, out = cfg.train, []
+    backend = resolve_backend(cfg, processes)
+    if cfg.cluster.devices is not None and launched > 1 and cfg.cluster.devices != launched:
+        out.append(f"cluster.devices={cfg.cluster.devices} but the launcher started {launched} processes (WORLD_SIZE); drop cluster.devices or launch {cfg.cluster.devices}")
+    if backend == "local" and processes > 1:
+        out.append(
+            f"train.backend=local trains in one process, but {processes} training processes were launched; "
+            "use train.backend=ddp (replicated weights), fsdp2 or deepspeed (sharded), or auto"
+        )
+    if backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        out.append("train.backend=deepspeed needs the deepspeed package: `DS_BUILD_OPS=0 pip install deepspeed` (CPU, or GPU with ops built on first use); see docs/scaling.md")
+    if backend in ("fsdp2", "deepspeed") and cfg.model.lora is not None:
+        out.append(f"model.lora with train.backend={backend}: LoRA trains with backend local or ddp (its trainable state is small); drop lora or use ddp")
+    if backend == "deepspeed" and cfg.algo.ref_model_sync_steps:
+        out.append("algo.ref_model_sync_steps with train.backend=deepspeed is not supported (the reference is a separate ZeRO engine); use fsdp2 or ddp, or ref_model_sync_steps=0")
+    if backend == "deepspeed" and t.deepspeed.offload_params and t.deepspeed.zero_stage != 3:
+        out.append("train.deepspeed.offload_params needs train.deepspeed.zero_stage=3 (stage 2 keeps parameters whole on every process)")
+    return out
+
+
+def _resume_problems(cfg: Config, processes: int) -> list[str]:
+    """A checkpoint can only be resumed by a backend that reads its format."""
+    import json
+
+    from plait.checkpoint import MARKER, latest_checkpoint
+
+    p = Path(cfg.resume) if cfg.resume not in ("never", "auto") else (Path(cfg.output_dir) if cfg.output_dir else None)
+    if p is None:
+        return []
+    ckpt = p if (p / MARKER).is_file() else latest_checkpoint(p)
+    if ckpt is None:
+        return [] if cfg.resume in ("never", "auto") else [f"resume: '{cfg.resume}' is neither a complete checkpoint nor a run directory that has one"]
+    if cfg.resume == "never":
+        return []
+    try:
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return [f"resume: {ckpt} has no readable trainer_state.json"]
+    written_by, written_ws = state.get("backend", "local"), state.get("world_size", 1)
+    backend = resolve_backend(cfg, processes)
+    family = {"local": "replicated", "ddp": "replicated", "fsdp2": "fsdp2", "deepspeed": "deepspeed"}
+    if family[written_by] != family[backend]:
+        return [f"resume: {ckpt.name} was written by train.backend={written_by} and can't be read by {backend}; resume with "
+                f"train.backend={written_by}" + (" (or ddp/local)" if family[written_by] == "replicated" else "")]
+    if backend == "deepspeed" and written_ws != processes:
+        return [f"resume: {ckpt.name} holds DeepSpeed shards for {written_ws} processes, but {processes} were launched; relaunch with {written_ws}"]
+    return []
+
+
 def validate(cfg: Config, world_size: int | None = None):
     """Check the whole config against itself and the machine; return the BatchPlan.
 
@@ -412,7 +495,8 @@ def validate(cfg: Config, world_size: int | None = None):
     problems: list[str] = []
     r, t, a, d = cfg.rollout, cfg.train, cfg.algo, cfg.data
 
-    devices = cfg.cluster.devices or world_size or launcher_world_size()
+    launched = launcher_world_size()
+    devices = cfg.cluster.devices or world_size or launched
     if cfg.cluster.generation_devices >= devices:
         problems.append(
             f"cluster.generation_devices={cfg.cluster.generation_devices} leaves no device for training "
@@ -498,13 +582,10 @@ def validate(cfg: Config, world_size: int | None = None):
             f"exceeds the model's {limit} positions"
         )
 
-    if cfg.resume not in ("never", "auto"):
-        from plait.checkpoint import MARKER, latest_checkpoint
-
-        p = Path(cfg.resume)
-        if not ((p / MARKER).is_file() or latest_checkpoint(p) is not None):
-            problems.append(f"resume: '{cfg.resume}' is neither a complete checkpoint nor a run directory that has one")
-    elif cfg.resume == "auto" and cfg.output_dir is None:
+    training = devices - cfg.cluster.generation_devices
+    problems += _backend_problems(cfg, training, launched)
+    problems += _resume_problems(cfg, training)
+    if cfg.resume == "auto" and cfg.output_dir is None:
         problems.append("resume='auto' needs a fixed output_dir to look for checkpoints in")
 
     if problems:

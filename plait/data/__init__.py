@@ -127,13 +127,19 @@ def build_prompts(rows: list[dict], tokenizer, data_cfg, log=print) -> list[Prom
 class PromptOrder:
     """Which prompts each step uses: a seeded permutation per epoch, read sequentially.
 
-    The position is a plain counter (`consumed`), so resuming only needs that number.
+    With several training processes, process `rank` of `stride` reads every stride-th
+    position (rank, rank + stride, ...): together they read the same prompts, in the same
+    epochs, as one process would, and none needs to ask another how many it used (dynamic
+    sampling takes a different number per process). `consumed` counts this process's
+    prompts, so resuming only needs that number.
     """
 
     size: int
     seed: int
     shuffle: bool = True
     consumed: int = 0
+    rank: int = 0
+    stride: int = 1
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def _perm(self, epoch: int) -> list[int]:
@@ -147,7 +153,7 @@ class PromptOrder:
     def take(self, n: int) -> list[int]:
         out = []
         while len(out) < n:
-            epoch, pos = divmod(self.consumed, self.size)
+            epoch, pos = divmod(self.consumed * self.stride + self.rank, self.size)
             out.append(self._perm(epoch)[pos])
             self.consumed += 1
         return out

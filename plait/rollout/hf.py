@@ -27,8 +27,16 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick the next token per row; return it and its log-prob under softmax(logits / T).
+def group_generators(prompts: list[Prompt], seed: int, device) -> list[torch.Generator]:
+    """One random stream per group, seeded by the step's seed and the prompt's dataset index:
+    a group's completions don't depend on which other prompts share its batch or process,
+    so 1 process and N processes sample the same completions."""
+    return [torch.Generator(device=device).manual_seed((seed * 1_000_003 + p.index) % (2**63)) for p in prompts]
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator], group_of_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the next token per row (row i draws from its group's stream `gens[group_of_row[i]]`);
+    return it and its log-prob under softmax(logits / T).
 
     The reported log-prob ignores top-k/top-p truncation: it is the number the trainer
     recomputes (TRL and vLLM report the same quantity), so the two can be compared.
@@ -49,13 +57,22 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
         drop_sorted = cum - sorted_lp.exp() > params.top_p  # keep the smallest set reaching top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         filtered = filtered.masked_fill(drop, float("-inf"))
-    token = torch.multinomial(filtered.softmax(-1), 1, generator=gen).squeeze(-1)
+    probs = filtered.softmax(-1)
+    token = torch.empty(len(probs), dtype=torch.long, device=probs.device)
+    for g in group_of_row.unique().tolist():
+        rows = (group_of_row == g).nonzero().squeeze(-1)
+        token[rows] = torch.multinomial(probs[rows], 1, generator=gens[g]).squeeze(-1)
     return token, logp_all.gather(-1, token[:, None]).squeeze(-1)
 
 
 class HFEngine:
-    def __init__(self, model, tokenizer, batch_size: int = 64, precision: str = "fp32"):
+    """`model` gives the generation config and device; `view` (optional) is a context manager
+    that yields the module to sample from: a sharded training backend gathers the full
+    weights there (and frees them after)."""
+
+    def __init__(self, model, tokenizer, batch_size: int = 64, precision: str = "fp32", view=None):
         self.model = model
+        self.view = view or (lambda: contextlib.nullcontext(self.model))
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.precision = precision
@@ -78,24 +95,25 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
-        gen = torch.Generator(device=self._device).manual_seed(params.seed)
         per_call = max(1, self.batch_size // n)  # whole groups per call: their prompt is prefilled once
         done: list[Completion] = []
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            for start in range(0, len(prompts), per_call):
-                done += self._decode(prompts[start : start + per_call], n, params, gen)
-        finally:
-            self.model.train(was_training)
+        with self.view() as model:
+            was_training = model.training
+            model.eval()
+            try:
+                for start in range(0, len(prompts), per_call):
+                    done += self._decode(model, prompts[start : start + per_call], n, params)
+            finally:
+                model.train(was_training)
         return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _decode(self, prompts: list[Prompt], n: int, params: SamplingParams, gen: torch.Generator) -> list[Completion]:
+    def _decode(self, model, prompts: list[Prompt], n: int, params: SamplingParams) -> list[Completion]:
         """Prefill each distinct prompt once, copy its KV cache to its n rows, then decode,
         dropping rows from the batch as soon as they finish."""
         from transformers import DynamicCache
 
-        dev = self._device
+        dev = next(model.parameters()).device
+        gens = group_generators(prompts, params.seed, dev)
         ids, mask = left_pad([p.token_ids for p in prompts], self.pad_id)
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -106,13 +124,13 @@ class HFEngine:
         active = torch.arange(rows, device=dev)  # original row of each row still decoding
         cache = DynamicCache()
         with self._autocast():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[:, -1].repeat_interleave(n, 0)
             if n > 1:
                 cache.batch_repeat_interleave(n)
             mask, last_pos = mask.repeat_interleave(n, 0), pos[:, -1:].repeat_interleave(n, 0)
             for t in range(params.max_tokens):
-                token, logp = sample_next(logits, params, gen)
+                token, logp = sample_next(logits, params, gens, active // n)
                 keep = self._record(active.tolist(), token.tolist(), logp.tolist(), tokens, logps, reason, params.stop)
                 if not keep or t == params.max_tokens - 1:
                     break
@@ -122,7 +140,7 @@ class HFEngine:
                     active, token, mask, last_pos = active[idx], token[idx], mask[idx], last_pos[idx]
                 mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
                 last_pos = last_pos + 1
-                out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=last_pos, past_key_values=cache, use_cache=True)
+                out = model(input_ids=token[:, None], attention_mask=mask, position_ids=last_pos, past_key_values=cache, use_cache=True)
                 logits = out.logits[:, -1]
         return self._collect([p for p in prompts for _ in range(n)], tokens, logps, reason, params)
 

@@ -10,7 +10,7 @@ functions), backend (how gradients are computed and applied) and checkpoint stor
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import random
 import time
@@ -27,20 +27,20 @@ from plait.algo.kl import mix_reference, sequence_kl
 from plait.algo.logprobs import completion_logprobs
 from plait.algo.losses import LossSettings, StepCounts, engine_mismatch_weights, high_entropy_mask, policy_loss
 from plait.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from plait.config import Config, ConfigError, validate
+from plait.cluster import comm
+from plait.config import Config, ConfigError, resolve_backend, validate
 from plait.data import PromptOrder, build_prompts, load_rows
 from plait.evaluate import evaluate
-from plait.models import load_model, load_tokenizer, save_model
+from plait.models import load_tokenizer
 from plait.plan import BatchPlan
 from plait.rewards import resolve_reward
 from plait.rewards.code import STATS as SANDBOX_STATS, configure as configure_sandbox, sandbox_settings, uses_sandbox
 from plait.rewards.runner import TIMEOUTS, BoundReward, bind_rewards, call_reward, reward_inputs
 from plait.rollout import make_engine
 from plait.telemetry import MetricsSink, PhaseTimer
-from plait.train.backend import LocalBackend, resolve_device
+from plait.train.backends import make_backend, resolve_device
 from plait.train.batch import collate, micro_batches
 from plait.train.metrics import phase_summary, rollout_metrics, sample_record
-from plait.train.optim import make_optimizer
 from plait.train.sampling import collect_groups
 from plait.types import Batch, Group
 
@@ -68,7 +68,21 @@ def apply_plan(cfg: Config, plan: BatchPlan, say) -> Config:
 
 
 def prepare_run_dir(cfg: Config) -> tuple[Path, Path | None]:
-    """The run directory, and the checkpoint to resume from (None for a fresh start)."""
+    """The run directory, and the checkpoint to resume from (None for a fresh start): rank 0
+    decides (its clock names a new run), every process gets the same answer."""
+    decided = None
+    if comm.is_main():
+        try:
+            decided = _choose_run_dir(cfg)
+        except ConfigError as err:
+            decided = err.problems
+    decided = comm.broadcast_object(decided)
+    if isinstance(decided, list):
+        raise ConfigError(decided)
+    return decided
+
+
+def _choose_run_dir(cfg: Config) -> tuple[Path, Path | None]:
     if cfg.resume not in ("never", "auto"):
         given = Path(cfg.resume)
         ckpt = given if given.name.startswith("step_") else latest_checkpoint(given)
@@ -132,8 +146,10 @@ def logprob_prepass(model, ref_model, batch: Batch, cfg: Config, backend) -> Non
 
 
 def step_advantages(groups: list[Group], batch: Batch, cfg: Config, reward_names: list[str], weights: list[float]) -> torch.Tensor:
-    """[B] advantages from every reward (None -> NaN), with the KL penalty as one more reward
-    (weight beta) when `kl_in_reward`."""
+    """[B] advantages of this process's rows from every reward (None -> NaN), with the KL
+    penalty as one more reward (weight beta) when `kl_in_reward`. Rewards of every process's
+    groups are gathered first, so batch-level statistics (scale_rewards=batch) see the whole
+    step, exactly as in one process."""
     nan = float("nan")
     per_reward = torch.tensor(
         [[[nan if v is None else v for v in g.rewards[name]] for g in groups] for name in reward_names], dtype=torch.float32
@@ -144,7 +160,10 @@ def step_advantages(groups: list[Group], batch: Batch, cfg: Config, reward_names
         seq_kl = sequence_kl(batch.old_logprobs, batch.ref_logprobs, batch.completion_mask, a.kl_estimator)
         per_reward = torch.cat([per_reward, -seq_kl.reshape(1, len(groups), -1)])
         w = torch.cat([w, torch.tensor([a.beta])])
-    return combine_rewards(per_reward, w, a.reward_aggregation, a.scale_rewards).reshape(-1)
+    everyone = comm.all_gather_rows(per_reward, dim=1)  # [R, groups of all processes, n]
+    adv = combine_rewards(everyone, w, a.reward_aggregation, a.scale_rewards)
+    mine = slice(comm.rank() * len(groups), (comm.rank() + 1) * len(groups))
+    return adv[mine].reshape(-1)
 
 
 def train_micro_batch(model, mb: Batch, counts: StepCounts, cfg: Config, settings: LossSettings, backend) -> dict[str, float]:
@@ -158,7 +177,7 @@ def train_micro_batch(model, mb: Batch, counts: StepCounts, cfg: Config, setting
     mask = high_entropy_mask(entropy.detach(), mb.completion_mask, a.top_entropy_quantile) if entropy is not None else mb.completion_mask
     weights = engine_mismatch_weights(old, mb.sampling_logprobs, a.engine_is_cap) if a.engine_is_correction else None
     loss, parts = policy_loss(logp, old, mb.advantages, mask, counts, settings, mb.ref_logprobs, entropy, weights)
-    loss.backward()
+    backend.backward(loss)
     real = mb.completion_mask.float()
     extra = {
         "logprob_gap_tokens": ((logp.detach() - mb.sampling_logprobs).abs() * real).sum(),
@@ -170,29 +189,38 @@ def train_micro_batch(model, mb: Batch, counts: StepCounts, cfg: Config, setting
     return dict(zip(named, torch.stack(list(named.values())).tolist()))  # one device->host sync
 
 
-def policy_update(model, ref_model, batch: Batch, cfg: Config, backend, optimizer, scheduler) -> dict[str, float]:
+# per-process sums in policy_update that add up over processes (the rest are global already)
+_PER_PROCESS = ("loss", "clip_low_tokens", "clip_high_tokens", "ratio_tokens", "logprob_gap_tokens", "trained_tokens", "entropy_tokens", "kl_tokens")
+
+
+def policy_update(batch: Batch, cfg: Config, backend) -> dict[str, float]:
     """num_iterations passes over the generation batch, split into steps_per_generation
-    optimizer steps, each accumulating gradients over its micro-batches."""
+    optimizer steps, each accumulating gradients over its micro-batches. The loss is
+    normalized by the step's counts over all processes, so gradients sum over processes."""
     a = cfg.algo
     settings = loss_settings(cfg)
     rows = len(batch) // a.steps_per_generation
     sums: dict[str, float] = defaultdict(float)
+    scheduler = backend.scheduler
     for _ in range(a.num_iterations):
         for part in range(a.steps_per_generation):
             chunk = batch.slice(part * rows, (part + 1) * rows)
             mbs = [mb.to(backend.device) for mb in micro_batches(chunk, cfg.train.micro_batch_size)]
-            seqs, toks = backend.all_sum([len(chunk), float(chunk.completion_mask.sum())])
-            counts = StepCounts(int(seqs), int(toks), len(mbs), cfg.rollout.max_completion_length)
-            for mb in mbs:
-                for k, v in train_micro_batch(model, mb, counts, cfg, settings, backend).items():
-                    sums[k] += v
+            seqs, toks, n_mbs = comm.all_sum([len(chunk), float(chunk.completion_mask.sum()), len(mbs)])
+            counts = StepCounts(int(seqs), int(toks), int(n_mbs), cfg.rollout.max_completion_length)
+            for i, mb in enumerate(mbs):
+                with backend.accumulate(last=i == len(mbs) - 1):
+                    for k, v in train_micro_batch(backend.model, mb, counts, cfg, settings, backend).items():
+                        sums[k] += v
             sums["real_tokens"] += toks
-            sums["grad_norm"] += backend.clip_and_step(model, optimizer, cfg.train.max_grad_norm)
+            sums["grad_norm"] += backend.step(cfg.train.max_grad_norm)
             sums["lr"] += scheduler.get_last_lr()[0]
             scheduler.step()
             if a.ref_model_sync_steps and scheduler.last_epoch % a.ref_model_sync_steps == 0:
-                mix_reference(ref_model, model, a.ref_model_mixup_alpha)
+                mix_reference(backend.ref_model, backend.module, a.ref_model_mixup_alpha)
                 sums["ref_syncs"] += 1
+    keys = [k for k in _PER_PROCESS if k in sums]
+    sums.update(zip(keys, comm.all_sum([sums[k] for k in keys])))
     steps = a.num_iterations * a.steps_per_generation
     tokens = max(1.0, sums["real_tokens"])
     out = {"loss": sums["loss"] / steps, "grad_norm": sums["grad_norm"] / steps, "lr": sums["lr"] / steps}
@@ -215,18 +243,34 @@ def policy_update(model, ref_model, batch: Batch, cfg: Config, backend, optimize
 
 
 def train(cfg: Config, console: str | None = None) -> TrainResult:
+    """Run GRPO. Every training process (one, or N under torchrun) runs this same function."""
     plan = validate(cfg)  # every config problem, before anything heavy loads
+    device = resolve_device(cfg.train.device)
+    backend = make_backend(resolve_backend(cfg, plan.training_processes), cfg, device)  # joins the process group
+    try:
+        return _train(cfg, plan, backend, console)
+    finally:
+        comm.shutdown()
+
+
+def _train(cfg: Config, plan: BatchPlan, backend, console: str | None) -> TrainResult:
+    main = comm.is_main()
     run_dir, resume_from = prepare_run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    sink = MetricsSink(run_dir, cfg.train.max_steps, console or cfg.log.console)
-    cfg = apply_plan(cfg, plan, sink.print)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    sink = MetricsSink(run_dir if main else None, cfg.train.max_steps, (console or cfg.log.console) if main else "none")
+    say = sink.print
+    cfg = apply_plan(cfg, plan, say)
+    if cfg.train.backend == "auto":  # plait chose: say so, and record it in the resolved config
+        cfg.train.backend = backend.name
+        say(f"train.backend=auto -> {backend.name} ({plan.training_processes} training process{'es' if plan.training_processes > 1 else ''})")
+    if main:
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.seed)
-    say = sink.print
-    say(f"[bold]plait[/] run dir {run_dir}  |  {plan.prompts_per_step} prompts x {plan.num_generations} generations, "
-        f"micro-batch {plan.micro_batch_size} x {plan.gradient_accumulation_steps} accumulation")
+    say(f"[bold]plait[/] run dir {run_dir}  |  {plan.prompts_per_step} prompts x {plan.num_generations} generations "
+        f"over {plan.training_processes} process(es) ({backend.name}), micro-batch {plan.micro_batch_size} x {plan.gradient_accumulation_steps} accumulation")
     rewards = bind_rewards(cfg.rewards)
     metric = BoundReward(cfg.eval.metric, resolve_reward(cfg.eval.metric))
     sandboxed = uses_sandbox(cfg)
@@ -238,17 +282,10 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
     train_prompts = build_prompts(load_rows(cfg.data, "train", cfg.seed), tokenizer, cfg.data, log=say)
     evaluating = cfg.eval.before or cfg.eval.after or cfg.eval.every_steps
     eval_prompts = build_prompts(load_rows(cfg.data, "eval", cfg.seed), tokenizer, cfg.data, log=say) if evaluating else []
-    device = resolve_device(cfg.train.device)
-    model = load_model(cfg.model.name_or_path, cfg.model.dtype, cfg.model.lora, cfg.model.gradient_checkpointing).to(device)
-    model.train()
-    # beta = 0 loads no reference model; with LoRA the reference is the base model itself
-    ref_model = None
-    if cfg.algo.beta > 0 and cfg.model.lora is None:
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    engine = make_engine(cfg, model, tokenizer)
-    optimizer, scheduler = make_optimizer(model, cfg)
-    backend = LocalBackend(cfg.train.precision, device)
-    order = PromptOrder(len(train_prompts), cfg.seed, cfg.data.shuffle)
+    backend.load(cfg)  # model (+ reference) + optimizer, sharded as the backend does it
+    describe_processes(backend, run_dir, say)
+    engine = make_engine(cfg, backend.module, tokenizer, view=backend.for_generation)
+    order = PromptOrder(len(train_prompts), cfg.seed, cfg.data.shuffle, rank=comm.rank(), stride=comm.world_size())
     pad_id = engine.pad_id
 
     def take_prompts(n: int):
@@ -256,19 +293,23 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
 
     start, result = 0, TrainResult(run_dir)
     if resume_from is not None:
-        state = load_checkpoint(resume_from, model, optimizer, scheduler, ref_model)
-        start, order.consumed = state["step"], state["prompts_consumed"]
+        state = load_checkpoint(resume_from, backend)
+        start, order.consumed = state["step"], resume_position(state, comm.rank(), comm.world_size(), say)
         result.eval_before = state.get("eval_before")
-        say(f"resumed from {resume_from} (step {start}, {order.consumed} prompts consumed)")
+        say(f"resumed from {resume_from} (step {start})")
     eval_tokens = cfg.eval.max_completion_length or cfg.rollout.max_completion_length
 
     def run_eval(tag: str) -> float:
-        res = evaluate(engine, eval_prompts, metric, eval_tokens, cfg.rollout.stop)
+        # each process greedy-decodes its share of the held-out prompts; the counts are summed
+        res = evaluate(engine, eval_prompts[comm.rank():: comm.world_size()], metric, eval_tokens, cfg.rollout.stop)
         SANDBOX_STATS.take()  # evaluation's executions are not a training step's cost
-        say(f"[bold cyan]eval {tag}[/]: {cfg.eval.metric} = {res.accuracy:.3f} on {res.n} held-out prompts (greedy)")
-        with (run_dir / "eval.jsonl").open("a") as f:
-            f.write(json.dumps({"tag": tag, "step": step, cfg.eval.metric: res.accuracy, "n": res.n}) + "\n")
-        return res.accuracy
+        correct, n = comm.all_sum([res.accuracy * res.n, res.n])
+        accuracy = correct / max(1.0, n)
+        say(f"[bold cyan]eval {tag}[/]: {cfg.eval.metric} = {accuracy:.3f} on {n:.0f} held-out prompts (greedy)")
+        if main:
+            with (run_dir / "eval.jsonl").open("a") as f:
+                f.write(json.dumps({"tag": tag, "step": step, cfg.eval.metric: accuracy, "n": int(n)}) + "\n")
+        return accuracy
 
     step = start
     if cfg.eval.before and start == 0:
@@ -278,29 +319,29 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
         sink.progress.update(sink.task, completed=start)
     timer = PhaseTimer()
     names, weights = [r.name for r in rewards], [r.weight for r in rewards]
-    prompts_per_round = plan.prompts_per_step * cfg.algo.steps_per_generation
+    prompts_per_round = plan.prompts_per_process * cfg.algo.steps_per_generation
     for step in range(start + 1, cfg.train.max_steps + 1):
         groups, sampling = collect_groups(engine, take_prompts, prompts_per_round, cfg, step, rewards, timer)
         with timer("score"):
             accuracy = step_accuracy(groups, metric)
         batch = collate(groups, pad_id, cfg.algo.mask_truncated_completions)
         with timer("reference"):
-            logprob_prepass(model, ref_model, batch, cfg, backend)
+            logprob_prepass(backend.module, backend.ref_model, batch, cfg, backend)
         batch.advantages = step_advantages(groups, batch, cfg, names, weights)
         with timer("train"):
-            update = policy_update(model, ref_model, batch, cfg, backend, optimizer, scheduler)
+            update = policy_update(batch, cfg, backend)
 
-        metrics = {**rollout_metrics(groups, accuracy), **update}
-        metrics.update(sampling.metrics())
-        metrics.update(reward_health(sandboxed))
+        metrics = {**step_rollout_metrics(groups, accuracy), **update}
+        metrics.update(across_processes(sampling.metrics(), reward_health(rewards, sandboxed)))
         if cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0 and step < cfg.train.max_steps:
             with timer("checkpoint"):
-                save_checkpoint(run_dir, step, model, optimizer, scheduler, _trainer_state(order, result), cfg.checkpoint.keep_last, ref_model)
-        metrics.update(timer.reset())
+                save_checkpoint(run_dir, step, backend, _trainer_state(order, result), cfg.checkpoint.keep_last)
+        times = timer.reset()  # the slowest process sets the pace: report its time per phase
+        metrics.update(zip(times, comm.all_max(list(times.values()))))
         metrics["tokens/s_generate"] = metrics["tokens/generated"] / max(1e-9, metrics["time/generate"])
         sink.log(step, metrics)
         result.history.append(metrics)
-        if cfg.log.sample_every_steps and step % cfg.log.sample_every_steps == 0:
+        if main and cfg.log.sample_every_steps and step % cfg.log.sample_every_steps == 0:
             rec = sample_record(step, groups[0])
             with (run_dir / "samples.jsonl").open("a") as f:
                 f.write(json.dumps(rec) + "\n")
@@ -310,19 +351,68 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
 
     sink.close()
     if start < cfg.train.max_steps:  # the final checkpoint makes the finished run resumable/extendable
-        save_checkpoint(run_dir, cfg.train.max_steps, model, optimizer, scheduler, _trainer_state(order, result), cfg.checkpoint.keep_last, ref_model)
+        save_checkpoint(run_dir, cfg.train.max_steps, backend, _trainer_state(order, result), cfg.checkpoint.keep_last)
     if cfg.eval.after:
         result.eval_after = run_eval("after")
     if cfg.checkpoint.save_final_model:
-        save_model(model, tokenizer, run_dir / "final")
+        backend.export(run_dir / "final", tokenizer)
+    describe_processes(backend, run_dir, say, final=True)
     _summary(say, result, cfg, run_dir)
     return result
 
 
-def reward_health(sandboxed: bool) -> dict[str, float]:
-    """Reward calls that timed out, and the sandbox's executions/seconds/invalid runs, this step."""
-    out = {f"reward/{name}/timeouts": float(n) for name, n in TIMEOUTS.items()}
-    TIMEOUTS.clear()
+def describe_processes(backend, run_dir: Path, say, final: bool = False) -> None:
+    """Which process holds what (parameters, peak memory): the log and RUN_DIR/cluster.json."""
+    import resource
+    import socket
+
+    mine = {"rank": comm.rank(), "host": socket.gethostname(), **backend.describe(),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if torch.cuda.is_available():
+        mine["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    everyone = comm.all_gather_objects(mine)
+    if comm.is_main():
+        (run_dir / "cluster.json").write_text(json.dumps(everyone, indent=1))
+    if not final and len(everyone) > 1:
+        held = ", ".join(f"rank {p['rank']}: {p['params_local'] / 1e6:.2f}M" for p in everyone)
+        say(f"parameters held per process ({everyone[0]['params_total'] / 1e6:.2f}M in the model): {held}")
+
+
+def resume_position(state: dict, rank: int, world: int, say) -> int:
+    """This process's data position in a checkpoint. With another number of processes than
+    wrote it, every process restarts from the furthest position all of them had reached."""
+    per_rank = state.get("prompts_consumed_per_rank") or [state["prompts_consumed"]]
+    if len(per_rank) == world:
+        return per_rank[rank]
+    reached = min(per_rank) * len(per_rank)
+    if rank == 0:
+        say(f"[yellow]resuming with {world} processes a checkpoint written by {len(per_rank)}: data continues at prompt position {reached - reached % world}")
+    return reached // world
+
+
+def step_rollout_metrics(groups: list[Group], accuracy: list[float] | None) -> dict[str, float]:
+    """rollout_metrics over every process's groups (gathered without their log-probs)."""
+    light = [Group(g.prompt, [dataclasses.replace(c, logprobs=[]) for c in g.completions], g.rewards, g.total) for g in groups]
+    parts = comm.all_gather_objects((light, accuracy))
+    everyone = [g for gs, _ in parts for g in gs]
+    acc = None if accuracy is None else [v for _, a in parts for v in a]
+    return rollout_metrics(everyone, acc)
+
+
+def across_processes(*parts: dict[str, float]) -> dict[str, float]:
+    """Counters summed over processes (sampling rounds: the most any process needed)."""
+    merged = {k: v for p in parts for k, v in p.items()}
+    keys = sorted(merged)
+    totals = dict(zip(keys, comm.all_sum([merged[k] for k in keys])))
+    if "sampling/rounds" in merged:
+        totals["sampling/rounds"] = comm.all_max([merged["sampling/rounds"]])[0]
+    return totals
+
+
+def reward_health(rewards: list[BoundReward], sandboxed: bool) -> dict[str, float]:
+    """Reward calls that timed out, and the sandbox's executions/seconds/invalid runs, this
+    step (the same keys in every process, so they can be summed)."""
+    out = {f"reward/{r.name}/timeouts": float(TIMEOUTS.pop(r.name, 0)) for r in rewards}
     if sandboxed:
         out.update(SANDBOX_STATS.take())
     return out
@@ -340,7 +430,8 @@ def step_accuracy(groups: list[Group], metric: BoundReward) -> list[float] | Non
 
 
 def _trainer_state(order: PromptOrder, result: TrainResult) -> dict:
-    return {"prompts_consumed": order.consumed, "eval_before": result.eval_before}
+    per_rank = [int(c) for c in comm.all_gather_objects(order.consumed)]
+    return {"prompts_consumed": sum(per_rank), "prompts_consumed_per_rank": per_rank, "eval_before": result.eval_before}
 
 
 def _summary(say, result: TrainResult, cfg: Config, run_dir: Path) -> None:

@@ -31,6 +31,7 @@ class SamplingStats:
     generated_groups: int = 0
     kept_informative: int = 0
     # two-stage only
+    two_stage: bool = False
     prompts_skipped: int = 0
     generations_saved: int = 0
     sandbox_seconds_saved: float = 0.0
@@ -41,7 +42,7 @@ class SamplingStats:
             "sampling/generated_groups": float(self.generated_groups),
             "sampling/informative_kept": float(self.kept_informative),
         }
-        if self.prompts_skipped or self.generations_saved:
+        if self.two_stage:
             out["two_stage/prompts_skipped"] = float(self.prompts_skipped)
             out["two_stage/generations_saved"] = float(self.generations_saved)
             out["two_stage/sandbox_seconds_saved"] = self.sandbox_seconds_saved
@@ -117,7 +118,7 @@ def collect_two_stage(engine, take, n_prompts: int, cfg, step: int, rewards: lis
     shortfall is filled by completing skipped groups (those then cost their full price)."""
     ts, n = cfg.rollout.two_stage, cfg.rollout.num_generations
     judge = ts.reward or rewards[0].name
-    stats = SamplingStats()
+    stats = SamplingStats(two_stage=True)
     kept: list[Group] = []
     skipped: list[Group] = []
     first_seconds = 0.0

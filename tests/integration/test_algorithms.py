@@ -8,7 +8,7 @@ from plait.algo.losses import LOSS_TYPES, StepCounts
 from plait.config import load_config
 from plait.models import load_model, load_tokenizer
 from plait.rollout.hf import HFEngine
-from plait.train.backend import LocalBackend
+from plait.train.backends import LocalBackend
 from plait.train.batch import collate, micro_batches
 from plait.train.loop import loss_settings, train, train_micro_batch
 from plait.types import Group, Prompt, SamplingParams
@@ -89,7 +89,7 @@ def test_dapo_gradient_does_not_depend_on_micro_batching(tiny_model_path):
     outs = HFEngine(model, tok).generate(prompts, SamplingParams(max_tokens=10, temperature=1.0, seed=3), n=4)
     batch = collate([Group(p, cs) for p, cs in zip(prompts, outs)], tok.pad_token_id)
     batch.advantages = torch.randn(8, generator=torch.Generator().manual_seed(0))
-    backend = LocalBackend("fp32")
+    backend = LocalBackend.wrap(model)
     for loss_type in ("dapo", "grpo", "dr_grpo"):
         cfg = load_config(None, [f"algo.loss_type={loss_type}", "train.precision=fp32", "rollout.max_completion_length=10"])
         grads = []

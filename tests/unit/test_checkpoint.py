@@ -1,6 +1,7 @@
 import torch
 
 from plait.checkpoint import MARKER, complete_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
+from plait.train.backends import LocalBackend
 
 
 def _parts(seed=0):
@@ -11,27 +12,27 @@ def _parts(seed=0):
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
     sched.step()
-    return model, opt, sched
+    return LocalBackend.wrap(model, opt, sched)
 
 
 def test_round_trip_restores_weights_optimizer_scheduler_and_rng(tmp_path):
-    model, opt, sched = _parts()
+    saved = _parts()
     torch.manual_seed(123)
-    path = save_checkpoint(tmp_path, 5, model, opt, sched, {"prompts_consumed": 40})
+    path = save_checkpoint(tmp_path, 5, saved, {"prompts_consumed": 40})
     expected_draw = torch.rand(3)
-    fresh, fresh_opt, fresh_sched = _parts(seed=99)
-    state = load_checkpoint(path, fresh, fresh_opt, fresh_sched)
-    assert state == {"step": 5, "prompts_consumed": 40}
-    for a, b in zip(model.parameters(), fresh.parameters()):
+    fresh = _parts(seed=99)
+    state = load_checkpoint(path, fresh)
+    assert state == {"step": 5, "backend": "local", "world_size": 1, "prompts_consumed": 40}
+    for a, b in zip(saved.module.parameters(), fresh.module.parameters()):
         assert torch.equal(a, b)
-    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
-    assert fresh_sched.get_last_lr() == sched.get_last_lr()
+    assert torch.equal(fresh.optimizer.state_dict()["state"][0]["exp_avg"], saved.optimizer.state_dict()["state"][0]["exp_avg"])
+    assert fresh.scheduler.get_last_lr() == saved.scheduler.get_last_lr()
     assert torch.equal(torch.rand(3), expected_draw)  # the RNG continues where it was saved
 
 
 def test_incomplete_checkpoints_are_never_loaded(tmp_path):
-    model, opt, sched = _parts()
-    save_checkpoint(tmp_path, 1, model, opt, sched, {})
+    backend = _parts()
+    save_checkpoint(tmp_path, 1, backend, {})
     # a crash mid-save leaves a temp folder, and a folder whose marker never got written
     (tmp_path / "checkpoints" / "step_00000002.tmp").mkdir()
     half = tmp_path / "checkpoints" / "step_00000003"
@@ -39,14 +40,14 @@ def test_incomplete_checkpoints_are_never_loaded(tmp_path):
     (half / "model.safetensors").write_bytes(b"garbage")
     assert latest_checkpoint(tmp_path).name == "step_00000001"
     try:
-        load_checkpoint(half, model)
+        load_checkpoint(half, backend)
         raise AssertionError("loaded a checkpoint without its marker")
     except FileNotFoundError as err:
         assert MARKER in str(err)
 
 
 def test_retention_keeps_the_newest(tmp_path):
-    model, opt, sched = _parts()
+    backend = _parts()
     for step in (1, 2, 3, 4):
-        save_checkpoint(tmp_path, step, model, opt, sched, {}, keep_last=2)
+        save_checkpoint(tmp_path, step, backend, {}, keep_last=2)
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]

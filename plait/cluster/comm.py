@@ -1,0 +1,118 @@
+"""The collectives the training loop uses, each a no-op in a single process.
+
+Every training process runs the same loop (SPMD). These helpers keep the loop free of
+`if distributed:` branches: with one process they return their input unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def init_from_env(device: torch.device, timeout_s: float = 1800, single_process_ok: bool = False) -> bool:
+    """Join the process group torchrun (or Ray) describes in the environment (RANK,
+    WORLD_SIZE, MASTER_ADDR, ...). NCCL on GPUs, gloo on CPU. A process started directly
+    gets a group of one when `single_process_ok` (FSDP2/DeepSpeed on one device, e.g. for
+    offloading); otherwise it stays without a group."""
+    if active():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        if not single_process_ok:
+            return False
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if device.type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timedelta(seconds=timeout_s))
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    return True
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shutdown() -> None:
+    if active():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def _comm_device() -> torch.device:
+    """Where collective tensors live: NCCL only moves GPU tensors."""
+    return torch.device("cuda", torch.cuda.current_device()) if active() and dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_sum(values: list[float]) -> list[float]:
+    """Each number summed over processes (float64, so counts stay exact)."""
+    if not active():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_max(values: list[float]) -> list[float]:
+    if not active():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def all_gather_rows(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Every process's `t` (same shape on all), concatenated along `dim` in rank order."""
+    if not active():
+        return t
+    parts = [torch.empty_like(t, device=_comm_device()) for _ in range(world_size())]
+    dist.all_gather(parts, t.to(_comm_device()).contiguous())
+    return torch.cat(parts, dim=dim).to(t.device)
+
+
+def all_gather_objects(obj) -> list:
+    """Every process's picklable `obj`, in rank order."""
+    if not active():
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj):
+    """Rank 0's `obj` on every process."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

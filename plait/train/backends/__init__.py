@@ -1,0 +1,48 @@
+"""Training backends: how the processes of one job hold the model and share the work.
+
+Every backend offers the same small surface to the loop (see `LocalBackend`):
+
+    load(cfg)                 model (+ reference) + optimizer + LR schedule, wrapped as needed
+    accumulate(last) / backward(loss) / step(max_norm)      one optimizer step over micro-batches
+    for_generation()          a context yielding a module with full weights to sample from
+    save_state(dir) / load_state(dir) / export(dir, tokenizer)   checkpoints and the HF export
+
+and attributes `model` (forward with gradients), `module` (the plain HF model, for no-grad
+forwards), `ref_model`, `optimizer`, `scheduler`. The loop never asks which one it has.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait.train.backends.local import DDPBackend, LocalBackend
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def make_backend(name: str, cfg, device: torch.device):
+    """The backend called `name` (already resolved from 'auto'); joins the process group."""
+    from plait.cluster import comm
+
+    if name != "local":
+        comm.init_from_env(device, single_process_ok=True)
+    if name == "local":
+        return LocalBackend(cfg, device)
+    if name == "ddp":
+        return DDPBackend(cfg, device)
+    if name == "fsdp2":
+        from plait.train.backends.fsdp2 import FSDP2Backend
+
+        return FSDP2Backend(cfg, device)
+    if name == "deepspeed":
+        from plait.train.backends.deepspeed import DeepSpeedBackend
+
+        return DeepSpeedBackend(cfg, device)
+    raise ValueError(f"unknown backend {name!r}")
+
+
+__all__ = ["LocalBackend", "DDPBackend", "make_backend", "resolve_device"]

@@ -1,0 +1,164 @@
+"""DeepSpeed ZeRO stage 2 (gradients and optimizer state sharded) or stage 3 (parameters
+too), through DeepSpeed's own engine. With stage 3 the model is built under
+`deepspeed.zero.Init` (transformers does this when an `HfDeepSpeedConfig` is alive), so each
+weight is partitioned as it loads: no process ever holds the full fp32 model. Checkpoints
+are DeepSpeed's own (each process writes its partition).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from plait.cluster import comm
+from plait.train.backends.fsdp2 import _save_pretrained
+from plait.train.backends.local import LocalBackend
+from plait.train.optim import make_optimizer
+
+
+def deepspeed_config(cfg, world_size: int) -> dict:
+    """The DeepSpeed JSON for this run: batch sizes from plait's batch arithmetic, ZeRO
+    options from train.deepspeed, then the user's `extra` keys merged on top."""
+    t, ds = cfg.train, cfg.train.deepspeed
+    zero: dict = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if ds.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    out = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "train_batch_size": t.micro_batch_size * t.gradient_accumulation_steps * world_size,
+        "zero_optimization": zero,
+        # plait's own AdamW (torch), so no CUDA op has to be built
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": t.max_grad_norm or 0.0,
+        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    return _merge(out, ds.extra)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+class DeepSpeedBackend(LocalBackend):
+    name = "deepspeed"
+
+    def load(self, cfg) -> None:
+        import deepspeed
+
+        from plait.models import load_model
+
+        self.stage = cfg.train.deepspeed.zero_stage
+        self.ds_config = deepspeed_config(cfg, comm.world_size())
+        self._hf_ds = None
+        if self.stage == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            # while this object lives, from_pretrained partitions every weight as it loads
+            self._hf_ds = HfDeepSpeedConfig(self.ds_config)
+        m = cfg.model
+        module = load_model(m.name_or_path, m.dtype, None, m.gradient_checkpointing)
+        self._skeleton_config = module.config
+        # the LR schedule steps the client optimizer's param groups, which ZeRO keeps using
+        optimizer, self.scheduler = make_optimizer(module, cfg)
+        self.model, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=self.ds_config)
+        self.module = self.model.module
+        self.module.train()
+        if cfg.algo.beta > 0:
+            ref = load_model(m.name_or_path, m.dtype).eval().requires_grad_(False)
+            if self.stage == 3:  # a ZeRO-3 engine without optimizer: sharded, forward only
+                ref_cfg = {k: v for k, v in self.ds_config.items() if k != "gradient_clipping"}
+                ref = deepspeed.initialize(model=ref, config=ref_cfg)[0].module.eval()
+            self.ref_model = ref.to(self.device)
+
+    def describe(self) -> dict:
+        local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in self.module.parameters())
+        total = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.module.parameters())
+        return {"backend": self.name, "zero_stage": self.stage, "params_local": local, "params_total": total}
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # the loss is normalized over the whole step already: no division by accumulation
+        # steps, and x world size because DeepSpeed averages gradients over processes
+        self.model.backward(loss * comm.world_size(), scale_wrt_gas=False)
+        self.model.step()  # only steps (clip, update, zero) at the accumulation boundary
+
+    def step(self, max_norm: float | None) -> float:
+        # the engine stepped after the last micro-batch; DeepSpeed clips by its config
+        norm = self.model.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    @contextlib.contextmanager
+    def for_generation(self):
+        """Stage 2 samples from the training module. Stage 3 gathers each weight into a
+        temporary full copy (freed after generation): decoding from partitioned weights
+        would all-gather every layer for every token, in lockstep across processes."""
+        if self.stage != 3:
+            yield self.module
+            return
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"), _zero3_off():
+            replica = AutoModelForCausalLM.from_config(self._skeleton_config)
+        replica.to_empty(device=self.device)
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                with GatheredParameters([p], modifier_rank=None):
+                    replica.get_parameter(name).copy_(p)
+            for name, b in self.module.named_buffers():  # ZeRO never partitions buffers
+                replica.get_buffer(name).copy_(b)
+        replica.generation_config = self.module.generation_config
+        try:
+            yield replica
+        finally:
+            del replica
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_state(self, folder: Path) -> None:
+        self.model.save_checkpoint(str(folder / "deepspeed"), tag="state", save_latest=False)
+
+    def load_state(self, folder: Path) -> None:
+        self.model.load_checkpoint(str(folder / "deepspeed"), tag="state", load_lr_scheduler_states=False)
+
+    def export(self, path: Path, tokenizer) -> None:
+        """Gather the weights one by one into rank 0's CPU memory; write a plain HF folder."""
+        if self.stage == 3:
+            from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+            full = {}
+            for name, p in self.module.named_parameters():
+                with GatheredParameters([p], modifier_rank=None):
+                    if comm.is_main():
+                        full[name] = p.detach().cpu().clone()
+            persistent = set(self.module.state_dict())
+            full.update({n: b.detach().cpu().clone() for n, b in self.module.named_buffers() if n in persistent})
+        else:
+            full = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+        if comm.is_main():
+            with _zero3_off():
+                _save_pretrained(self.module, full, tokenizer, path)
+        comm.barrier()
+
+
+@contextlib.contextmanager
+def _zero3_off():
+    """Build or save a plain model while the ZeRO-3 config is alive (transformers would
+    otherwise partition it too)."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    saved = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = saved

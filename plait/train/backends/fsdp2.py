@@ -1,0 +1,145 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`): parameters, gradients and optimizer state
+sharded over the processes; each decoder layer gathers its weights just for its forward and
+backward. Checkpoints are torch.distributed.checkpoint folders: every process writes its own
+shards, and DCP can read them back with a different number of processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from plait.cluster import comm
+from plait.train.backends.local import LocalBackend
+from plait.train.optim import make_optimizer
+
+
+def shard_units(model) -> list[torch.nn.Module]:
+    """The modules to shard one by one: the model's decoder layers (the classes transformers
+    lists as `_no_split_modules`), so only one layer's full weights exist at a time."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    units = [m for m in model.modules() if type(m).__name__ in names]
+    if not units:
+        raise RuntimeError(f"{type(model).__name__} names no decoder layer class (_no_split_modules); fsdp2 can't shard it per layer")
+    return units
+
+
+class FSDP2Backend(LocalBackend):
+    name = "fsdp2"
+
+    def _policies(self) -> dict:
+        f = self.cfg.train.fsdp
+        kw: dict = {"reshard_after_forward": f.reshard_after_forward}
+        if self.precision == "bf16":  # gather and compute in bf16, reduce gradients in fp32
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if f.cpu_offload and self.device.type == "cuda":
+            kw["offload_policy"] = CPUOffloadPolicy()
+        if self.device.type == "cuda":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            kw["mesh"] = init_device_mesh("cuda", (comm.world_size(),))
+        return kw
+
+    def _shard(self, module):
+        """Shard layer by layer, then the rest (embeddings, norm, head) at the root."""
+        kw = self._policies()
+        for unit in shard_units(module):
+            fully_shard(unit, **kw)
+        fully_shard(module, **kw)
+        return module
+
+    def load(self, cfg) -> None:
+        # Loaded on CPU and sharded layer by layer: a GPU never holds more than its shards
+        # plus one layer. (CPU memory holds one full copy per process while loading.)
+        m = cfg.model
+        from plait.models import load_model
+
+        self.module = self._shard(load_model(m.name_or_path, m.dtype, None, m.gradient_checkpointing))
+        self.module.train()
+        self.model = self.module
+        if cfg.algo.beta > 0:
+            self.ref_model = self._shard(load_model(m.name_or_path, m.dtype)).eval().requires_grad_(False)
+        self.optimizer, self.scheduler = make_optimizer(self.module, cfg)
+
+    def describe(self) -> dict:
+        local = sum(p.to_local().numel() for p in self.module.parameters())
+        total = sum(p.numel() for p in self.module.parameters())
+        return {"backend": self.name, "params_local": local, "params_total": total}
+
+    def accumulate(self, last: bool):
+        # reduce-scatter gradients once per optimizer step, not after every micro-batch
+        self.module.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * comm.world_size()).backward()  # FSDP averages over processes; we want the sum
+
+    def step(self, max_norm: float | None) -> float:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    @contextlib.contextmanager
+    def for_generation(self):
+        """All weights gathered once for the whole generation (token-by-token decoding would
+        otherwise all-gather every layer for every token, and every process would have to
+        decode in lockstep); sharded again afterwards."""
+        units = [m for m in self.module.modules() if isinstance(m, FSDPModule)]
+        for u in units:
+            u.set_reshard_after_forward(False, recurse=False)
+            u.unshard()
+        try:
+            yield self.module
+        finally:
+            for u in units:
+                u.reshard()
+                u.set_reshard_after_forward(self.cfg.train.fsdp.reshard_after_forward, recurse=False)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _state(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        if self.ref_model is not None:
+            state["reference"] = get_model_state_dict(self.ref_model)
+        return state
+
+    def save_state(self, folder: Path) -> None:
+        dcp.save(self._state(), checkpoint_id=str(folder / "dcp"))
+
+    def load_state(self, folder: Path) -> None:
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(folder / "dcp"))
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        if self.ref_model is not None:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(self.ref_model, state["reference"])
+
+    def export(self, path: Path, tokenizer) -> None:
+        """Gather the full weights into rank 0's CPU memory and write a plain HF folder."""
+        full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if comm.is_main():
+            _save_pretrained(self.module, full, tokenizer, path)
+        comm.barrier()
+
+
+def _save_pretrained(module, state_dict: dict, tokenizer, path: Path) -> None:
+    """`save_pretrained` with the given full weights, atomically (temp folder, then rename)."""
+    import os
+    import shutil
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    module.save_pretrained(tmp, state_dict=state_dict)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)

@@ -1,0 +1,167 @@
+"""One process (`local`), and replicated weights with all-reduced gradients (`ddp`).
+
+Both keep a full copy of the model in every process, so both write the same checkpoint:
+rank 0 saves `model.safetensors` (+ `reference.safetensors`) and `optimizer.pt`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from plait.cluster import comm
+from plait.models import load_model, save_model
+from plait.train.optim import make_optimizer
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """The tensors training changes: every parameter that requires grad (+ buffers for full models)."""
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    full = len(names) == sum(1 for _ in model.parameters())
+    state = model.state_dict()
+    return dedup(state if full else {k: v for k, v in state.items() if k in names})
+
+
+def dedup(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share storage (tied embeddings): store each once."""
+    seen, out = {}, {}
+    for k, v in tensors.items():
+        key = (v.data_ptr(), tuple(v.shape)) if v.numel() else None
+        if key is not None and key in seen:
+            continue
+        if key is not None:
+            seen[key] = k
+        out[k] = v.detach().contiguous().clone()
+    return out
+
+
+def load_trainable(model, weights: dict[str, torch.Tensor], where: Path) -> None:
+    """Load saved trainable weights, refusing files that lack one or carry unknown ones."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected:
+        raise RuntimeError(f"checkpoint {where} has weights this model lacks: {unexpected[:5]}")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    lost = [k for k in missing if k in trainable]  # tied copies aren't in named_parameters
+    if lost:
+        raise RuntimeError(f"checkpoint {where} lacks trained weights: {lost[:5]}")
+
+
+class LocalBackend:
+    """The whole model, its gradients and optimizer state in this one process."""
+
+    name = "local"
+
+    def __init__(self, cfg, device: torch.device):
+        self.cfg = cfg
+        self.precision = cfg.train.precision
+        self.device = torch.device(device)
+        self.model = self.module = self.ref_model = self.optimizer = self.scheduler = None
+
+    @classmethod
+    def wrap(cls, model, optimizer=None, scheduler=None, ref_model=None, precision: str = "fp32"):
+        """A backend around objects built elsewhere (tests, tools)."""
+        self = cls.__new__(cls)
+        self.cfg, self.precision = None, precision
+        self.device = next(model.parameters()).device
+        self.model = self.module = model
+        self.ref_model, self.optimizer, self.scheduler = ref_model, optimizer, scheduler
+        return self
+
+    # ------------------------------------------------------------ setup
+
+    def _load_module(self):
+        m = self.cfg.model
+        return load_model(m.name_or_path, m.dtype, m.lora, m.gradient_checkpointing).to(self.device)
+
+    def load(self, cfg) -> None:
+        self.module = self._load_module()
+        self.module.train()
+        self.model = self._wrap(self.module)
+        # beta = 0 loads no reference model; with LoRA the reference is the base model itself
+        if cfg.algo.beta > 0 and cfg.model.lora is None:
+            self.ref_model = copy.deepcopy(self.module).eval().requires_grad_(False)
+        self.optimizer, self.scheduler = make_optimizer(self.module, cfg)
+
+    def _wrap(self, module):
+        return module
+
+    def describe(self) -> dict:
+        """What this process holds, for the run log and cluster.json."""
+        n = sum(p.numel() for p in self.module.parameters())
+        return {"backend": self.name, "params_local": n, "params_total": n}
+
+    # ------------------------------------------------------------ one optimizer step
+
+    def autocast(self):
+        """Mixed precision for forward passes (bf16 on CPU uses AMX where the CPU has it)."""
+        if self.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def accumulate(self, last: bool):
+        """Context around one micro-batch's forward and backward; `last` ends the step."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, max_norm: float | None) -> float:
+        """Clip the gradient norm, take the optimizer step, and return the pre-clip norm."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def for_generation(self):
+        """The module the rollout engine samples from (it shares the training weights)."""
+        return contextlib.nullcontext(self.module)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_state(self, folder: Path) -> None:
+        if not comm.is_main():  # every process holds the same weights
+            return
+        save_file(trainable_state(self.module), str(folder / "model.safetensors"))
+        if self.ref_model is not None:
+            save_file(dedup(self.ref_model.state_dict()), str(folder / "reference.safetensors"))
+        torch.save({"optimizer": self.optimizer.state_dict()}, folder / "optimizer.pt")
+
+    def load_state(self, folder: Path) -> None:
+        load_trainable(self.module, load_file(str(folder / "model.safetensors")), folder)
+        if self.ref_model is not None and (folder / "reference.safetensors").is_file():
+            self.ref_model.load_state_dict(load_file(str(folder / "reference.safetensors")), strict=False)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False)["optimizer"])
+
+    def export(self, path: Path, tokenizer) -> None:
+        """A plain HF folder (LoRA merged) written by rank 0."""
+        if comm.is_main():
+            save_model(self.module, tokenizer, path)
+        comm.barrier()
+
+
+class DDPBackend(LocalBackend):
+    """Every process holds the whole model; gradients are all-reduced in backward (once per
+    optimizer step: earlier micro-batches skip the sync)."""
+
+    name = "ddp"
+
+    def _wrap(self, module):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] if self.device.type == "cuda" else None
+        return DDP(module, device_ids=ids)
+
+    def accumulate(self, last: bool):
+        # DDP reads the sync flag in forward, so the context spans forward and backward
+        return contextlib.nullcontext() if last else self.model.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # the loss is already normalized by the whole step's counts over all processes, so
+        # the gradient we want is the sum over processes; DDP averages, hence x world size
+        (loss * comm.world_size()).backward()
