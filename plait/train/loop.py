@@ -247,10 +247,11 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
     plan = validate(cfg)  # every config problem, before anything heavy loads
     device = resolve_device(cfg.train.device)
     backend = make_backend(resolve_backend(cfg, plan.training_processes), cfg, device)  # joins the process group
-    try:
-        return _train(cfg, plan, backend, console)
-    finally:
-        comm.shutdown()
+    result = _train(cfg, plan, backend, console)
+    # only on success: after an error the other processes may be inside another collective,
+    # and a barrier here would hang; this process exits instead and torchrun stops the rest
+    comm.shutdown()
+    return result
 
 
 def _train(cfg: Config, plan: BatchPlan, backend, console: str | None) -> TrainResult:

@@ -16,6 +16,18 @@ def vowel_share_crashing(completions, **kwargs):
     return vowel_share(completions, **kwargs)
 
 
+def vowel_share_crash_env(completions, **kwargs):
+    """vowel_share, but the process whose RANK is $PLAIT_TEST_CRASH_RANK raises on its call
+    number $PLAIT_TEST_CRASH_CALL (a crash in one process of a torchrun job)."""
+    import os
+
+    CALLS["n"] += 1
+    at = os.environ.get("PLAIT_TEST_CRASH_CALL")
+    if at and CALLS["n"] >= int(at) and os.environ.get("RANK", "0") == os.environ.get("PLAIT_TEST_CRASH_RANK", "0"):
+        raise RuntimeError("simulated crash")
+    return vowel_share(completions, **kwargs)
+
+
 def sometimes_constant(completions, prompts, **_):
     """0 for every completion of prompts with an even length (those groups teach nothing),
     vowel share otherwise: exercises dynamic sampling."""

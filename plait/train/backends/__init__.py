@@ -13,9 +13,15 @@ forwards), `ref_model`, `optimizer`, `scheduler`. The loop never asks which one 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from plait.train.backends.local import DDPBackend, LocalBackend
+
+
+if not torch.cuda.is_available():  # DeepSpeed (imported by transformers too) warns when it has to guess
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -57,6 +57,7 @@ class DeepSpeedBackend(LocalBackend):
 
         from plait.models import load_model
 
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())  # adopts plait's process group
         self.stage = cfg.train.deepspeed.zero_stage
         self.ds_config = deepspeed_config(cfg, comm.world_size())
         self._hf_ds = None
@@ -116,6 +117,7 @@ class DeepSpeedBackend(LocalBackend):
                     replica.get_parameter(name).copy_(p)
             for name, b in self.module.named_buffers():  # ZeRO never partitions buffers
                 replica.get_buffer(name).copy_(b)
+        replica.tie_weights()  # to_empty gave tied weights separate storage: tie them again
         replica.generation_config = self.module.generation_config
         try:
             yield replica

@@ -136,6 +136,10 @@ def _save_pretrained(module, state_dict: dict, tokenizer, path: Path) -> None:
     import os
     import shutil
 
+    seen, aliases = set(), set()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        (aliases if id(p) in seen else seen).add(name if id(p) in seen else id(p))
+    state_dict = {k: v for k, v in state_dict.items() if k not in aliases}  # tied weights: stored once
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
