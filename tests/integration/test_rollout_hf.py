@@ -45,6 +45,18 @@ def test_groups_seeds_and_batching(setup):
     assert [[c.token_ids for c in g] for g in g1] == [[c.token_ids for c in g] for g in g2]
 
 
+def test_a_groups_samples_do_not_depend_on_its_batch_mates(setup):
+    """Per-group random streams: a prompt sampled alone, with others, or in another batch
+    split gets the same completions (this is what lets N processes match one)."""
+    tok, model, prompts = setup
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=11)
+    together = HFEngine(model, tok, batch_size=64).generate(prompts, params, n=3)
+    alone = [HFEngine(model, tok).generate([p], params, n=3)[0] for p in prompts]
+    reversed_ = HFEngine(model, tok, batch_size=3).generate(prompts[::-1], params, n=3)[::-1]
+    ids = lambda groups: [[c.token_ids for c in g] for g in groups]  # noqa: E731
+    assert ids(together) == ids(alone) == ids(reversed_)
+
+
 def test_engine_logprobs_equal_the_trainers(setup):
     tok, model, prompts = setup
     out = HFEngine(model, tok).generate(prompts, SamplingParams(max_tokens=8, temperature=0.7, seed=1), n=2)

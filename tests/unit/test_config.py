@@ -162,3 +162,48 @@ def test_warmup_counts_every_optimizer_step():
     validate(cfg)  # 2 x 2 x 2 = 8 optimizer steps: fits
     (msg,) = problems_of(["train.max_steps=2", "algo.num_iterations=2", "train.warmup_steps=5"])
     assert "train.warmup_steps=5 is longer than the run (4 optimizer steps)" in msg
+
+
+def test_backend_choices_are_checked_against_the_launch(monkeypatch):
+    from plait.config import resolve_backend
+
+    cfg = load_config()
+    assert resolve_backend(cfg, 1) == "local" and resolve_backend(cfg, 4) == "ddp"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    found = problems_of(["train.backend=local", "rollout.prompts_per_step=8"])
+    assert any("train.backend=local trains in one process, but 2" in p and "ddp" in p for p in found)
+    found = problems_of(["train.backend=fsdp2", "model.lora={r: 8}", "cluster.devices=4"])
+    assert any("model.lora with train.backend=fsdp2" in p for p in found)
+    assert any("cluster.devices=4 but the launcher started 2 processes" in p for p in found)
+    found = problems_of(["train.backend=deepspeed", "train.deepspeed.zero_stage=2", "train.deepspeed.offload_params=true",
+                         "algo.beta=0.1", "algo.ref_model_sync_steps=4"])
+    assert any("offload_params needs train.deepspeed.zero_stage=3" in p for p in found)
+    assert any("ref_model_sync_steps with train.backend=deepspeed" in p for p in found)
+
+
+def test_resume_refuses_a_checkpoint_of_another_backend(tmp_path):
+    import json
+
+    ckpt = tmp_path / "checkpoints" / "step_00000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "COMMITTED").write_text("ok")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "backend": "fsdp2", "world_size": 2}))
+    found = problems_of([f"output_dir={tmp_path}", "resume=auto", "train.backend=ddp"], world_size=2)
+    assert any("written by train.backend=fsdp2 and can't be read by ddp" in p for p in found)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "backend": "deepspeed", "world_size": 4}))
+    found = problems_of([f"output_dir={tmp_path}", "resume=auto", "train.backend=deepspeed"], world_size=2)
+    assert any("DeepSpeed shards for 4 processes, but 2 were launched" in p for p in found)
+    # local and ddp share a format
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "backend": "local", "world_size": 1}))
+    validate(load_config(None, [f"output_dir={tmp_path}", "resume=auto", "train.backend=ddp"]), world_size=2)
+
+
+def test_deepspeed_json_follows_the_batch_arithmetic_and_merges_extra():
+    from plait.train.backends.deepspeed import deepspeed_config
+
+    cfg = load_config(None, ["train.micro_batch_size=4", "train.gradient_accumulation_steps=2", "train.deepspeed.offload_optimizer=true",
+                             "train.deepspeed.extra={zero_optimization: {overlap_comm: true}, steps_per_print: 5}"])
+    ds = deepspeed_config(cfg, world_size=8)
+    assert ds["train_batch_size"] == 4 * 2 * 8 and ds["gradient_accumulation_steps"] == 2
+    assert ds["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "overlap_comm": True}
+    assert ds["steps_per_print"] == 5 and ds["gradient_clipping"] == 1.0

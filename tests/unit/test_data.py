@@ -92,3 +92,13 @@ def test_prompt_order_is_a_seeded_permutation_per_epoch_and_resumable():
     resumed = PromptOrder(10, seed=1, consumed=7)
     assert resumed.take(6) == (first + second)[7:13]
     assert PromptOrder(4, seed=0, shuffle=False).take(6) == [0, 1, 2, 3, 0, 1]
+
+
+def test_processes_read_disjoint_strided_shares_of_the_single_process_order():
+    one = PromptOrder(10, seed=1).take(12)
+    ranks = [PromptOrder(10, seed=1, rank=r, stride=2) for r in (0, 1)]
+    shares = [ranks[0].take(3), ranks[1].take(3)]
+    assert sorted(shares[0] + shares[1]) == sorted(one[:6])  # together: the same 6 prompts
+    assert shares[0] == one[0:6:2] and shares[1] == one[1:6:2]
+    # each process moves on alone (dynamic sampling takes more on one of them)
+    assert ranks[0].take(3) == one[6:12:2] and ranks[0].consumed == 6 and ranks[1].consumed == 3
