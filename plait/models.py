@@ -112,7 +112,7 @@ def load_model(name_or_path: str, dtype: str = "float32", lora=None, gradient_ch
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=_DTYPES[dtype])
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if lora is not None:
         from peft import LoraConfig, get_peft_model

@@ -146,3 +146,28 @@ def test_a_config_problem_is_reported_once_and_stops_every_process(tiny_model_pa
     assert res.stderr.count("3 prompts / 2 processes = 1.50 is not whole") == 1, res.stderr[-2000:]
     assert "rollout.prompts_per_step in [2, 4" in res.stderr
     assert not (tmp_path / "run").exists()
+
+
+VARIANTS = {  # backend options, model/algorithm options that change what each backend must handle
+    "fsdp2-kl-checkpointing": (BACKENDS["fsdp2"], ["algo.beta=0.1", "model.gradient_checkpointing=true"]),
+    "zero3-kl-checkpointing": (BACKENDS["zero3"], ["algo.beta=0.1", "model.gradient_checkpointing=true"]),
+    "ddp-lora": (BACKENDS["ddp"], ["model.lora={r: 4}"]),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_reference_model_checkpointing_and_lora_match_one_process(variant, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    """A sharded reference model (KL), activation checkpointing, and LoRA under ddp train
+    the same as in one process."""
+    import shutil
+
+    backend, extra = VARIANTS[variant]
+    shutil.copy(tiny_model_path / "model.safetensors", tmp_path / "start.safetensors")
+    single, run = tmp_path / "single", tmp_path / "run"
+    train(load_config(None, _options(tiny_model_path, prompts_jsonl, single, *extra)))
+    res = _torchrun(_options(tiny_model_path, prompts_jsonl, run, *extra, *backend), helper_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    if "algo.beta=0.1" in extra:
+        kl = [m["kl"] for m in _metrics(run)]
+        assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 1e-4  # the policy moved away from the reference
+    assert_same_run(run, single)

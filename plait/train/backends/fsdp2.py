@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+)
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from plait.cluster import comm
@@ -54,17 +56,46 @@ class FSDP2Backend(LocalBackend):
         return module
 
     def load(self, cfg) -> None:
-        # Loaded on CPU and sharded layer by layer: a GPU never holds more than its shards
-        # plus one layer. (CPU memory holds one full copy per process while loading.)
         m = cfg.model
-        from plait.models import load_model
-
-        self.module = self._shard(load_model(m.name_or_path, m.dtype, None, m.gradient_checkpointing))
+        self.module = self._load_sharded(m.gradient_checkpointing)
         self.module.train()
         self.model = self.module
         if cfg.algo.beta > 0:
-            self.ref_model = self._shard(load_model(m.name_or_path, m.dtype)).eval().requires_grad_(False)
+            self.ref_model = self._load_sharded(False).eval().requires_grad_(False)
         self.optimizer, self.scheduler = make_optimizer(self.module, cfg)
+
+    def _load_sharded(self, gradient_checkpointing: bool):
+        """Only rank 0 reads the weights; the others build the model on the meta device (no
+        memory), everyone shards it, and rank 0 broadcasts each weight into the shards. So one
+        process, not N, holds a full CPU copy while loading, and a GPU never holds more than
+        its shards plus one layer."""
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        from plait.models import _DTYPES, load_model, resolve_model_path
+
+        m = self.cfg.model
+        if comm.is_main():
+            module = load_model(m.name_or_path, m.dtype, None, gradient_checkpointing)
+            full = module.state_dict()
+        else:
+            folder = resolve_model_path(m.name_or_path)
+            with torch.device("meta"):
+                module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=_DTYPES[m.dtype])
+            if (folder / "generation_config.json").is_file():
+                module.generation_config = GenerationConfig.from_pretrained(folder)
+            module.generation_config.pad_token_id = module.generation_config.pad_token_id or module.config.eos_token_id
+            if gradient_checkpointing:
+                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                module.config.use_cache = False
+            full = {}
+        self._shard(module)
+        if not comm.is_main():
+            module.to_empty(device=self.device)
+        set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full
+        for b in module.buffers():  # buffers are not sharded; non-persistent ones (rotary) aren't in the state dict
+            torch.distributed.broadcast(b.data, src=0)
+        return module
 
     def describe(self) -> dict:
         local = sum(p.to_local().numel() for p in self.module.parameters())
@@ -119,8 +150,6 @@ class FSDP2Backend(LocalBackend):
         dcp.load(state, checkpoint_id=str(folder / "dcp"))
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         if self.ref_model is not None:
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
             set_model_state_dict(self.ref_model, state["reference"])
 
     def export(self, path: Path, tokenizer) -> None:
