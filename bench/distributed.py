@@ -79,7 +79,8 @@ def main() -> None:
         for name in args.only:
             rows.append(run(name, BACKENDS[name], args, Path(tmp)))
             print(json.dumps(rows[-1]), flush=True)
-    print(f"\n| backend | processes | step s | train s | generate s | params/process (M) | peak {rows[0]['memory']} per process |")
+    label = {"peak_rss_mb": "peak RSS per process (MB)", "peak_cuda_mb": "peak CUDA memory per process (MB)"}[rows[0]["memory"]]
+    print(f"\n| backend | processes | step s | train s | generate s | params/process (M) | {label} |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['backend']} | {r['processes']} | {r['step_s']:.1f} | {r['train_s']:.1f} | {r['generate_s']:.1f} | "

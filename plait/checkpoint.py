@@ -135,3 +135,15 @@ def load_checkpoint(path: Path, backend) -> dict:
     if rng.is_file():  # absent when resuming with more processes than wrote it
         set_rng_state(torch.load(rng, weights_only=False))
     return state
+
+
+def resume_position(state: dict, rank: int, world: int, say) -> int:
+    """This process's data position in a checkpoint. With another number of processes than
+    wrote it, every process restarts from the furthest position all of them had reached."""
+    per_rank = state.get("prompts_consumed_per_rank") or [state["prompts_consumed"]]
+    if len(per_rank) == world:
+        return per_rank[rank]
+    reached = min(per_rank) * len(per_rank)
+    if rank == 0:
+        say(f"[yellow]resuming with {world} processes a checkpoint written by {len(per_rank)}: data continues at prompt position {reached - reached % world}")
+    return reached // world

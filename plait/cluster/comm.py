@@ -36,17 +36,17 @@ def init_from_env(device: torch.device, timeout_s: float = 1800, single_process_
     offloading); otherwise it stays without a group."""
     if active():
         return True
+    alone = {}
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         if not single_process_ok:
             return False
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        alone = {"init_method": f"tcp://127.0.0.1:{_free_port()}", "rank": 0, "world_size": 1}
     if device.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timedelta(seconds=timeout_s), **alone)
     else:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s), **alone)
     return True
 
 

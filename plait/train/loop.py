@@ -10,7 +10,6 @@ functions), backend (how gradients are computed and applied) and checkpoint stor
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import time
@@ -26,7 +25,7 @@ from plait.algo.advantages import combine_rewards
 from plait.algo.kl import mix_reference, sequence_kl
 from plait.algo.logprobs import completion_logprobs
 from plait.algo.losses import LossSettings, StepCounts, engine_mismatch_weights, high_entropy_mask, policy_loss
-from plait.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from plait.checkpoint import latest_checkpoint, load_checkpoint, resume_position, save_checkpoint
 from plait.cluster import comm
 from plait.config import Config, ConfigError, resolve_backend, validate
 from plait.data import PromptOrder, build_prompts, load_rows
@@ -40,7 +39,7 @@ from plait.rollout import make_engine
 from plait.telemetry import MetricsSink, PhaseTimer
 from plait.train.backends import make_backend, resolve_device
 from plait.train.batch import collate, micro_batches
-from plait.train.metrics import phase_summary, rollout_metrics, sample_record
+from plait.train.metrics import across_processes, describe_processes, phase_summary, sample_record, step_rollout_metrics
 from plait.train.sampling import collect_groups
 from plait.types import Batch, Group
 
@@ -360,54 +359,6 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None) -> TrainR
     describe_processes(backend, run_dir, say, final=True)
     _summary(say, result, cfg, run_dir)
     return result
-
-
-def describe_processes(backend, run_dir: Path, say, final: bool = False) -> None:
-    """Which process holds what (parameters, peak memory): the log and RUN_DIR/cluster.json."""
-    import resource
-    import socket
-
-    mine = {"rank": comm.rank(), "host": socket.gethostname(), **backend.describe(),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    if torch.cuda.is_available():
-        mine["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    everyone = comm.all_gather_objects(mine)
-    if comm.is_main():
-        (run_dir / "cluster.json").write_text(json.dumps(everyone, indent=1))
-    if not final and len(everyone) > 1:
-        held = ", ".join(f"rank {p['rank']}: {p['params_local'] / 1e6:.2f}M" for p in everyone)
-        say(f"parameters held per process ({everyone[0]['params_total'] / 1e6:.2f}M in the model): {held}")
-
-
-def resume_position(state: dict, rank: int, world: int, say) -> int:
-    """This process's data position in a checkpoint. With another number of processes than
-    wrote it, every process restarts from the furthest position all of them had reached."""
-    per_rank = state.get("prompts_consumed_per_rank") or [state["prompts_consumed"]]
-    if len(per_rank) == world:
-        return per_rank[rank]
-    reached = min(per_rank) * len(per_rank)
-    if rank == 0:
-        say(f"[yellow]resuming with {world} processes a checkpoint written by {len(per_rank)}: data continues at prompt position {reached - reached % world}")
-    return reached // world
-
-
-def step_rollout_metrics(groups: list[Group], accuracy: list[float] | None) -> dict[str, float]:
-    """rollout_metrics over every process's groups (gathered without their log-probs)."""
-    light = [Group(g.prompt, [dataclasses.replace(c, logprobs=[]) for c in g.completions], g.rewards, g.total) for g in groups]
-    parts = comm.all_gather_objects((light, accuracy))
-    everyone = [g for gs, _ in parts for g in gs]
-    acc = None if accuracy is None else [v for _, a in parts for v in a]
-    return rollout_metrics(everyone, acc)
-
-
-def across_processes(*parts: dict[str, float]) -> dict[str, float]:
-    """Counters summed over processes (sampling rounds: the most any process needed)."""
-    merged = {k: v for p in parts for k, v in p.items()}
-    keys = sorted(merged)
-    totals = dict(zip(keys, comm.all_sum([merged[k] for k in keys])))
-    if "sampling/rounds" in merged:
-        totals["sampling/rounds"] = comm.all_max([merged["sampling/rounds"]])[0]
-    return totals
 
 
 def reward_health(rewards: list[BoundReward], sandboxed: bool) -> dict[str, float]:

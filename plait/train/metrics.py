@@ -1,9 +1,16 @@
-"""Per-step numbers about the rollouts (rewards, lengths, truncation) for the metrics line."""
+"""Per-step numbers about the rollouts (rewards, lengths, truncation) for the metrics line,
+over every training process."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import statistics
+from pathlib import Path
 
+import torch
+
+from plait.cluster import comm
 from plait.types import Group
 
 
@@ -58,3 +65,39 @@ def phase_summary(history: list[dict]) -> tuple[float, dict[str, float]]:
             if k.startswith("time/") and k != "time/step":
                 phases[k[5:]] = phases.get(k[5:], 0.0) + v
     return total, {k: v / total for k, v in phases.items()} if total else {}
+
+
+def step_rollout_metrics(groups: list[Group], accuracy: list[float] | None) -> dict[str, float]:
+    """rollout_metrics over every process's groups (gathered without their log-probs)."""
+    light = [Group(g.prompt, [dataclasses.replace(c, logprobs=[]) for c in g.completions], g.rewards, g.total) for g in groups]
+    parts = comm.all_gather_objects((light, accuracy))
+    everyone = [g for gs, _ in parts for g in gs]
+    acc = None if accuracy is None else [v for _, a in parts for v in a]
+    return rollout_metrics(everyone, acc)
+
+
+def across_processes(*parts: dict[str, float]) -> dict[str, float]:
+    """Counters summed over processes (sampling rounds: the most any process needed)."""
+    merged = {k: v for p in parts for k, v in p.items()}
+    keys = sorted(merged)
+    totals = dict(zip(keys, comm.all_sum([merged[k] for k in keys])))
+    if "sampling/rounds" in merged:
+        totals["sampling/rounds"] = comm.all_max([merged["sampling/rounds"]])[0]
+    return totals
+
+
+def describe_processes(backend, run_dir: Path, say, final: bool = False) -> None:
+    """Which process holds what (parameters, peak memory): the log and RUN_DIR/cluster.json."""
+    import resource
+    import socket
+
+    mine = {"rank": comm.rank(), "host": socket.gethostname(), **backend.describe(),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if torch.cuda.is_available():
+        mine["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    everyone = comm.all_gather_objects(mine)
+    if comm.is_main():
+        (run_dir / "cluster.json").write_text(json.dumps(everyone, indent=1))
+    if not final and len(everyone) > 1:
+        held = ", ".join(f"rank {p['rank']}: {p['params_local'] / 1e6:.2f}M" for p in everyone)
+        say(f"parameters held per process ({everyone[0]['params_total'] / 1e6:.2f}M in the model): {held}")

@@ -8,7 +8,6 @@ of every step must agree (they only do if every completion is the same).
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from safetensors.torch import load_file
 
 from plait.config import load_config
 from plait.train.loop import train
+from test_train import tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -32,15 +32,11 @@ BACKENDS = {
 
 
 def _options(model, data, out, *extra):
-    train_f, eval_f = data
-    return [
-        f"model.name_or_path={model}", "data.task=null", f"data.path={train_f}", f"data.eval_path={eval_f}",
-        "data.prompt_field=question", "rollout.prompts_per_step=4", "rollout.num_generations=4",
-        "rollout.max_completion_length=12", "train.micro_batch_size=2", "train.max_steps=3",
-        "train.learning_rate=1e-3", "train.warmup_steps=2", "train.lr_scheduler=cosine", "train.precision=fp32",
-        "rewards=[{name: 'plait_test_rewards:vowel_share_crash_env'}]", "eval.before=false", "eval.after=true",
-        "log.console=plain", f"output_dir={out}", *extra,
-    ]
+    """test_train's tiny run, made 3 steps of 4 prompts with 4 micro-batches per process."""
+    return tiny_overrides(
+        model, data, out, "rollout.prompts_per_step=4", "train.micro_batch_size=2", "train.max_steps=3",
+        "rewards=[{name: 'plait_test_rewards:vowel_share_crash_env'}]", "eval.after=true", "log.console=plain", *extra,
+    )
 
 
 def _free_port() -> int:
@@ -170,4 +166,21 @@ def test_reference_model_checkpointing_and_lora_match_one_process(variant, tiny_
     if "algo.beta=0.1" in extra:
         kl = [m["kl"] for m in _metrics(run)]
         assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 1e-4  # the policy moved away from the reference
+    assert_same_run(run, single)
+
+
+def test_fsdp2_checkpoint_resumes_with_another_number_of_processes(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    """DCP shards written by 2 processes load into 1 (a job that lost a node goes on): the
+    data position and weights carry over, and the run equals one never split."""
+    import shutil
+
+    shutil.copy(tiny_model_path / "model.safetensors", tmp_path / "start.safetensors")
+    constant = ["train.lr_scheduler=constant", "train.backend=fsdp2"]  # extending a run keeps its schedule
+    single, run = tmp_path / "single", tmp_path / "run"
+    train(load_config(None, _options(tiny_model_path, prompts_jsonl, single, *constant)))
+    first = _torchrun(_options(tiny_model_path, prompts_jsonl, run, *constant, "train.max_steps=2"), helper_env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (run / "checkpoints" / "step_00000002" / "dcp" / ".metadata").is_file()
+    resumed = train(load_config(None, _options(tiny_model_path, prompts_jsonl, run, *constant, "resume=auto")))
+    assert [m["reward/total/mean"] for m in resumed.history] == pytest.approx([m["reward/total/mean"] for m in _metrics(single)][2:], rel=1e-6)
     assert_same_run(run, single)

@@ -8,6 +8,7 @@ are DeepSpeed's own (each process writes its partition).
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -57,6 +58,9 @@ class DeepSpeedBackend(LocalBackend):
 
         from plait.models import load_model
 
+        if comm.world_size() == 1:  # started without torchrun: DeepSpeed still reads these
+            for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+                os.environ.setdefault(key, value)
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())  # adopts plait's process group
         self.stage = cfg.train.deepspeed.zero_stage
         self.ds_config = deepspeed_config(cfg, comm.world_size())
