@@ -14,7 +14,7 @@ import json
 import random
 import time
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -321,7 +321,10 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None) -> TrainR
     names, weights = [r.name for r in rewards], [r.weight for r in rewards]
     prompts_per_round = plan.prompts_per_process * cfg.algo.steps_per_generation
     for step in range(start + 1, cfg.train.max_steps + 1):
-        groups, sampling = collect_groups(engine, take_prompts, prompts_per_round, cfg, step, rewards, timer)
+        with ExitStack() as gathered:
+            with timer("generate"):  # sharded backends gather full weights once for the step's sampling
+                gathered.enter_context(backend.for_generation())
+            groups, sampling = collect_groups(engine, take_prompts, prompts_per_round, cfg, step, rewards, timer)
         with timer("score"):
             accuracy = step_accuracy(groups, metric)
         batch = collate(groups, pad_id, cfg.algo.mask_truncated_completions)

@@ -184,3 +184,22 @@ def test_fsdp2_checkpoint_resumes_with_another_number_of_processes(tiny_model_pa
     resumed = train(load_config(None, _options(tiny_model_path, prompts_jsonl, run, *constant, "resume=auto")))
     assert [m["reward/total/mean"] for m in resumed.history] == pytest.approx([m["reward/total/mean"] for m in _metrics(single)][2:], rel=1e-6)
     assert_same_run(run, single)
+
+
+@pytest.mark.parametrize("backend, extra", [
+    ("fsdp2", ["algo.dynamic_sampling=true", "algo.max_sampling_rounds=3", "rewards=[{name: 'plait_test_rewards:sometimes_constant'}]"]),
+    ("zero3", ["rollout.two_stage={first_generations: 2, keep: not_all_failed}", "algo.max_sampling_rounds=2",
+               "rewards=[{name: 'plait_test_rewards:even_a'}, {name: 'plait_test_rewards:vowel_share'}]"]),
+])
+def test_processes_may_need_different_numbers_of_sampling_rounds(backend, extra, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    """Dynamic sampling and two-stage generation decide per process how many rounds to run;
+    with sharded weights that must not leave one process waiting in a gather the other
+    never joins (weights are gathered once per step, outside the rounds)."""
+    out = tmp_path / "run"
+    res = _torchrun(_options(tiny_model_path, prompts_jsonl, out, *BACKENDS[backend], *extra), helper_env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = _metrics(out)
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert any(m["sampling/rounds"] > 1 for m in steps)  # the most any process needed
+    if "two_stage" in extra[0]:
+        assert sum(m["two_stage/prompts_skipped"] for m in steps) > 0

@@ -80,10 +80,11 @@ class DeepSpeedBackend(LocalBackend):
         self.module.train()
         if cfg.algo.beta > 0:
             ref = load_model(m.name_or_path, m.dtype).eval().requires_grad_(False)
-            if self.stage == 3:  # a ZeRO-3 engine without optimizer: sharded, forward only
+            if self.stage == 3:  # a ZeRO-3 engine without optimizer: sharded, forward only (placed by DeepSpeed)
                 ref_cfg = {k: v for k, v in self.ds_config.items() if k != "gradient_clipping"}
-                ref = deepspeed.initialize(model=ref, config=ref_cfg)[0].module.eval()
-            self.ref_model = ref.to(self.device)
+                self.ref_model = deepspeed.initialize(model=ref, config=ref_cfg)[0].module.eval()
+            else:  # ZeRO-2 shards no parameter: a plain frozen copy in every process
+                self.ref_model = ref.to(self.device)
 
     def describe(self) -> dict:
         local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in self.module.parameters())
@@ -102,7 +103,7 @@ class DeepSpeedBackend(LocalBackend):
         return float(norm) if norm is not None else float("nan")
 
     @contextlib.contextmanager
-    def for_generation(self):
+    def _gather_for_generation(self):
         """Stage 2 samples from the training module. Stage 3 gathers each weight into a
         temporary full copy (freed after generation): decoding from partitioned weights
         would all-gather every layer for every token, in lockstep across processes."""

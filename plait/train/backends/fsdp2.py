@@ -118,7 +118,7 @@ class FSDP2Backend(LocalBackend):
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     @contextlib.contextmanager
-    def for_generation(self):
+    def _gather_for_generation(self):
         """All weights gathered once for the whole generation (token-by-token decoding would
         otherwise all-gather every layer for every token, and every process would have to
         decode in lockstep); sharded again afterwards."""

@@ -117,9 +117,24 @@ class LocalBackend:
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
+    @contextlib.contextmanager
     def for_generation(self):
-        """The module the rollout engine samples from (it shares the training weights)."""
-        return contextlib.nullcontext(self.module)
+        """A context yielding the module the rollout engine samples from. Re-entrant: the
+        loop opens it once around a step's sampling, so the (collective) gather of sharded
+        weights happens once per step in every process, however many generation rounds each
+        process then runs on its own (dynamic sampling, two-stage)."""
+        if getattr(self, "_generation_view", None) is not None:
+            yield self._generation_view
+            return
+        with self._gather_for_generation() as view:
+            self._generation_view = view
+            try:
+                yield view
+            finally:
+                self._generation_view = None
+
+    def _gather_for_generation(self):
+        return contextlib.nullcontext(self.module)  # the training weights themselves
 
     # ------------------------------------------------------------ checkpoints
 
