@@ -103,6 +103,17 @@ def load_tokenizer(name_or_path: str):
     return tok
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Recompute activations in backward (non-reentrant: works with frozen inputs, LoRA and
+    FSDP2). transformers >= 5.x names it activation_checkpointing_enable."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
 def load_model(name_or_path: str, dtype: str = "float32", lora=None, gradient_checkpointing: bool = False):
     """A causal LM from a local folder, optionally wrapped with LoRA adapters (peft)."""
     from transformers import AutoModelForCausalLM
@@ -112,8 +123,7 @@ def load_model(name_or_path: str, dtype: str = "float32", lora=None, gradient_ch
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=_DTYPES[dtype])
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        enable_activation_checkpointing(model)
     if lora is not None:
         from peft import LoraConfig, get_peft_model
 

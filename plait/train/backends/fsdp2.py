@@ -71,7 +71,7 @@ class FSDP2Backend(LocalBackend):
         its shards plus one layer."""
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-        from plait.models import _DTYPES, load_model, resolve_model_path
+        from plait.models import _DTYPES, enable_activation_checkpointing, load_model, resolve_model_path
 
         m = self.cfg.model
         if comm.is_main():
@@ -85,8 +85,7 @@ class FSDP2Backend(LocalBackend):
                 module.generation_config = GenerationConfig.from_pretrained(folder)
             module.generation_config.pad_token_id = module.generation_config.pad_token_id or module.config.eos_token_id
             if gradient_checkpointing:
-                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-                module.config.use_cache = False
+                enable_activation_checkpointing(module)
             full = {}
         self._shard(module)
         if not comm.is_main():
