@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from plait.cluster.comm import free_port
 
 BACKENDS = {
     "local": [],
@@ -32,12 +33,6 @@ BACKENDS = {
 }
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(name: str, extra: list[str], args, root: Path) -> dict:
     out = root / name
     opts = [
@@ -46,7 +41,7 @@ def run(name: str, extra: list[str], args, root: Path) -> dict:
         "train.precision=bf16", "eval.before=false", "eval.after=false", "checkpoint.save_final_model=false",
         "log.console=none", f"output_dir={out}", *extra,
     ]
-    launcher = [] if name == "local" else ["-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port", str(_port())]
+    launcher = [] if name == "local" else ["-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port", str(free_port())]
     cmd = [sys.executable, *launcher, "-m", "plait", "train", *sum((["--set", o] for o in opts), [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     if proc.returncode != 0:

@@ -111,6 +111,12 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def find_checkpoint(path: Path) -> Path | None:
+    """`path` itself when it is a complete checkpoint, else the newest one in run dir `path`."""
+    path = Path(path)
+    return path if (path / MARKER).is_file() else latest_checkpoint(path)
+
+
 def prune(root: Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` complete checkpoints, and stale temp folders."""
     done = complete_checkpoints(root.parent)

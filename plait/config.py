@@ -456,16 +456,13 @@ def _resume_problems(cfg: Config, processes: int) -> list[str]:
     """A checkpoint can only be resumed by a backend that reads its format."""
     import json
 
-    from plait.checkpoint import MARKER, latest_checkpoint
+    from plait.checkpoint import find_checkpoint
 
-    p = Path(cfg.resume) if cfg.resume not in ("never", "auto") else (Path(cfg.output_dir) if cfg.output_dir else None)
-    if p is None:
+    if cfg.resume == "never" or (cfg.resume == "auto" and cfg.output_dir is None):
         return []
-    ckpt = p if (p / MARKER).is_file() else latest_checkpoint(p)
+    ckpt = find_checkpoint(Path(cfg.output_dir if cfg.resume == "auto" else cfg.resume))
     if ckpt is None:
-        return [] if cfg.resume in ("never", "auto") else [f"resume: '{cfg.resume}' is neither a complete checkpoint nor a run directory that has one"]
-    if cfg.resume == "never":
-        return []
+        return [] if cfg.resume == "auto" else [f"resume: '{cfg.resume}' is neither a complete checkpoint nor a run directory that has one"]
     try:
         state = json.loads((ckpt / "trainer_state.json").read_text())
     except (OSError, ValueError):

@@ -140,11 +140,12 @@ def load_model(name_or_path: str, dtype: str = "float32", lora=None, gradient_ch
     return model
 
 
-def save_model(model, tokenizer, path: str | os.PathLike) -> Path:
+def save_model(model, tokenizer, path: str | os.PathLike, state_dict: dict | None = None) -> Path:
     """Write a plain HF folder (safetensors + tokenizer) that `from_pretrained` loads back.
 
     LoRA models are merged into their base weights first (on a copy), so the folder is a
-    normal model; the adapter alone is saved beside it in `adapter/`.
+    normal model; the adapter alone is saved beside it in `adapter/`. `state_dict` gives the
+    full weights when `model` holds only shards of them (gathered by a sharded backend).
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -155,12 +156,24 @@ def save_model(model, tokenizer, path: str | os.PathLike) -> Path:
         model.save_pretrained(tmp / "adapter")
         merged = copy.deepcopy(model).merge_and_unload()
         merged.save_pretrained(tmp)
+    elif state_dict is not None:
+        model.save_pretrained(tmp, state_dict=_without_tied_copies(model, state_dict))
     else:
         model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
     return path
+
+
+def _without_tied_copies(model, state_dict: dict) -> dict:
+    """Drop the second name of each tied weight (lm_head = embeddings): stored once."""
+    seen, aliases = set(), set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases.add(name)
+        seen.add(id(p))
+    return {k: v for k, v in state_dict.items() if k not in aliases}
 
 
 def tiny_model(path: str | os.PathLike, vocab_from: str | None = None, seed: int = 0, model_class=None, **overrides) -> Path:

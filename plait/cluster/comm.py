@@ -40,7 +40,7 @@ def init_from_env(device: torch.device, timeout_s: float = 1800, single_process_
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         if not single_process_ok:
             return False
-        alone = {"init_method": f"tcp://127.0.0.1:{_free_port()}", "rank": 0, "world_size": 1}
+        alone = {"init_method": f"tcp://127.0.0.1:{free_port()}", "rank": 0, "world_size": 1}
     if device.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -50,7 +50,8 @@ def init_from_env(device: torch.device, timeout_s: float = 1800, single_process_
     return True
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port that is free on this host now (a rendezvous on 127.0.0.1)."""
     import socket
 
     with socket.socket() as s:

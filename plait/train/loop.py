@@ -25,7 +25,7 @@ from plait.algo.advantages import combine_rewards
 from plait.algo.kl import mix_reference, sequence_kl
 from plait.algo.logprobs import completion_logprobs
 from plait.algo.losses import LossSettings, StepCounts, engine_mismatch_weights, high_entropy_mask, policy_loss
-from plait.checkpoint import latest_checkpoint, load_checkpoint, resume_position, save_checkpoint
+from plait.checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, resume_position, save_checkpoint
 from plait.cluster import comm
 from plait.config import Config, ConfigError, resolve_backend, validate
 from plait.data import PromptOrder, build_prompts, load_rows
@@ -83,8 +83,7 @@ def prepare_run_dir(cfg: Config) -> tuple[Path, Path | None]:
 
 def _choose_run_dir(cfg: Config) -> tuple[Path, Path | None]:
     if cfg.resume not in ("never", "auto"):
-        given = Path(cfg.resume)
-        ckpt = given if given.name.startswith("step_") else latest_checkpoint(given)
+        ckpt = find_checkpoint(Path(cfg.resume))  # validate() made sure there is one
         return ckpt.parent.parent, ckpt
     run_dir = Path(cfg.output_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     existing = latest_checkpoint(run_dir)
@@ -121,13 +120,14 @@ def reference_logprobs(model, ref_model, mb: Batch, temperature: float) -> torch
 
 
 @torch.no_grad()
-def logprob_prepass(model, ref_model, batch: Batch, cfg: Config, backend) -> None:
+def logprob_prepass(batch: Batch, cfg: Config, backend) -> None:
     """Fill batch.old_logprobs (needed when the policy moves before a row is trained on, or
     for the KL reward) and batch.ref_logprobs (beta > 0), micro-batch by micro-batch."""
     a = cfg.algo
     need_old = a.num_iterations > 1 or a.steps_per_generation > 1 or a.kl_in_reward
     if not need_old and a.beta == 0:
         return
+    model, ref_model = backend.module, backend.ref_model
     temperature = cfg.rollout.temperature or 1.0
     old = torch.zeros_like(batch.completion_mask, dtype=torch.float32)
     ref = torch.zeros_like(old)
@@ -329,7 +329,7 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None) -> TrainR
             accuracy = step_accuracy(groups, metric)
         batch = collate(groups, pad_id, cfg.algo.mask_truncated_completions)
         with timer("reference"):
-            logprob_prepass(backend.module, backend.ref_model, batch, cfg, backend)
+            logprob_prepass(batch, cfg, backend)
         batch.advantages = step_advantages(groups, batch, cfg, names, weights)
         with timer("train"):
             update = policy_update(batch, cfg, backend)

@@ -8,7 +8,6 @@ of every step must agree (they only do if every completion is the same).
 """
 
 import json
-import socket
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from plait.cluster.comm import free_port
 from plait.config import load_config
 from plait.train.loop import train
 from test_train import tiny_overrides
@@ -39,14 +39,8 @@ def _options(model, data, out, *extra):
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(options, env, nproc=2, launcher=None, timeout=600):
-    launcher = launcher or ["--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    launcher = launcher or ["--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "plait", "train", *sum((["--set", o] for o in options), [])]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
@@ -67,7 +61,8 @@ def assert_same_run(run, reference):
     a = load_file(str(run / "final" / "model.safetensors"))
     b = load_file(str(reference / "final" / "model.safetensors"))
     assert a.keys() == b.keys()
-    changed = max((b[k] - load_file(str(reference.parent / "start.safetensors"))[k]).abs().max().item() for k in b)
+    start = load_file(str(reference.parent / "start.safetensors"))
+    changed = max((b[k] - start[k]).abs().max().item() for k in b)
     assert changed > 100 * WEIGHT_ATOL  # training moved the weights far more than the tolerance
     for k in a:
         assert torch.allclose(a[k], b[k], atol=WEIGHT_ATOL, rtol=0), k
@@ -120,7 +115,7 @@ def test_two_nodes_on_one_machine(single_process_run, tiny_model_path, prompts_j
     rendezvous form one job, and it matches the single-process run."""
     out = tmp_path / "run"
     opts = _options(tiny_model_path, prompts_jsonl, out, "train.backend=fsdp2")
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for node in (0, 1):
         launcher = ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from plait.cluster import comm
-from plait.train.backends.fsdp2 import _save_pretrained
+from plait.models import save_model
 from plait.train.backends.local import LocalBackend
 from plait.train.optim import make_optimizer
 
@@ -110,16 +110,14 @@ class DeepSpeedBackend(LocalBackend):
         if self.stage != 3:
             yield self.module
             return
-        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"), _zero3_off():
             replica = AutoModelForCausalLM.from_config(self._skeleton_config)
         replica.to_empty(device=self.device)
         with torch.no_grad():
-            for name, p in self.module.named_parameters():
-                with GatheredParameters([p], modifier_rank=None):
-                    replica.get_parameter(name).copy_(p)
+            for name, full in self._gathered_weights():
+                replica.get_parameter(name).copy_(full)
             for name, b in self.module.named_buffers():  # ZeRO never partitions buffers
                 replica.get_buffer(name).copy_(b)
         replica.tie_weights()  # to_empty gave tied weights separate storage: tie them again
@@ -128,6 +126,15 @@ class DeepSpeedBackend(LocalBackend):
             yield replica
         finally:
             del replica
+
+    def _gathered_weights(self):
+        """(name, full weight) for every ZeRO-3 parameter, one gathered at a time (a
+        collective: every process must iterate to the end)."""
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        for name, p in self.module.named_parameters():
+            with GatheredParameters([p], modifier_rank=None):
+                yield name, p
 
     # ------------------------------------------------------------ checkpoints
 
@@ -140,20 +147,14 @@ class DeepSpeedBackend(LocalBackend):
     def export(self, path: Path, tokenizer) -> None:
         """Gather the weights one by one into rank 0's CPU memory; write a plain HF folder."""
         if self.stage == 3:
-            from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-            full = {}
-            for name, p in self.module.named_parameters():
-                with GatheredParameters([p], modifier_rank=None):
-                    if comm.is_main():
-                        full[name] = p.detach().cpu().clone()
+            full = {name: t.detach().cpu().clone() for name, t in self._gathered_weights() if comm.is_main()}
             persistent = set(self.module.state_dict())
             full.update({n: b.detach().cpu().clone() for n, b in self.module.named_buffers() if n in persistent})
         else:
             full = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
         if comm.is_main():
             with _zero3_off():
-                _save_pretrained(self.module, full, tokenizer, path)
+                save_model(self.module, tokenizer, path, state_dict=full)
         comm.barrier()
 
 

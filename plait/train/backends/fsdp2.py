@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from plait.cluster import comm
+from plait.models import save_model
 from plait.train.backends.local import LocalBackend
 from plait.train.optim import make_optimizer
 
@@ -106,16 +107,6 @@ class FSDP2Backend(LocalBackend):
         self.module.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss * comm.world_size()).backward()  # FSDP averages over processes; we want the sum
-
-    def step(self, max_norm: float | None) -> float:
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-
     @contextlib.contextmanager
     def _gather_for_generation(self):
         """All weights gathered once for the whole generation (token-by-token decoding would
@@ -155,23 +146,5 @@ class FSDP2Backend(LocalBackend):
         """Gather the full weights into rank 0's CPU memory and write a plain HF folder."""
         full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if comm.is_main():
-            _save_pretrained(self.module, full, tokenizer, path)
+            save_model(self.module, tokenizer, path, state_dict=full)
         comm.barrier()
-
-
-def _save_pretrained(module, state_dict: dict, tokenizer, path: Path) -> None:
-    """`save_pretrained` with the given full weights, atomically (temp folder, then rename)."""
-    import os
-    import shutil
-
-    seen, aliases = set(), set()
-    for name, p in module.named_parameters(remove_duplicate=False):
-        (aliases if id(p) in seen else seen).add(name if id(p) in seen else id(p))
-    state_dict = {k: v for k, v in state_dict.items() if k not in aliases}  # tied weights: stored once
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    module.save_pretrained(tmp, state_dict=state_dict)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)

@@ -73,12 +73,9 @@ class LocalBackend:
 
     # ------------------------------------------------------------ setup
 
-    def _load_module(self):
-        m = self.cfg.model
-        return load_model(m.name_or_path, m.dtype, m.lora, m.gradient_checkpointing).to(self.device)
-
     def load(self, cfg) -> None:
-        self.module = self._load_module()
+        m = cfg.model
+        self.module = load_model(m.name_or_path, m.dtype, m.lora, m.gradient_checkpointing).to(self.device)
         self.module.train()
         self.model = self._wrap(self.module)
         # beta = 0 loads no reference model; with LoRA the reference is the base model itself
@@ -107,7 +104,9 @@ class LocalBackend:
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        # the loss is normalized by the whole step's counts over all processes, so the
+        # gradient we want is the sum over processes; DDP and FSDP average, hence x world size
+        (loss * comm.world_size()).backward()
 
     def step(self, max_norm: float | None) -> float:
         """Clip the gradient norm, take the optimizer step, and return the pre-clip norm."""
@@ -115,7 +114,7 @@ class LocalBackend:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
 
     @contextlib.contextmanager
     def for_generation(self):
@@ -175,8 +174,3 @@ class DDPBackend(LocalBackend):
     def accumulate(self, last: bool):
         # DDP reads the sync flag in forward, so the context spans forward and backward
         return contextlib.nullcontext() if last else self.model.no_sync()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        # the loss is already normalized by the whole step's counts over all processes, so
-        # the gradient we want is the sum over processes; DDP averages, hence x world size
-        (loss * comm.world_size()).backward()
