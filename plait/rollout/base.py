@@ -1,15 +1,24 @@
-"""The engine interface every generation backend implements (transformers now, vLLM later)."""
+"""The engine interface every generation backend implements (transformers, vLLM colocated,
+vLLM servers)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import ContextManager, Protocol
 
 from plait.types import Completion, Prompt, SamplingParams
 
 
 class RolloutEngine(Protocol):
+    pad_id: int
+
+    def weights_for_step(self, version: int) -> ContextManager:
+        """Make the engine sample from the trainer's weights after `version` optimizer steps, for
+        the duration of the returned context. Every training process calls it (sharded backends
+        gather weights collectively). The HF engine gathers them for the context; vLLM engines
+        copy them in once per version and return an empty context."""
+
     def generate(self, prompts: list[Prompt], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
         """`n` completions for each prompt, in prompt order; deterministic for a given params.seed."""
 
-    def update_weights(self, model) -> None:
-        """Make the engine sample from `model`'s current weights (a no-op when it shares them)."""
+    def close(self) -> None:
+        """Free the engine's resources."""

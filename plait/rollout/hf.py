@@ -27,11 +27,15 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+def group_seed(seed: int, prompt: Prompt) -> int:
+    """The seed of one group's random stream: the step's seed and the prompt's dataset index.
+    A group's completions don't depend on which other prompts share its batch, process or
+    server replica, so 1 process and N processes sample the same completions."""
+    return (seed * 1_000_003 + prompt.index) % (2**63)
+
+
 def group_generators(prompts: list[Prompt], seed: int, device) -> list[torch.Generator]:
-    """One random stream per group, seeded by the step's seed and the prompt's dataset index:
-    a group's completions don't depend on which other prompts share its batch or process,
-    so 1 process and N processes sample the same completions."""
-    return [torch.Generator(device=device).manual_seed((seed * 1_000_003 + p.index) % (2**63)) for p in prompts]
+    return [torch.Generator(device=device).manual_seed(group_seed(seed, p)) for p in prompts]
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator], group_of_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,8 +85,13 @@ class HFEngine:
         self.eos_ids = sorted({e for e in [*eos, tokenizer.eos_token_id] if e is not None})
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
-    def update_weights(self, model) -> None:
-        self.model = model  # same process, same tensors: nothing to copy
+    def weights_for_step(self, version: int):
+        """It samples from the trainer's own module: gather the weights (sharded backends) for
+        the step's sampling, once, instead of per generate call."""
+        return self.view()
+
+    def close(self) -> None:
+        pass
 
     def _autocast(self):
         if self.precision == "bf16":

@@ -284,7 +284,7 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None) -> TrainR
     eval_prompts = build_prompts(load_rows(cfg.data, "eval", cfg.seed), tokenizer, cfg.data, log=say) if evaluating else []
     backend.load(cfg)  # model (+ reference) + optimizer, sharded as the backend does it
     describe_processes(backend, run_dir, say)
-    engine = make_engine(cfg, backend.module, tokenizer, view=backend.for_generation)
+    engine = make_engine(cfg, backend.module, tokenizer, view=backend.for_generation, device=backend.device)
     order = PromptOrder(len(train_prompts), cfg.seed, cfg.data.shuffle, rank=comm.rank(), stride=comm.world_size())
     pad_id = engine.pad_id
 
@@ -301,7 +301,8 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None) -> TrainR
 
     def run_eval(tag: str) -> float:
         # each process greedy-decodes its share of the held-out prompts; the counts are summed
-        res = evaluate(engine, eval_prompts[comm.rank():: comm.world_size()], metric, eval_tokens, cfg.rollout.stop)
+        with engine.weights_for_step(step):
+            res = evaluate(engine, eval_prompts[comm.rank():: comm.world_size()], metric, eval_tokens, cfg.rollout.stop)
         SANDBOX_STATS.take()  # evaluation's executions are not a training step's cost
         correct, n = comm.all_sum([res.accuracy * res.n, res.n])
         accuracy = correct / max(1.0, n)
@@ -321,9 +322,9 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None) -> TrainR
     names, weights = [r.name for r in rewards], [r.weight for r in rewards]
     prompts_per_round = plan.prompts_per_process * cfg.algo.steps_per_generation
     for step in range(start + 1, cfg.train.max_steps + 1):
-        with ExitStack() as gathered:
-            with timer("generate"):  # sharded backends gather full weights once for the step's sampling
-                gathered.enter_context(backend.for_generation())
+        with ExitStack() as step_weights:
+            with timer("weight_sync"):  # HF: gather sharded weights once for the step; vLLM: copy them in
+                step_weights.enter_context(engine.weights_for_step(step - 1))
             groups, sampling = collect_groups(engine, take_prompts, prompts_per_round, cfg, step, rewards, timer)
         with timer("score"):
             accuracy = step_accuracy(groups, metric)
@@ -334,8 +335,11 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None) -> TrainR
         with timer("train"):
             update = policy_update(batch, cfg, backend)
 
-        metrics = {**step_rollout_metrics(groups, accuracy), **update}
+        metrics = {**step_rollout_metrics(groups, accuracy), **update, **getattr(engine, "sync_stats", {})}
         metrics.update(across_processes(sampling.metrics(), reward_health(rewards, sandboxed)))
+        versions = [c.weight_version for g in groups for c in g.completions if c.weight_version is not None]
+        if versions:  # engines holding a copy of the weights: how many updates behind they sampled (0 when synced)
+            metrics["rollout/weight_staleness"] = step - 1 - min(versions)
         if cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0 and step < cfg.train.max_steps:
             with timer("checkpoint"):
                 save_checkpoint(run_dir, step, backend, _trainer_state(order, result), cfg.checkpoint.keep_last)
@@ -359,6 +363,7 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None) -> TrainR
         result.eval_after = run_eval("after")
     if cfg.checkpoint.save_final_model:
         backend.export(run_dir / "final", tokenizer)
+    engine.close()
     describe_processes(backend, run_dir, say, final=True)
     _summary(say, result, cfg, run_dir)
     return result

@@ -1,0 +1,188 @@
+"""The trainer's side of server mode: generation over HTTP, weights over a process group.
+
+Every training process sends its own prompts, spread across the server's replicas. After an
+optimizer step, training rank 0 alone broadcasts the new weights (in large flat buckets) to
+all replicas' workers through a torch.distributed group it hosts; the other ranks wait at a
+barrier, so no process asks for completions before the servers hold the new weights. Each
+answer carries its weight version, which is checked against the trainer's.
+
+A server that is down, dies, or stops answering raises RolloutServerError within
+`connect_timeout_s` / `request_timeout_s`: the run stops with the message, its committed
+checkpoints intact, and `resume=auto` continues once the server is back (a restarted server
+gets the weights again: its /health `instance` changed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+import torch
+
+from plait.cluster import comm
+from plait.rollout.vllm_engine import sampling_dict, to_completion
+from plait.rollout.weights import full_weights, metas_of, plan_buckets, send_buckets, weight_group
+from plait.types import Completion, Prompt, SamplingParams
+
+
+class RolloutServerError(RuntimeError):
+    """A rollout server can't be reached, died, or answered wrongly."""
+
+
+def _resume_hint() -> str:
+    return ("Checkpoints already written are intact: once the server is back (`plait rollout-server CONFIG`), "
+            "rerun with resume=auto to continue from the last one.")
+
+
+class RemoteEngine:
+    def __init__(self, cfg, tokenizer, view, device: torch.device):
+        import httpx
+
+        v = cfg.rollout.vllm
+        self.settings = v
+        self.view = view
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+        self.backend = v.sync_backend if v.sync_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        self.device = device
+        self.http = httpx.Client(timeout=httpx.Timeout(v.request_timeout_s, connect=min(10.0, v.connect_timeout_s)))
+        self.urls = self._discover(v.servers)
+        self.version: int | None = None
+        self.instances: dict[str, str] = {}  # replica -> instance id it had when it last got the weights
+        self.group = None
+        self.pool = ThreadPoolExecutor(max(2, len(self.urls)))
+        self.sync_stats: dict[str, float] = {}
+
+    # -------------------------------------------------------------- HTTP
+
+    def _call(self, method: str, url: str, path: str, body: dict | None = None) -> dict:
+        import httpx
+
+        try:
+            r = self.http.request(method, url + path, json=body)
+        except httpx.TimeoutException as e:
+            raise RolloutServerError(
+                f"rollout server {url} did not answer {path} within its time limit ({type(e).__name__}; "
+                f"rollout.vllm.request_timeout_s={self.settings.request_timeout_s}). {_resume_hint()}"
+            ) from None
+        except httpx.HTTPError as e:
+            raise RolloutServerError(f"rollout server {url} is unreachable ({type(e).__name__}: {e}) during {path}. {_resume_hint()}") from None
+        if r.status_code != 200:
+            raise RolloutServerError(f"rollout server {url} answered {path} with HTTP {r.status_code}: {r.text[:500]}")
+        return r.json()
+
+    def _discover(self, servers: list[str]) -> list[str]:
+        """Every replica behind the configured URLs, waiting up to connect_timeout_s for them."""
+        deadline = time.monotonic() + self.settings.connect_timeout_s
+        urls: list[str] = []
+        for base in servers:
+            base = base.rstrip("/")
+            while True:
+                try:
+                    health = self._call("GET", base, "/health")
+                    break
+                except RolloutServerError as e:
+                    if time.monotonic() > deadline:
+                        raise RolloutServerError(
+                            f"no rollout server at {base} after {self.settings.connect_timeout_s:.0f} s "
+                            f"(rollout.vllm.connect_timeout_s): {e}. Start one with `plait rollout-server CONFIG` "
+                            "on the generation devices, or set rollout.vllm.servers"
+                        ) from None
+                    time.sleep(1.0)
+            host = urlsplit(base)
+            urls += [f"{host.scheme}://{host.hostname}:{p}" for p in health["replicas"]]
+        return list(dict.fromkeys(urls))
+
+    def _on_all(self, path: str, bodies: list[dict]) -> list[dict]:
+        futures = [self.pool.submit(self._call, "POST", u, path, b) for u, b in zip(self.urls, bodies)]
+        return [f.result() for f in futures]
+
+    # -------------------------------------------------------------- weights
+
+    def weights_for_step(self, version: int):
+        """Make the servers hold the trainer's weights after `version` optimizer steps.
+        Collective: every training process calls it (gathering sharded weights is)."""
+        healths = [self._call("GET", u, "/health") for u in self.urls] if comm.is_main() else []
+        restarted = [h for u, h in zip(self.urls, healths) if self.instances.get(u) != h["instance"]]
+        needed = comm.broadcast_object(self.version != version or bool(restarted))
+        if needed:
+            t0 = time.perf_counter()
+            with self.view() as model:
+                if comm.is_main():
+                    if restarted or self.group is None:
+                        self._join(healths)
+                    nbytes = self._push(model, version)
+                    self.instances = {u: h["instance"] for u, h in zip(self.urls, healths)}
+            comm.barrier()  # nobody generates before the servers hold the new weights
+            if comm.is_main():
+                secs = time.perf_counter() - t0
+                self.sync_stats = {"weight_sync/gb": nbytes / 1e9, "weight_sync/seconds_per_gb": secs / max(1e-9, nbytes / 1e9)}
+        self.version = version
+        return contextlib.nullcontext()
+
+    def _local_address(self) -> str:
+        """This machine's address as the first server sees it (where it can reach our store)."""
+        u = urlsplit(self.urls[0])
+        with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+            return s.getsockname()[0]
+
+    def _join(self, healths: list[dict]) -> None:
+        """(Re)build the weight group: rank 0 = this process, then each replica's workers."""
+        host, port = self._local_address(), comm.free_port()
+        sizes = [h["tensor_parallel_size"] for h in healths]
+        world = 1 + sum(sizes)
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        timeout = self.settings.request_timeout_s
+        bodies = [dict(host=host, port=port, rank_offset=o, world=world, backend=self.backend, timeout_s=timeout) for o in offsets]
+        futures = [self.pool.submit(self._call, "POST", u, "/weights/join", b) for u, b in zip(self.urls, bodies)]
+        self.group = weight_group(host, port, 0, world, self.backend, timeout)
+        for f in futures:
+            f.result()
+
+    def _push(self, model, version: int) -> int:
+        with full_weights(model) as weights:
+            weights = [(n, t.to(self.dtype)) for n, t in weights]  # the engine's dtype: half the bytes in bf16
+            metas = metas_of(weights)
+            buckets = plan_buckets(metas, self.settings.sync_bucket_mb * 2**20)
+            body = dict(version=version, metas=[[m.name, m.dtype, list(m.shape)] for m in metas], buckets=buckets)
+            futures = [self.pool.submit(self._call, "POST", u, "/weights/update", body) for u in self.urls]
+            try:
+                send_buckets(self.group, [t for _, t in weights], buckets, self.device)
+            except RuntimeError as e:  # a receiver died mid-broadcast
+                self.group = None
+                raise RolloutServerError(f"sending weights to the rollout servers failed: {e}. {_resume_hint()}") from None
+            for f in futures:
+                f.result()
+            return sum(m.nbytes for m in metas)
+
+    # -------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
+        """Prompts go round-robin to the replicas (offset by rank, so processes don't all start
+        on replica 0); each replica's share is one request, all sent at once."""
+        r = len(self.urls)
+        shares: list[list[int]] = [[] for _ in range(r)]
+        for i in range(len(prompts)):
+            shares[(i + comm.rank()) % r].append(i)
+        bodies = [dict(prompts=[dict(token_ids=prompts[i].token_ids, sampling=sampling_dict(params, n, prompts[i])) for i in share]) for share in shares]
+        futures = [self.pool.submit(self._call, "POST", u, "/generate", b) if b["prompts"] else None for u, b in zip(self.urls, bodies)]
+        out: list[list[Completion]] = [[] for _ in prompts]
+        for url, share, fut in zip(self.urls, shares, futures):
+            if fut is None:
+                continue
+            answer = fut.result()
+            if answer["version"] != self.version:
+                raise RolloutServerError(
+                    f"rollout server {url} sampled with weight version {answer['version']}, but the trainer is at "
+                    f"{self.version}: another trainer is updating it? One run per rollout server."
+                )
+            for i, outs in zip(share, answer["outputs"]):
+                out[i] = [to_completion(prompts[i], o, answer["version"]) for o in outs]
+        return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+        self.http.close()

@@ -1,0 +1,219 @@
+"""`plait rollout-server`: vLLM on its own devices (or nodes), serving the trainer over HTTP.
+
+One command starts `--dp` engine replicas, each a process with its own HTTP port (base port +
+replica) and `--tp` devices. The trainer finds all replicas from any one URL (GET /health
+lists them), spreads its requests across them, and after each optimizer step broadcasts the new
+weights to every replica's workers through a torch.distributed group it hosts (see
+rollout/remote.py). Every answer carries the weight version it was sampled with.
+
+The HTTP API (JSON):
+  GET  /health          -> {version, instance, replica, replicas, tensor_parallel_size, model}
+  POST /generate        {prompts: [{token_ids, sampling}]} -> {version, outputs: [[{token_ids, text, logprobs, finish_reason, stop_reason}]]}
+  POST /weights/join    {host, port, rank_offset, world, backend, timeout_s}: join the trainer's weight group
+  POST /weights/update  {version, metas, buckets}: receive the broadcast; generation waits meanwhile
+
+`instance` changes whenever a replica restarts, so a trainer knows to send it the weights again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+
+class _Gate:
+    """Generation requests run concurrently; a weight update waits for them to finish and
+    holds new ones back until the new weights are in (no completion mixes two versions)."""
+
+    def __init__(self):
+        self.cond = asyncio.Condition()
+        self.running = 0
+        self.updating = False
+
+    @asynccontextmanager
+    async def generating(self):
+        async with self.cond:
+            await self.cond.wait_for(lambda: not self.updating)
+            self.running += 1
+        try:
+            yield
+        finally:
+            async with self.cond:
+                self.running -= 1
+                self.cond.notify_all()
+
+    @asynccontextmanager
+    async def updating_weights(self):
+        async with self.cond:
+            await self.cond.wait_for(lambda: not self.updating)
+            self.updating = True
+            await self.cond.wait_for(lambda: self.running == 0)
+        try:
+            yield
+        finally:
+            async with self.cond:
+                self.updating = False
+                self.cond.notify_all()
+
+
+def build_app(engine_kwargs: dict, replica: int, ports: list[int]):
+    """The FastAPI app of one replica (the engine starts with the app)."""
+    from fastapi import FastAPI, HTTPException
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from plait.rollout.vllm_engine import output_dicts
+
+    state = dict(version=0, instance=uuid.uuid4().hex, engine=None)
+    gate = _Gate()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state["engine"] = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs))
+        yield
+        state["engine"].shutdown()
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.get("/health")
+    async def health():
+        return dict(
+            version=state["version"], instance=state["instance"], replica=replica, replicas=ports,
+            tensor_parallel_size=engine_kwargs.get("tensor_parallel_size", 1), model=engine_kwargs["model"],
+        )
+
+    async def one(req: dict):
+        final = None
+        async for out in state["engine"].generate({"prompt_token_ids": req["token_ids"]}, SamplingParams(**req["sampling"]), uuid.uuid4().hex):
+            final = out
+        return output_dicts(final)
+
+    @app.post("/generate")
+    async def generate(body: dict):
+        async with gate.generating():
+            version = state["version"]
+            outputs = await asyncio.gather(*(one(r) for r in body["prompts"]))
+        return dict(version=version, outputs=outputs)
+
+    @app.post("/weights/join")
+    async def join(body: dict):
+        args = (body["host"], body["port"], body["rank_offset"], body["world"], body["backend"], body["timeout_s"])
+        try:
+            await state["engine"].collective_rpc("plait_join_weight_group", args=args)
+        except Exception as e:  # the trainer sees why, the server stays up for the next trainer
+            raise HTTPException(500, f"joining the weight group failed: {e}") from e
+        return dict(ok=True)
+
+    @app.post("/weights/update")
+    async def update(body: dict):
+        async with gate.updating_weights():
+            try:
+                await state["engine"].collective_rpc("plait_receive_weights", args=(body["metas"], body["buckets"]))
+                await state["engine"].reset_prefix_cache()  # cached prompt KV came from the old weights
+            except Exception as e:
+                raise HTTPException(500, f"receiving weights failed: {e}") from e
+            state["version"] = body["version"]
+        return dict(ok=True, version=state["version"])
+
+    return app
+
+
+def serve_replica(engine_kwargs: dict, replica: int, host: str, ports: list[int]) -> None:
+    import uvicorn
+
+    uvicorn.run(build_app(engine_kwargs, replica, ports), host=host, port=ports[replica], log_level="warning")
+
+
+def _replica_devices(replica: int, tp: int) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES for one replica: its own `tp` GPUs out of the visible ones."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[replica * tp : (replica + 1) * tp])}
+
+
+def _wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending:
+        for i, p in enumerate(procs):
+            if p.poll() is not None:
+                raise RuntimeError(f"replica {i} exited with code {p.returncode} while starting (its log is above)")
+        try:
+            httpx.get(pending[0] + "/health", timeout=2).raise_for_status()
+            pending.pop(0)
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{pending[0]} did not become healthy within {timeout_s:.0f} s") from None
+            time.sleep(0.5)
+
+
+def run_servers(engine_kwargs: dict, dp: int, host: str, port: int, say=print, start_timeout_s: float = 900) -> int:
+    """Start `dp` replicas and watch them; return an exit code when one dies or on Ctrl-C/SIGTERM.
+    Each replica runs in its own session so that stopping it stops vLLM's worker processes too."""
+    tp = engine_kwargs.get("tensor_parallel_size", 1)
+    ports = [port + i for i in range(dp)]
+    procs = []
+    for i in range(dp):
+        env = {**os.environ, **_replica_devices(i, tp)}
+        cmd = [sys.executable, "-m", "plait.rollout.server", json.dumps(engine_kwargs), str(i), host, json.dumps(ports)]
+        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):
+        stop["signal"] = signum
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    try:
+        _wait_healthy([f"http://{shown}:{p}" for p in ports], procs, start_timeout_s)
+        say(f"rollout server ready: {dp} replica(s) x tp={tp} of {engine_kwargs['model']} at "
+            + ", ".join(f"http://{shown}:{p}" for p in ports)
+            + f"  (trainer: rollout.engine=vllm rollout.vllm.mode=server rollout.vllm.servers=[http://{shown}:{port}])")
+        while stop["signal"] is None:
+            for i, p in enumerate(procs):
+                if p.poll() is not None:
+                    say(f"rollout server: replica {i} (port {ports[i]}) exited with code {p.returncode}; stopping the others")
+                    return 1
+            time.sleep(0.5)
+        say(f"rollout server: stopping on signal {stop['signal']}")
+        return 0
+    except RuntimeError as e:
+        say(f"rollout server failed: {e}")
+        return 1
+    finally:
+        for p in procs:
+            _stop(p)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _stop(p: subprocess.Popen, grace_s: float = 10) -> None:
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:  # vLLM's engine-core process of this replica, if it outlived it
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+
+
+if __name__ == "__main__":  # one replica: python -m plait.rollout.server KWARGS_JSON REPLICA HOST PORTS_JSON
+    serve_replica(json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]))

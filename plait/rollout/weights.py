@@ -1,0 +1,142 @@
+"""Moving the trainer's weights into a generation engine.
+
+Three small pieces, shared by the colocated engine (same process) and the server mode (other
+processes, other machines):
+
+- `full_weights(model)`: the policy's weights under the names of the Hugging Face checkpoint the
+  engine loaded (a LoRA adapter merged in, tied copies once), which is what vLLM's
+  `load_weights` expects.
+- `plan_buckets`: group tensors into a few large flat buffers of one dtype, so a sync is a
+  handful of broadcasts instead of one per parameter (a 135M model has ~270 tensors).
+- `weight_group` / `send_buckets` / `receive_buckets`: a torch.distributed process group of its
+  own (gloo on CPU, NCCL on GPU) between trainer rank 0 and every generation worker, created
+  from a TCP store without touching the trainer's default group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: str  # "float32", "bfloat16", ...
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+def _peft_name(name: str) -> str | None:
+    """The base-model name of a merged PeftModel parameter, or None for adapter weights."""
+    if "lora_" in name or "modules_to_save" in name:
+        return None
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+@contextlib.contextmanager
+def _merged(model):
+    """A PeftModel with its adapter merged into the base weights for the duration."""
+    merge = getattr(model, "merge_adapter", None)
+    if merge is None:
+        yield
+        return
+    merge()
+    try:
+        yield
+    finally:
+        model.unmerge_adapter()
+
+
+@contextlib.contextmanager
+def full_weights(model) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """(checkpoint name, tensor) for every weight `model` generates with, valid inside the block.
+
+    Tied weights (lm_head = embeddings) are listed once: the engine ties them itself.
+    """
+    with _merged(model), torch.no_grad():
+        seen: set[int] = set()
+        out = []
+        for name, p in model.state_dict(keep_vars=True).items():
+            name = _peft_name(name) if hasattr(model, "peft_config") else name
+            if name is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            t = p.detach()
+            out.append((name, t.full_tensor() if hasattr(t, "full_tensor") else t))
+        yield out
+
+
+def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[list[int]]:
+    """Indices of `metas` grouped into buckets of one dtype and at most `bucket_bytes` each
+    (a tensor larger than that gets a bucket of its own). Order within a dtype is kept."""
+    buckets: list[list[int]] = []
+    open_bucket: dict[str, tuple[list[int], int]] = {}
+    for i, m in enumerate(metas):
+        idx, size = open_bucket.get(m.dtype, ([], 0))
+        if idx and size + m.nbytes > bucket_bytes:
+            buckets.append(idx)
+            idx, size = [], 0
+        open_bucket[m.dtype] = (idx + [i], size + m.nbytes)
+    buckets += [idx for idx, _ in open_bucket.values() if idx]
+    return buckets
+
+
+def weight_group(host: str, port: int, rank: int, world: int, backend: str, timeout_s: float):
+    """A process group of its own (rank 0 = the trainer, which hosts the TCP store). Every
+    collective on it fails after `timeout_s` instead of hanging when a peer is gone."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    store = dist.PrefixStore("plait-weights", store)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world, opts)
+    return dist.ProcessGroupGloo(store, rank, world, timeout)
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()
+
+
+def send_buckets(group, tensors: list[torch.Tensor], buckets: list[list[int]], device) -> None:
+    """Broadcast each bucket as one flat buffer from rank 0 (the trainer)."""
+    for idx in buckets:
+        flat = torch.cat([tensors[i].reshape(-1).to(device) for i in idx])
+        _broadcast(group, flat)
+
+
+def receive_buckets(group, metas: list[TensorMeta], buckets: list[list[int]], device) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The receiving side of `send_buckets`: yields each bucket's (name, tensor) views."""
+    for idx in buckets:
+        dtype = getattr(torch, metas[idx[0]].dtype)
+        flat = torch.empty(sum(metas[i].numel for i in idx), dtype=dtype, device=device)
+        _broadcast(group, flat)
+        out, offset = [], 0
+        for i in idx:
+            m = metas[i]
+            out.append((m.name, flat[offset : offset + m.numel].view(m.shape)))
+            offset += m.numel
+        yield out
+
+
+def metas_of(weights: list[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
+    return [TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in weights]
