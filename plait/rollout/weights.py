@@ -50,36 +50,46 @@ def _peft_name(name: str) -> str | None:
     return name.replace(".base_layer.", ".")
 
 
-@contextlib.contextmanager
-def _merged(model):
-    """A PeftModel with its adapter merged into the base weights for the duration."""
-    merge = getattr(model, "merge_adapter", None)
-    if merge is None:
-        yield
-        return
-    merge()
-    try:
-        yield
-    finally:
-        model.unmerge_adapter()
+def _lora_deltas(model) -> dict[str, torch.Tensor]:
+    """state_dict name of each LoRA-wrapped base weight -> the active adapters' delta (B @ A x
+    scale). Added out of place: merging into the base and unmerging again would not restore
+    it bit for bit, and the frozen base would drift a little every step."""
+    from peft.tuners.lora import LoraLayer
+
+    deltas = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer):
+            active = [a for a in m.active_adapters if a in m.lora_A]
+            if active:
+                deltas[f"{name}.base_layer.weight"] = sum(m.get_delta_weight(a) for a in active)
+    return deltas
 
 
 @contextlib.contextmanager
 def full_weights(model) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """(checkpoint name, tensor) for every weight `model` generates with, valid inside the block.
 
-    Tied weights (lm_head = embeddings) are listed once: the engine ties them itself.
+    A LoRA adapter is merged in (under the base model's names); tied weights (lm_head =
+    embeddings) are listed once: the engine ties them itself.
     """
-    with _merged(model), torch.no_grad():
+    peft = hasattr(model, "peft_config")
+    with torch.no_grad():
+        deltas = _lora_deltas(model) if peft else {}
         seen: set[int] = set()
         out = []
         for name, p in model.state_dict(keep_vars=True).items():
-            name = _peft_name(name) if hasattr(model, "peft_config") else name
-            if name is None or id(p) in seen:
+            if id(p) in seen:
                 continue
             seen.add(id(p))
             t = p.detach()
-            out.append((name, t.full_tensor() if hasattr(t, "full_tensor") else t))
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t
+            if name in deltas:
+                t = t + deltas[name].to(t.dtype)
+            if peft:
+                name = _peft_name(name)
+                if name is None:
+                    continue
+            out.append((name, t))
         yield out
 
 

@@ -134,11 +134,11 @@ def test_colocated_engine_matches_the_trainer_before_and_after_an_update(vllm_mo
     engine.close()
 
 
-def test_colocated_training_under_torchrun_syncs_every_step(vllm_model, prompts_jsonl, tmp_path, helper_env):
-    """2 training processes (ddp), each with its own vLLM engine: the engine samples from the
-    trainer's current weights at every step, and the run matches the HF engine's per-process split."""
+def test_colocated_lora_training_under_torchrun_syncs_every_step(vllm_model, prompts_jsonl, tmp_path, helper_env):
+    """2 training processes (ddp, LoRA), each with its own vLLM engine: the engine samples from
+    the trainer's current weights (adapter merged in) at every step."""
     out = tmp_path / "run"
-    args = vllm_overrides(vllm_model, prompts_jsonl, out, "train.backend=ddp", "eval.after=true")
+    args = vllm_overrides(vllm_model, prompts_jsonl, out, "train.backend=ddp", "eval.after=true", "model.lora={r: 4}", "train.learning_rate=1e-2")
     proc = subprocess.run(train_cmd(2, args), capture_output=True, text=True, env=helper_env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = metrics_of(out)
