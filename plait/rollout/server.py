@@ -170,8 +170,10 @@ def run_servers(engine_kwargs: dict, dp: int, host: str, port: int, say=print, s
     tp = engine_kwargs.get("tensor_parallel_size", 1)
     ports = [port + i for i in range(dp)]
     procs = []
+    cpu_threads = {} if _replica_devices(0, tp) else {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // dp)))}
     for i in range(dp):
-        env = {**os.environ, **_replica_devices(i, tp)}
+        # on CPU vLLM drops torch to one thread unless OMP_NUM_THREADS says otherwise: share the cores
+        env = {**os.environ, **_replica_devices(i, tp), **cpu_threads}
         cmd = [sys.executable, "-m", "plait.rollout.server", json.dumps(engine_kwargs), str(i), host, json.dumps(ports)]
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     stop = {"signal": None}
