@@ -1,6 +1,6 @@
 """Generation throughput (HF engine vs vLLM) and weight-sync time per GB (colocated, server).
 
-    .venv/bin/python bench/vllm.py [--model smollm2-135m-instruct] [--prompts 8] [--n 8] [--tokens 64]
+    .venv/bin/python bench/generation.py [--model smollm2-135m-instruct] [--prompts 8] [--n 8] [--tokens 64]
                                    [--precision fp32|bf16] [--reps 3] [--no-server]
 
 Throughput: both engines sample the same prompts x n completions of up to --tokens tokens
