@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-server", action="store_true")
+    ap.add_argument("--quiet-server", action="store_true", help="drop the server's log")
     args = ap.parse_args()
 
     path = str(resolve_model_path(args.model))
@@ -85,11 +86,13 @@ def main() -> None:
     hf = make_engine(load_config(None, base), model, tok, device=device)
     secs, tps = throughput(hf, prompts, params, args.n, args.reps)
     rows.append(("hf", f"{secs:.2f}", f"{tps:.0f}", "-"))
+    show(rows[-1])
 
     colo = make_engine(load_config(None, [*base, "rollout.engine=vllm"]), model, tok, device=device)
     secs, tps = throughput(colo, prompts, params, args.n, args.reps)
     per_gb, gb = sync_per_gb(colo, model, args.reps)
     rows.append(("vllm colocate", f"{secs:.2f}", f"{tps:.0f}", f"{per_gb:.2f} s/GB ({gb:.2f} GB)"))
+    show(rows[-1])
     colo.close()
     del colo
 
@@ -97,7 +100,7 @@ def main() -> None:
         port = free_port()
         server = subprocess.Popen([sys.executable, "-m", "plait", "rollout-server", "--set", f"model.name_or_path={path}",
                                    "--set", f"train.precision={args.precision}", "--port", str(port), "--host", "127.0.0.1"],
-                                  start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                  start_new_session=True, stdout=subprocess.DEVNULL, stderr=open(os.devnull if args.quiet_server else "/dev/stderr", "w"))
         try:
             cfg = load_config(None, [*base, "rollout.engine=vllm", "rollout.vllm.mode=server",
                                      f"rollout.vllm.servers=[http://127.0.0.1:{port}]", "rollout.vllm.connect_timeout_s=600"])
@@ -116,6 +119,10 @@ def main() -> None:
     print("| engine | s per batch | tokens/s | weight sync |\n|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
+
+
+def show(row) -> None:
+    print("row:", " | ".join(row), flush=True)
 
 
 if __name__ == "__main__":

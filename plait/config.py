@@ -96,6 +96,7 @@ class VllmSettings(Section):
     sync_bucket_mb: int = Field(512, ge=1, description="Server mode: weights are broadcast in flat buckets of this size.")
     sync_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="Server mode weight broadcast: auto = nccl on GPU, gloo on CPU.")
     request_timeout_s: float = Field(600.0, gt=0, description="Server mode: a generation or weight sync taking longer fails the step (no silent hang).")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra vLLM engine arguments, passed as they are (e.g. {quantization: fp8}).")
     connect_timeout_s: float = Field(60.0, gt=0, description="Server mode: how long to wait for the servers to answer at start.")
 
 

@@ -102,7 +102,12 @@ def build_app(engine_kwargs: dict, replica: int, ports: list[int]):
     async def generate(body: dict):
         async with gate.generating():
             version = state["version"]
-            outputs = await asyncio.gather(*(one(r) for r in body["prompts"]))
+            try:
+                outputs = await asyncio.gather(*(one(r) for r in body["prompts"]))
+            except ValueError as e:  # vLLM rejects a request (prompt too long, bad parameter): say why
+                raise HTTPException(400, f"vLLM rejected a request: {e}") from e
+            except Exception as e:
+                raise HTTPException(500, f"generation failed: {type(e).__name__}: {e}") from e
         return dict(version=version, outputs=outputs)
 
     @app.post("/weights/join")

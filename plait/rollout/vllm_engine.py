@@ -92,11 +92,16 @@ def engine_kwargs(cfg, model_path: str, device: torch.device, tensor_parallel_si
         worker_extension_cls="plait.rollout.vllm_engine.WeightReceiver",
         disable_log_stats=True,
     )
+    if device.type == "cpu":
+        # vLLM's CPU runner rewinds a seeded request's generator when a chunked prefill step
+        # discards its sample, which CPU generators can't do ("CPU Generator does not use
+        # offset"): every group is seeded, so prompts are prefilled whole on CPU
+        kw["enable_chunked_prefill"] = False
     if v.kv_cache_gb is not None or device.type == "cpu":
         kw["kv_cache_memory_bytes"] = int((v.kv_cache_gb or 1.0) * 2**30)
     else:
         kw["gpu_memory_utilization"] = v.gpu_memory_utilization
-    return kw
+    return {**kw, **v.engine_kwargs}
 
 
 def cpu_environment(threads: int) -> None:
@@ -125,20 +130,19 @@ class WeightReceiver:
             if isinstance(w, torch.nn.Parameter) and method is not None:
                 owners.setdefault(id(w), []).append(m)
         for shared in owners.values():
-            for m in shared[1:] if len(shared) > 1 else []:
+            for m in shared[1:]:
                 m.quant_method.process_weights_after_loading(m)
 
     def plait_join_weight_group(self, host: str, port: int, rank_offset: int, world: int, backend: str, timeout_s: float) -> None:
-        old = getattr(self, "_plait_group", None)
-        if old is not None:  # a new trainer (after a restart) replaces the old group
-            with contextlib.suppress(Exception):
-                old.abort() if hasattr(old, "abort") else None
+        self._plait_group = None  # a new trainer (e.g. after a restart) replaces the old group
         self._plait_group = weight_group(host, port, rank_offset + self.rank, world, backend, timeout_s)
 
     def plait_receive_weights(self, metas: list[list], buckets: list[list[int]]) -> int:
         metas_ = [TensorMeta(n, d, tuple(s)) for n, d, s in metas]
         received = (w for bucket in receive_buckets(self._plait_group, metas_, buckets, self.device) for w in bucket)
         self._plait_reload(received)  # buckets arrive as the loader consumes them
+        for _ in received:  # a loader that skipped some must not leave the trainer's broadcasts hanging
+            pass
         return len(metas_)
 
 

@@ -118,3 +118,17 @@ def test_no_server_is_an_error_naming_the_fix_not_a_hang():
     assert time.monotonic() - start < 60  # gave up (after connect_timeout_s), did not hang
     msg = str(err.value)
     assert f"no rollout server at http://127.0.0.1:{port}" in msg and "plait rollout-server" in msg and "Connection refused" in msg
+
+
+def test_engine_arguments_follow_the_run_config():
+    from plait.rollout.vllm_engine import engine_kwargs
+
+    cfg = load_config(None, ["train.precision=bf16", "data.max_prompt_length=100", "rollout.max_completion_length=50",
+                             "eval.max_completion_length=80", "rollout.vllm.engine_kwargs={quantization: fp8}"])
+    cpu = engine_kwargs(cfg, "/m", torch.device("cpu"))
+    assert (cpu["dtype"], cpu["max_model_len"], cpu["enforce_eager"]) == ("bfloat16", 180, True)
+    assert cpu["kv_cache_memory_bytes"] == 2**30 and not cpu["enable_chunked_prefill"] and cpu["quantization"] == "fp8"
+    assert cpu["logprobs_mode"] == "processed_logprobs" and cpu["worker_extension_cls"].endswith("WeightReceiver")
+    gpu = engine_kwargs(cfg, "/m", torch.device("cuda"), tensor_parallel_size=2)
+    assert gpu["gpu_memory_utilization"] == 0.3 and "kv_cache_memory_bytes" not in gpu and not gpu["enforce_eager"]
+    assert gpu["tensor_parallel_size"] == 2 and "enable_chunked_prefill" not in gpu
