@@ -54,8 +54,8 @@ def sync_per_gb(engine, model, reps) -> tuple[float, float]:
         t0 = time.perf_counter()
         engine.weights_for_step(v)
         secs = time.perf_counter() - t0
-        gb = getattr(engine, "sync_stats", {}).get("weight_sync/gb") or sum(
-            p.numel() * p.element_size() for p in model.state_dict().values()) / 1e9
+        gb = getattr(engine, "sync_stats", {}).get("weight_sync/gb") or sum(  # parameters(): tied ones once
+            p.numel() * p.element_size() for p in model.parameters()) / 1e9
         if v > 1:  # the first one pays for joining the weight group
             per_gb.append(secs / gb)
     return statistics.median(per_gb), gb
