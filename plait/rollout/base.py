@@ -8,6 +8,11 @@ from typing import ContextManager, Protocol
 from plait.types import Completion, Prompt, SamplingParams
 
 
+def pad_id_of(tokenizer) -> int:
+    """The id completions are padded with: the tokenizer's pad token, else its EOS."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 class RolloutEngine(Protocol):
     pad_id: int
 

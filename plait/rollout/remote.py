@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 import torch
 
 from plait.cluster import comm
+from plait.rollout.base import pad_id_of
 from plait.rollout.vllm_engine import sampling_dict, to_completion
 from plait.rollout.weights import full_weights, metas_of, plan_buckets, send_buckets, weight_group
 from plait.types import Completion, Prompt, SamplingParams
@@ -44,7 +45,7 @@ class RemoteEngine:
         v = cfg.rollout.vllm
         self.settings = v
         self.view = view
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad_id_of(tokenizer)
         self.dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
         self.backend = v.sync_backend if v.sync_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
         self.device = device

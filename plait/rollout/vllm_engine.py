@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from plait.rollout.base import pad_id_of
 from plait.rollout.hf import group_seed
 from plait.rollout.weights import TensorMeta, full_weights, receive_buckets, weight_group
 from plait.types import Completion, Prompt, SamplingParams
@@ -184,7 +185,7 @@ class VLLMEngine:
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op; the trainer keeps its own
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad_id_of(tokenizer)
 
     def weights_for_step(self, version: int):
         """Load the trainer's weights after `version` optimizer steps (once per version)."""
