@@ -29,8 +29,11 @@ def test_buckets_keep_one_dtype_and_respect_the_size():
 
 
 def _receiver(port, metas, buckets, q):
-    group = weight_group("127.0.0.1", port, 1, 2, "gloo", 30)
-    q.put({n: t.clone() for bucket in receive_buckets(group, metas, buckets, torch.device("cpu")) for n, t in bucket})
+    try:
+        group = weight_group("127.0.0.1", port, 1, 2, "gloo", 120)
+        q.put({n: t.clone() for bucket in receive_buckets(group, metas, buckets, torch.device("cpu")) for n, t in bucket})
+    except Exception as e:  # reported by the test instead of a bare timeout
+        q.put(f"receiver failed: {type(e).__name__}: {e}")
 
 
 def test_bucketed_broadcast_delivers_every_tensor_intact():
@@ -42,10 +45,11 @@ def test_bucketed_broadcast_delivers_every_tensor_intact():
     q = ctx.Queue()
     p = ctx.Process(target=_receiver, args=(port, metas, buckets, q))
     p.start()
-    group = weight_group("127.0.0.1", port, 0, 2, "gloo", 30)
+    group = weight_group("127.0.0.1", port, 0, 2, "gloo", 120)
     send_buckets(group, [t for _, t in weights], buckets, torch.device("cpu"))
-    got = q.get(timeout=60)
-    p.join(30)
+    got = q.get(timeout=180)
+    p.join(60)
+    assert isinstance(got, dict), got
     for name, t in weights:
         assert torch.equal(got[name], t) and got[name].dtype == t.dtype
 
