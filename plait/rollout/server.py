@@ -151,6 +151,19 @@ def _replica_devices(replica: int, tp: int) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(ids[replica * tp : (replica + 1) * tp])}
 
 
+def _cpu_threads(replica: int, tp: int, dp: int) -> dict[str, str]:
+    """On CPU, each of the dp x tp vLLM workers gets its own cores (VLLM_CPU_OMP_THREADS_BIND,
+    one core list per TP rank): vLLM can't place several workers on one NUMA node by itself, and
+    left alone it drops torch to one thread. The user's own settings win."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // (dp * tp))
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(per))}
+    if len(cores) >= dp * tp and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        ranks = [cores[(replica * tp + k) * per : (replica * tp + k + 1) * per] for k in range(tp)]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, r)) for r in ranks)
+    return env
+
+
 def _wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout_s: float) -> None:
     import httpx
 
@@ -175,10 +188,9 @@ def run_servers(engine_kwargs: dict, dp: int, host: str, port: int, say=print, s
     tp = engine_kwargs.get("tensor_parallel_size", 1)
     ports = [port + i for i in range(dp)]
     procs = []
-    cpu_threads = {} if _replica_devices(0, tp) else {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // dp)))}
     for i in range(dp):
-        # on CPU vLLM drops torch to one thread unless OMP_NUM_THREADS says otherwise: share the cores
-        env = {**os.environ, **_replica_devices(i, tp), **cpu_threads}
+        devices = _replica_devices(i, tp)
+        env = {**os.environ, **(devices or _cpu_threads(i, tp, dp))}
         cmd = [sys.executable, "-m", "plait.rollout.server", json.dumps(engine_kwargs), str(i), host, json.dumps(ports)]
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     stop = {"signal": None}

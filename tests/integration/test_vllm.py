@@ -54,10 +54,10 @@ def train_cmd(nproc: int, args: list[str]) -> list[str]:
 class RolloutServer:
     """`plait rollout-server` as a user starts it, stopped (with its replicas) at exit."""
 
-    def __init__(self, model, dp: int, env, port: int | None = None):
+    def __init__(self, model, dp: int, env, port: int | None = None, tp: int = 1):
         self.port = port or free_port()
-        cmd = [sys.executable, "-m", "plait", "rollout-server", "--set", f"model.name_or_path={model}",
-               "--set", "train.precision=fp32", "--port", str(self.port), "--dp", str(dp), "--host", "127.0.0.1"]
+        cmd = [sys.executable, "-m", "plait", "rollout-server", "--set", f"model.name_or_path={model}", "--set", "train.precision=fp32",
+               "--port", str(self.port), "--dp", str(dp), "--tp", str(tp), "--host", "127.0.0.1"]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 300
@@ -198,11 +198,12 @@ def test_server_mode_two_trainers_share_two_replicas(vllm_model, prompts_jsonl, 
 
 
 def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl, tmp_path, helper_env):
-    """The server dies during step 2: the trainer stops with a message saying so (instead of
-    hanging), step 2's checkpoint stays valid; with the server back, resume=auto finishes and
-    the restarted server (base weights) is given the trainer's weights first."""
+    """A tensor-parallel server (--tp 2: the weights are broadcast to both workers, each loads its
+    shard) dies during step 2: the trainer stops with a message saying so (instead of hanging),
+    step 2's checkpoint stays valid; with the server back, resume=auto finishes and the restarted
+    server (base weights) is given the trainer's weights first."""
     out = tmp_path / "run"
-    server = RolloutServer(vllm_model, dp=1, env=helper_env)
+    server = RolloutServer(vllm_model, dp=1, tp=2, env=helper_env)
     try:
         (replica,) = server.replica_pids()
         args = vllm_overrides(vllm_model, prompts_jsonl, out, "rollout.vllm.mode=server", f"rollout.vllm.servers=[{server.url}]",
@@ -212,14 +213,15 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
         proc = subprocess.run(train_cmd(1, args), capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert "rollout server" in proc.stderr and "resume=auto" in proc.stderr, proc.stderr[-2000:]
-        assert [x["step"] for x in metrics_of(out)] == [1, 2]
+        m = metrics_of(out)
+        assert [x["step"] for x in m] == [1, 2] and m[1]["logprob_gap"] < SYNCED_GAP  # both TP workers got step 1's weights
         assert (out / "checkpoints" / "step_00000002" / "COMMITTED").is_file()
         server.proc.wait(60)  # the supervisor stops when a replica dies
         assert server.proc.returncode == 1
     finally:
         server.stop()
 
-    server = RolloutServer(vllm_model, dp=1, env=helper_env, port=server.port)  # back where it was
+    server = RolloutServer(vllm_model, dp=1, tp=2, env=helper_env, port=server.port)  # back where it was
     try:
         proc = subprocess.run(train_cmd(1, [*args, "resume=auto"]), capture_output=True, text=True, env=helper_env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
