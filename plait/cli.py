@@ -174,7 +174,7 @@ def cmd_rollout_server(args) -> int:
         return 2
     v = cfg.rollout.vllm
     tp, dp = args.tp or v.tensor_parallel_size, args.dp or v.data_parallel_size
-    port = args.port or urlsplit(v.servers[0]).port or 8000 if v.servers else args.port or 8000
+    port = args.port or (urlsplit(v.servers[0]).port if v.servers else None) or 8000
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and tp * dp > torch.cuda.device_count():
         print(f"plait rollout-server: --tp {tp} x --dp {dp} = {tp * dp} GPUs, but {torch.cuda.device_count()} are visible", file=sys.stderr)

@@ -98,9 +98,9 @@ class RemoteEngine:
             urls += [f"{host.scheme}://{host.hostname}:{p}" for p in health["replicas"]]
         return list(dict.fromkeys(urls))
 
-    def _on_all(self, path: str, bodies: list[dict]) -> list[dict]:
-        futures = [self.pool.submit(self._call, "POST", u, path, b) for u, b in zip(self.urls, bodies)]
-        return [f.result() for f in futures]
+    def _post_all(self, path: str, bodies: list[dict]) -> list:
+        """POST one body to each replica at once; the futures of their answers."""
+        return [self.pool.submit(self._call, "POST", u, path, b) for u, b in zip(self.urls, bodies)]
 
     # -------------------------------------------------------------- weights
 
@@ -140,7 +140,7 @@ class RemoteEngine:
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         timeout = self.settings.request_timeout_s
         bodies = [dict(host=host, port=port, rank_offset=o, world=world, backend=self.backend, timeout_s=timeout) for o in offsets]
-        futures = [self.pool.submit(self._call, "POST", u, "/weights/join", b) for u, b in zip(self.urls, bodies)]
+        futures = self._post_all("/weights/join", bodies)  # they block in the rendezvous until we join too
         self.group = weight_group(host, port, 0, world, self.backend, timeout)
         for f in futures:
             f.result()
@@ -151,7 +151,7 @@ class RemoteEngine:
             metas = metas_of(weights)
             buckets = plan_buckets(metas, self.settings.sync_bucket_mb * 2**20)
             body = dict(version=version, metas=[[m.name, m.dtype, list(m.shape)] for m in metas], buckets=buckets)
-            futures = [self.pool.submit(self._call, "POST", u, "/weights/update", body) for u in self.urls]
+            futures = self._post_all("/weights/update", [body] * len(self.urls))
             try:
                 send_buckets(self.group, [t for _, t in weights], buckets, self.device)
             except RuntimeError as e:  # a receiver died mid-broadcast

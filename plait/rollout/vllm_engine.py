@@ -172,7 +172,6 @@ class VLLMEngine:
         from vllm import LLM
 
         self.view = view
-        self.tokenizer = tokenizer
         self.version: int | None = None
         self.sleeps = cfg.rollout.vllm.sleep_between_steps and device.type == "cuda"
         self.asleep = False

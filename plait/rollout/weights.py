@@ -16,6 +16,7 @@ processes, other machines):
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator
@@ -32,10 +33,7 @@ class TensorMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
