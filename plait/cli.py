@@ -1,4 +1,4 @@
-"""`plait` command line: train, eval, check, prepare-model, tasks, rewards, sandbox.
+"""`plait` command line: train, plan, check, eval, rollout-server, prepare-model, tasks, rewards, sandbox.
 
 Under torchrun: `torchrun --nproc_per_node 8 -m plait train CONFIG.yaml` (docs/scaling.md)."""
 
@@ -32,6 +32,22 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", nargs="?", const="", metavar="RUN_DIR", help="continue a run from its newest complete checkpoint (RUN_DIR, or the config's output_dir)")
     t.add_argument("--output-dir", help="run directory (default: runs/NAME-TIMESTAMP)")
     t.add_argument("--console", choices=["rich", "plain", "none"], help="console output style")
+    t.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                   help="run on a Ray cluster (= cluster.launcher=ray): trainers and generation servers as actors placed by plait; "
+                        "ADDRESS overrides cluster.ray.address (default auto: the cluster this machine joined; 'local' starts one)")
+    t.add_argument("--auto", action="store_true", help="with --ray: let plait choose the generation/training split (see `plait plan --auto`)")
+
+    pl = sub.add_parser("plan", help="show where every process goes on a cluster, the batch arithmetic and memory per device; loads no model",
+                        formatter_class=raw)
+    pl.add_argument("config", nargs="?")
+    pl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    pl.add_argument("--nodes", type=int, help="nodes in the cluster (with --gpus-per-node); default: read the live Ray cluster (--ray), "
+                    "else one node with cluster.devices")
+    pl.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (default 8)")
+    pl.add_argument("--ray", nargs="?", const="", metavar="ADDRESS", help="read the nodes of this Ray cluster (default cluster.ray.address)")
+    pl.add_argument("--auto", action="store_true", help="let plait choose the generation/training split, and print the --set flags for it")
+    pl.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one device for the estimate (default 80; a live cluster's GPUs are not probed)")
+    pl.add_argument("--params", help="model size for the estimate when the model isn't on this machine, e.g. 7B or 350M")
 
     c = sub.add_parser("check", help="validate a config and print the batch plan; loads no model", formatter_class=raw, epilog=_options_table())
     c.add_argument("config", nargs="?")
@@ -83,11 +99,80 @@ def cmd_train(args) -> int:
             overrides += [f"output_dir={args.resume}", "resume=auto"]
         else:
             overrides.append("resume=auto")
+    if args.ray is not None:
+        overrides.append("cluster.launcher=ray")
+        if args.ray:
+            overrides.append(f"cluster.ray.address={args.ray}")
     cfg = load_config(config, overrides)
     if args.resume is not None and cfg.output_dir is None:
         print("plait: --resume needs a run directory: `plait train --resume runs/NAME`", file=sys.stderr)
         return 2
+    if cfg.cluster.launcher == "ray":
+        from plait.cluster.ray_launcher import launch
+
+        return launch(cfg, console=args.console or "plain", auto=args.auto)
+    if args.auto:
+        print("plait: --auto chooses the split of a Ray cluster: use it with --ray (or `plait plan --auto`)", file=sys.stderr)
+        return 2
     train(cfg, console=args.console)
+    return 0
+
+
+def _parse_count(text: str) -> float:
+    """'7B' -> 7e9, '350M' -> 3.5e8, '1.5e9' -> 1.5e9."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+    t = text.strip().upper()
+    try:
+        return float(t[:-1]) * scale[t[-1]] if t[-1] in scale else float(t)
+    except ValueError:
+        raise SystemExit(f"plait plan: --params {text!r} is not a size like 7B or 350M") from None
+
+
+def cmd_plan(args) -> int:
+    from plait.cluster import placement as pl
+    from plait.config import ConfigError, validate, with_overrides
+
+    cfg = _load(args)
+    kind = "GPU"
+    if args.nodes:
+        nodes, source = pl.uniform_nodes(args.nodes, args.gpus_per_node), "given on the command line"
+    elif args.ray is not None or cfg.cluster.launcher == "ray":
+        from plait.cluster import ray_launcher
+
+        if args.ray:
+            cfg.cluster.ray.address = args.ray
+        problems = ray_launcher.ray_problems(cfg)
+        if problems:
+            raise ConfigError(problems)
+        ray_launcher.connect(cfg.cluster.ray.address)
+        nodes, kind = ray_launcher.cluster_nodes(cfg)
+        source = f"the Ray cluster at {cfg.cluster.ray.address}"
+    else:
+        nodes, source = [pl.Node("node 0", cfg.cluster.devices or 1)], "cluster.devices (use --nodes/--gpus-per-node or --ray for a cluster)"
+    print(f"cluster: {len(nodes)} node(s), {sum(n.devices for n in nodes)} {kind} device(s) ({source})")
+    if args.auto:
+        sets, why = pl.auto_split(cfg, nodes)
+        cfg = with_overrides(cfg, sets)
+        print(f"--auto: {why}" + (f"\n  use: {' '.join('--set ' + s for s in sets)}" if sets else ""))
+    shape = pl.model_shape(cfg.model.name_or_path)
+    if args.params:
+        shape = pl.shape_from_count(_parse_count(args.params))
+    placed = pl.plan_cluster(cfg, nodes, args.gpu_memory_gb, shape)
+    if not isinstance(placed, pl.Placement):
+        print("\n".join(pl.render_failure(*placed)))
+        return 2
+    placed.device_kind = kind
+    print("\n".join(pl.render(placed, cfg)))
+    if shape is None:
+        print(f"memory: model {cfg.model.name_or_path!r} is not on this machine; give its size with --params (e.g. 7B)")
+    checked = cfg.model_copy(deep=True)
+    checked.cluster.devices = len(placed.train) + sum(len(r) for r in placed.replicas)
+    try:
+        validate(checked, world_size=len(placed.train))
+    except ConfigError as err:
+        print(f"the config itself has {len(err.problems)} problem(s) to fix before training:")
+        print("\n".join(f"  - {p}" for p in err.problems))
+        return 2
     return 0
 
 
@@ -214,7 +299,7 @@ def cmd_sandbox(args) -> int:
     return 0
 
 
-COMMANDS = {"rollout-server": cmd_rollout_server, "sandbox": cmd_sandbox, "train": cmd_train, "check": cmd_check, "eval": cmd_eval, "prepare-model": cmd_prepare_model, "tasks": cmd_tasks, "rewards": cmd_rewards}
+COMMANDS = {"plan": cmd_plan, "rollout-server": cmd_rollout_server, "sandbox": cmd_sandbox, "train": cmd_train, "check": cmd_check, "eval": cmd_eval, "prepare-model": cmd_prepare_model, "tasks": cmd_tasks, "rewards": cmd_rewards}
 
 
 def main(argv: list[str] | None = None) -> int:

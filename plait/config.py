@@ -248,11 +248,34 @@ class LogConfig(Section):
     sample_every_steps: int = Field(10, ge=0, description="Log a sample completion every N steps (0 = never).")
 
 
-class ClusterConfig(Section):
-    devices: int | None = Field(
-        None, ge=1, description="Devices (GPUs, or processes on CPU) in the job; null = the launcher's world size."
+class RayConfig(Section):
+    address: str = Field(
+        "auto",
+        description="Ray cluster to run on: 'auto' = the one this machine joined (`ray start`, or RAY_ADDRESS as "
+        "`ray job submit` sets it), 'local' = start a private one-node Ray here, or HOST:PORT / ray://HOST:PORT.",
     )
-    generation_devices: int = Field(0, ge=0, description="Devices reserved for generation servers (not training).")
+    device_resource: str = Field(
+        "auto", description="Ray resource one device is: GPU, CPU, or a custom resource; auto = GPU when the cluster has GPUs, else CPU."
+    )
+    cpus_per_process: float = Field(1.0, gt=0, description="CPUs each trainer / generation replica reserves (on CPU, its torch threads).")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables for every actor (PLAIT_*, HF_HUB_OFFLINE and TRANSFORMERS_VERBOSITY are passed on anyway).")
+    start_timeout_s: float = Field(600.0, gt=0, description="How long to wait for the cluster to grant the placement and for generation servers to come up.")
+
+
+class ClusterConfig(Section):
+    launcher: Literal["torchrun", "ray"] = Field(
+        "torchrun",
+        description="torchrun: this process, or the processes torchrun started, are the job; ray: `plait train` "
+        "places trainers and generation servers as actors on a Ray cluster (same as --ray).",
+    )
+    devices: int | None = Field(
+        None, ge=1,
+        description="Devices (GPUs, or processes on CPU) in the job, training + generation; null = the launcher's "
+        "world size plus generation_devices (Ray: every device in the cluster).",
+    )
+    generation_devices: int = Field(0, ge=0, description="Devices reserved for generation servers (not training); under Ray plait starts the servers on them.")
+    max_restarts: int = Field(0, ge=0, description="Ray: when a process dies, restart the job this many times, resuming from the last checkpoint.")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Options of launcher ray.")
 
 
 class Config(Section):
@@ -379,6 +402,17 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         raise ConfigError(_format_validation_error(err)) from None
 
 
+def with_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """A copy of `cfg` with `--set`-style overrides applied (e.g. the ones `plait plan --auto` chose)."""
+    raw = cfg.model_dump(mode="json")
+    for ov in overrides:
+        apply_override(raw, ov)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
 def describe_options(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
     """(dotted name, default, meaning) for every option: the body of `plait train --help`."""
     rows = []
@@ -463,8 +497,10 @@ def _backend_problems(cfg: Config, processes: int, launched: int) -> list[str]:
 
     t, out = cfg.train, []
     backend = resolve_backend(cfg, processes)
-    if cfg.cluster.devices is not None and launched > 1 and cfg.cluster.devices != launched:
-        out.append(f"cluster.devices={cfg.cluster.devices} but the launcher started {launched} processes (WORLD_SIZE); drop cluster.devices or launch {cfg.cluster.devices}")
+    if cfg.cluster.devices is not None and launched > 1 and processes != launched:
+        gen = cfg.cluster.generation_devices
+        out.append(f"cluster.devices={cfg.cluster.devices}{f' - generation_devices={gen}' if gen else ''} = {processes} training processes, "
+                   f"but the launcher started {launched} (WORLD_SIZE); drop cluster.devices or launch {processes}")
     if backend == "local" and processes > 1:
         out.append(
             f"train.backend=local trains in one process, but {processes} training processes were launched; "
@@ -558,7 +594,8 @@ def validate(cfg: Config, world_size: int | None = None):
     r, t, a, d = cfg.rollout, cfg.train, cfg.algo, cfg.data
 
     launched = launcher_world_size()
-    devices = cfg.cluster.devices or world_size or launched
+    # torchrun starts the training processes only: the generation devices come on top
+    devices = cfg.cluster.devices or (world_size or launched) + cfg.cluster.generation_devices
     if cfg.cluster.generation_devices >= devices:
         problems.append(
             f"cluster.generation_devices={cfg.cluster.generation_devices} leaves no device for training "
