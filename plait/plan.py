@@ -85,8 +85,6 @@ def explain(prompts: int, gens: int, micro: int, procs: int, accum: int | None, 
     ok_gens = [g for g in range(2, 65) if fits(prompts, g, micro, procs, accum)]
     if ok_gens:
         fix.append(f"rollout.num_generations in {_near(ok_gens, gens, 6)}")
-    elif prompts % procs:
-        fix.append("(no rollout.num_generations alone fixes it: processes split by prompt)")
     ok_micro = [m for m in range(1, prompts * gens + 1) if fits(prompts, gens, m, procs, accum)]
     if ok_micro:
         fix.append(f"train.micro_batch_size in {_near(ok_micro, micro, 6)}")
@@ -101,6 +99,8 @@ def explain(prompts: int, gens: int, micro: int, procs: int, accum: int | None, 
                 + " (cluster.generation_devices = devices - that)"
             )
     lines.append(f"Values that work with {procs} training process{'es' if procs != 1 else ''}: " + "; or ".join(fix) + ".")
+    if not ok_gens and prompts % procs:
+        lines.append("No rollout.num_generations alone fixes it: processes split the batch by prompt, so every group stays on one process.")
     lines.append("Or set train.auto_batch=true to let plait pick the nearest fitting values.")
     return " ".join(lines)
 

@@ -178,7 +178,7 @@ class GenerationServer:
         cmd = [sys.executable, "-m", "plait.rollout.server", json.dumps(engine_kwargs), "0", "0.0.0.0", json.dumps([port])]
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         _wait_healthy([f"http://127.0.0.1:{port}"], [self.proc], timeout_s)
-        return f"http://{ray.util.get_node_ip_address()}:{port}"
+        return {"url": f"http://{ray.util.get_node_ip_address()}:{port}", "node_id": ray.get_runtime_context().get_node_id()}
 
     def watch(self) -> int:
         """Returns only when the replica process ends (its exit code)."""
@@ -214,14 +214,22 @@ class Failure:
 
 
 def _why(err: BaseException) -> str:
-    """A Ray error's cause in one line (the full text is in the driver's log above)."""
+    """A Ray error's cause in one line (the full text is in the driver's log above).
+
+    Ray's text for a worker that vanished lists "the OOM killer" among *possible* causes,
+    so only Ray's own memory monitor (OutOfMemoryError) is reported as out of memory."""
+    import ray.exceptions as rex
+
     text = str(err)
-    for needle, why in (("SIGKILL", "its process was killed (SIGKILL: out of memory, or killed by hand)"),
-                        ("OOM", "out of memory"), ("node", "its node died or left the cluster"),
-                        ("exit", "its process exited")):
-        if needle in text:
-            return why
-    return text.strip().splitlines()[0][:300] if text.strip() else type(err).__name__
+    if isinstance(err, rex.OutOfMemoryError) or "running low on memory" in text:
+        return "Ray's memory monitor killed it: the node ran out of memory"
+    if isinstance(err, getattr(rex, "NodeDiedError", ())) or "node has died" in text or "node was terminated" in text:
+        return "its node died or left the cluster"
+    if isinstance(err, rex.ActorDiedError) or "Worker unexpectedly exits" in text:
+        return ("its process died without a Python error (killed by a signal, the kernel's OOM killer, "
+                "or a native crash; see the node's dmesg and Ray's worker log)")
+    first = text.strip().splitlines()[0][:300] if text.strip() else ""
+    return first or type(err).__name__
 
 
 class Job:
@@ -232,6 +240,8 @@ class Job:
         self.pg = None
         self.servers: list = []
         self.trainers: list = []
+        self.ran_on: dict[str, list[str]] = {}  # node ids Ray reports for each actor
+        self.where_trainers: list[dict] = []
 
     def _bundles(self) -> tuple[list[dict], list[dict]]:
         r = self.cfg.cluster.ray
@@ -278,6 +288,20 @@ class Job:
             self._start_servers(n, tag)
         trainer_cls = ray.remote(Trainer)
         self.trainers = [trainer_cls.options(**self._options(i, 1, f"{tag}-trainer-{i}")).remote(i, n) for i in range(n)]
+        self.where_trainers = ray.get([t.where.remote() for t in self.trainers])
+        self.ran_on["trainers"] = [w["node_id"] for w in self.where_trainers]
+        planned = {"trainers": [self.plan.nodes[s.node].node_id for s in self.plan.train],
+                   "generation_replicas": [self.plan.nodes[r[0].node].node_id for r in self.plan.replicas]}
+        for role, ids in self.ran_on.items():  # the bundles' node labels guarantee it; say so if Ray ever disagrees
+            for i, (want, got) in enumerate(zip(planned[role], ids)):
+                if want != got:
+                    self.say(f"[yellow]warning: {role} {i} runs on node {got[:8]}, not on the planned {want[:8]}")
+
+    def record(self, run_dir: Path) -> None:
+        """RUN_DIR/placement.json: the plan, and where Ray actually started each actor."""
+        import json
+
+        (run_dir / "placement.json").write_text(json.dumps({**self.plan.as_dict(), "ran_on": self.ran_on}, indent=1))
 
     def _start_servers(self, first_bundle: int, tag: str) -> None:
         import ray
@@ -292,7 +316,9 @@ class Job:
                         for j in range(len(self.plan.replicas))]
         device = resolve_device("cuda" if self.plan.device_kind == "GPU" else "cpu")
         kwargs = engine_kwargs(self.cfg, str(resolve_model_path(self.cfg.model.name_or_path)), device, tp)
-        urls = ray.get([s.start.remote(kwargs, self.cfg.cluster.ray.start_timeout_s) for s in self.servers])
+        started = ray.get([s.start.remote(kwargs, self.cfg.cluster.ray.start_timeout_s) for s in self.servers])
+        self.ran_on["generation_replicas"] = [s["node_id"] for s in started]
+        urls = [s["url"] for s in started]
         self.cfg = self.cfg.model_copy(deep=True)
         self.cfg.rollout.vllm.servers = urls
         self.say(f"generation replicas ready: {', '.join(urls)}")
@@ -303,27 +329,45 @@ class Job:
     def run(self, console: str | None) -> Failure | None:
         import ray
 
-        where = ray.get([t.where.remote() for t in self.trainers])
-        master, port = where[0]["address"], where[0]["port"]
+        master, port = self.where_trainers[0]["address"], self.where_trainers[0]["port"]
         cfg_json = self.cfg.model_dump_json()
         pending = {t.run.remote(cfg_json, master, port, console if i == 0 else "none"): ("trainer", i) for i, t in enumerate(self.trainers)}
         pending |= {s.watch.remote(): ("generation", j) for j, s in enumerate(self.servers)}
         trainers_left = len(self.trainers)
         while trainers_left:
             (ref,), _ = ray.wait(list(pending), num_returns=1)
-            role, i = pending.pop(ref)
-            node = self.where(i) if role == "trainer" else self.plan.nodes[self.plan.replicas[i][0].node].name
-            who = f"trainer rank {i}" if role == "trainer" else f"generation replica {i}"
-            try:
-                value = ray.get(ref)
-            except ray.exceptions.RayTaskError as e:  # the code raised: the cause is ours
-                cause = e.cause if isinstance(e.cause, BaseException) else e
-                return Failure(who, node, f"{type(cause).__name__}: {cause}", cause)
-            except ray.exceptions.RayActorError as e:  # the process or its node died
-                return Failure(who, node, _why(e))
-            if role == "generation":
-                return Failure(who, node, f"its vLLM server process exited with code {value}")
-            trainers_left -= 1
+            failure = self._outcome(ref, pending.pop(ref))
+            if failure is None:
+                trainers_left -= 1
+                continue
+            # one death makes the others' collectives fail within moments: wait a little and
+            # report the root cause (a dead process before an error it caused elsewhere)
+            more, _ = ray.wait(list(pending), num_returns=len(pending), timeout=self.GRACE_S)
+            failures = [failure] + [f for r in more if (f := self._outcome(r, pending.pop(r))) is not None]
+            failures.sort(key=lambda f: (f.error is not None, not f.restartable))
+            if len(failures) > 1:
+                failures[0].why += f" (then {', '.join(f.who for f in failures[1:])} failed too)"
+            return failures[0]
+        return None
+
+    GRACE_S = 5.0
+
+    def _outcome(self, ref, what: tuple[str, int]) -> Failure | None:
+        """None for a trainer that finished; the Failure of one that didn't, or of a replica."""
+        import ray
+
+        role, i = what
+        node = self.where(i) if role == "trainer" else self.plan.nodes[self.plan.replicas[i][0].node].name
+        who = f"trainer rank {i}" if role == "trainer" else f"generation replica {i}"
+        try:
+            value = ray.get(ref)
+        except ray.exceptions.RayTaskError as e:  # the code raised: the cause is ours
+            cause = e.cause if isinstance(e.cause, BaseException) else e
+            return Failure(who, node, f"{type(cause).__name__}: {cause}", cause)
+        except ray.exceptions.RayActorError as e:  # the process or its node died
+            return Failure(who, node, _why(e))
+        if role == "generation":
+            return Failure(who, node, f"its vLLM server process exited with code {value}")
         return None
 
     def teardown(self) -> None:
@@ -368,8 +412,6 @@ def _fixed_run_dir(cfg: Config) -> Config:
 
 def launch(cfg: Config, console: str | None = None, auto: bool = False, say=print) -> int:
     """Run `cfg` on the Ray cluster; the exit code. Config problems raise ConfigError."""
-    import json
-
     import ray
 
     problems = ray_problems(cfg)
@@ -396,10 +438,10 @@ def launch(cfg: Config, console: str | None = None, auto: bool = False, say=prin
             for line in render(plan, cfg):
                 say(line)
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-            (Path(cfg.output_dir) / "placement.json").write_text(json.dumps(plan.as_dict(), indent=1))
             job = Job(cfg, plan, say)
             try:
                 job.start()
+                job.record(Path(cfg.output_dir))
                 failure = job.run(console)
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError, RuntimeError) as e:
                 cause = getattr(e, "cause", None)

@@ -59,3 +59,19 @@ async def async_vowel_share(completions, **kwargs):
 
     await asyncio.sleep(0)
     return vowel_share(completions, **kwargs)
+
+
+def vowel_share_die_once(completions, **kwargs):
+    """vowel_share, but the process whose RANK is $PLAIT_TEST_DIE_RANK SIGKILLs itself on its
+    call number $PLAIT_TEST_DIE_CALL, once per marker file $PLAIT_TEST_DIE_MARKER (a trainer
+    dying for good, e.g. out of memory; the restarted job must get past that step)."""
+    import os
+    import signal
+
+    CALLS["n"] += 1
+    marker = os.environ.get("PLAIT_TEST_DIE_MARKER")
+    if (marker and not os.path.exists(marker) and CALLS["n"] == int(os.environ["PLAIT_TEST_DIE_CALL"])
+            and os.environ.get("RANK", "0") == os.environ.get("PLAIT_TEST_DIE_RANK", "0")):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return vowel_share(completions, **kwargs)

@@ -174,7 +174,11 @@ def test_backend_choices_are_checked_against_the_launch(monkeypatch):
     assert any("train.backend=local trains in one process, but 2" in p and "ddp" in p for p in found)
     found = problems_of(["train.backend=fsdp2", "model.lora={r: 8}", "cluster.devices=4"])
     assert any("model.lora with train.backend=fsdp2" in p for p in found)
-    assert any("cluster.devices=4 but the launcher started 2 processes" in p for p in found)
+    assert any("cluster.devices=4 = 4 training processes, but the launcher started 2 (WORLD_SIZE)" in p for p in found)
+    # generation devices are not training processes: 3 devices - 1 for vLLM = 2 trainers matches WORLD_SIZE=2
+    assert not any("launcher started" in p for p in problems_of(["cluster.devices=3", "cluster.generation_devices=1"]))
+    found = problems_of(["cluster.devices=4", "cluster.generation_devices=1"])
+    assert any("cluster.devices=4 - generation_devices=1 = 3 training processes" in p for p in found)
     found = problems_of(["train.backend=deepspeed", "train.deepspeed.zero_stage=2", "train.deepspeed.offload_params=true",
                          "algo.beta=0.1", "algo.ref_model_sync_steps=4"])
     assert any("offload_params needs train.deepspeed.zero_stage=3" in p for p in found)
