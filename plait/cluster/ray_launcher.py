@@ -23,6 +23,7 @@ every rank writes its checkpoint shards); on one machine, as in the tests, it al
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -53,7 +54,10 @@ def connect(address: str) -> bool:
 
     if ray.is_initialized():
         return False
-    env_vars = {k: v for k, v in os.environ.items() if k.startswith("PLAIT_") or k in FORWARDED}
+    # Under `ray job submit` the job's own runtime env reaches every actor already, and Ray
+    # refuses a driver runtime env that names one of its variables again.
+    job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env", {}).get("env_vars", {})
+    env_vars = {k: v for k, v in os.environ.items() if (k.startswith("PLAIT_") or k in FORWARDED) and k not in job_env}
     runtime_env = {"env_vars": env_vars}
     try:
         if address == "local":

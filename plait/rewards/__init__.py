@@ -11,6 +11,8 @@ function (`my_pkg.rewards:my_reward`).
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Callable
 
 from plait.rewards.code import code_pass, code_tests_passed
@@ -53,10 +55,15 @@ def resolve_reward(name: str) -> RewardFn:
             "or give 'module:function'"
         )
     module, _, attr = name.partition(":")
+    # Like `python -m`, the current directory is searched too (after the installed packages),
+    # so a rewards.py next to the config works from the `plait` command.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as err:
-        raise KeyError(f"reward '{name}' could not be imported: {err}") from None
+        raise KeyError(f"reward '{name}' could not be imported: {err} (modules are found on PYTHONPATH and in the "
+                       "current directory)") from None
     if not callable(fn):
         raise KeyError(f"reward '{name}' is not callable")
     return fn

@@ -121,12 +121,15 @@ def test_ray_run_places_actors_as_planned_and_matches_torchrun(ray_cluster, vllm
 def test_a_dead_trainer_is_reported_and_the_job_restarts_from_its_checkpoint(ray_cluster, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
     """Trainer rank 1 (node 1) is SIGKILLed in step 3: the driver names it, its node and the
     cause, tears the job down and, with max_restarts=1, starts it again from step 2's
-    checkpoint; the run finishes all 4 steps."""
+    checkpoint; the run finishes all 4 steps. The driver runs as `ray job submit` starts it."""
     out = tmp_path / "run"
     args = tiny_overrides(tiny_model_path, prompts_jsonl, out, "cluster.devices=2", "cluster.max_restarts=1", "checkpoint.save_steps=1",
                           "rewards=[{name: 'plait_test_rewards:vowel_share_die_once'}]", "train.threads=1")
-    env = {**helper_env, "PLAIT_TEST_DIE_MARKER": str(tmp_path / "died"), "PLAIT_TEST_DIE_CALL": "3", "PLAIT_TEST_DIE_RANK": "1"}
-    res = ray_train(ray_cluster, args, env)
+    die = {"PLAIT_TEST_DIE_MARKER": str(tmp_path / "died"), "PLAIT_TEST_DIE_CALL": "3", "PLAIT_TEST_DIE_RANK": "1"}
+    # As under `ray job submit --runtime-env-json`: these reach the actors as the job's runtime
+    # env (which Ray merges with plait's; naming a variable in both is an error in Ray).
+    job = {"runtime_env": {"env_vars": die}}
+    res = ray_train(ray_cluster, args, {**helper_env, **die, "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(job)})
     shown = res.stdout + res.stderr
     assert res.returncode == 0, shown[-4000:]
     assert (tmp_path / "died").exists()

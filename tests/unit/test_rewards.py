@@ -98,6 +98,17 @@ def test_resolve_reward():
         resolve_reward("no_such_module:fn")
 
 
+def test_a_reward_module_in_the_current_directory_is_found(tmp_path, monkeypatch):
+    """`plait train` (a console script, so no '' on sys.path) finds a rewards file next to the config."""
+    import sys
+
+    (tmp_path / "my_project_rewards.py").write_text("def shout(completions, **_):\n    return [float(t.isupper()) for t in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert resolve_reward("my_project_rewards:shout")(["A", "b"]) == [1.0, 0.0]
+    assert sys.path[-1] == str(tmp_path)  # searched last: it never shadows an installed package
+
+
 def test_soft_overlong_punishment_by_hand():
     fn = BUILTIN["soft_overlong_punishment"]
     # max 20, cache 8: free up to 12 tokens, then linear to -1 at 20, -1 beyond
