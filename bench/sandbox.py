@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     args = ap.parse_args()
     print(sandbox.describe())
-    print(f"\n| tier | p50 s/exec | p99 s/exec | " + " | ".join(f"exec/s @{w}" for w in args.workers) + " |")
+    print("\n| tier | p50 s/exec | p99 s/exec | " + " | ".join(f"exec/s @{w}" for w in args.workers) + " |")
     print("|---|---|---|" + "---|" * len(args.workers))
     for tier, why in sandbox.probe().items():
         if why is not None:

@@ -19,6 +19,14 @@ def tiny_model_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory):
+    """A tiny Llama vLLM's CPU attention supports (head_dim 32), for the vLLM and Ray tests."""
+    from plait.models import tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("vllm") / "model", hidden_size=128, intermediate_size=256)
+
+
+@pytest.fixture(scope="session")
 def prompts_jsonl(tmp_path_factory):
     """Train/eval prompt files in the user-facing JSONL format."""
     import json

@@ -45,6 +45,12 @@ def ray_problems(cfg: Config) -> list[str]:
 
     if importlib.util.find_spec("ray") is None:
         return ["cluster.launcher=ray needs Ray: `pip install -e '.[ray]'` (make setup installs it); docs/cluster.md"]
+    from importlib.metadata import version
+
+    have = version("ray")
+    if tuple(int(x) for x in have.split(".")[:2] if x.isdigit()) < (2, 50):
+        return [f"cluster.launcher=ray needs Ray >= 2.50 (placement bundles pinned to nodes by label), this is {have}: "
+                "`pip install -U 'ray[default]>=2.50'` here and on the cluster"]
     return []
 
 
@@ -169,8 +175,6 @@ class GenerationServer:
         self.index, self.proc = index, None
 
     def start(self, engine_kwargs: dict, timeout_s: float) -> str:
-        import json
-
         import ray
 
         from plait.rollout.server import _cpu_threads, _wait_healthy
@@ -299,12 +303,10 @@ class Job:
         for role, ids in self.ran_on.items():  # the bundles' node labels guarantee it; say so if Ray ever disagrees
             for i, (want, got) in enumerate(zip(planned[role], ids)):
                 if want != got:
-                    self.say(f"[yellow]warning: {role} {i} runs on node {got[:8]}, not on the planned {want[:8]}")
+                    self.say(f"warning: {role} {i} runs on node {got[:8]}, not on the planned {want[:8]}")
 
     def record(self, run_dir: Path) -> None:
         """RUN_DIR/placement.json: the plan, and where Ray actually started each actor."""
-        import json
-
         (run_dir / "placement.json").write_text(json.dumps({**self.plan.as_dict(), "ran_on": self.ran_on}, indent=1))
 
     def _start_servers(self, first_bundle: int, tag: str) -> None:

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from test_train import tiny_overrides
-from test_vllm import RolloutServer, metrics_of, train_cmd, vllm_model, vllm_overrides  # noqa: F401 (a fixture)
+from test_vllm import RolloutServer, metrics_of, train_cmd, vllm_overrides
 
 pytestmark = [
     pytest.mark.slow,

@@ -32,14 +32,6 @@ pytestmark = [
 SYNCED_GAP = 1e-4  # fp32 engine vs fp32 trainer on the same weights: measured ~4e-7
 
 
-@pytest.fixture(scope="module")
-def vllm_model(tmp_path_factory):
-    """A tiny Llama vLLM's CPU attention supports (head_dim 32)."""
-    from plait.models import tiny_model
-
-    return tiny_model(tmp_path_factory.mktemp("vllm") / "model", hidden_size=128, intermediate_size=256)
-
-
 def metrics_of(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
