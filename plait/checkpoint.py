@@ -153,3 +153,27 @@ def resume_position(state: dict, rank: int, world: int, say) -> int:
     if rank == 0:
         say(f"[yellow]resuming with {world} processes a checkpoint written by {len(per_rank)}: data continues at prompt position {reached - reached % world}")
     return reached // world
+
+
+def trim_logs(run_dir: Path, step: int) -> int:
+    """On resume: keep the lines of metrics/samples/eval.jsonl up to `step` (the steps after
+    it run again and log again) and drop a line a crash cut short. Returns lines dropped."""
+    dropped = 0
+    for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
+        path = Path(run_dir) / name
+        if not path.is_file():
+            continue
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if isinstance(row, dict) and row.get("step", 0) <= step:
+                kept.append(line)
+            else:
+                dropped += 1
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in kept))
+        os.replace(tmp, path)
+    return dropped

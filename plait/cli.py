@@ -311,9 +311,22 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # plait never reaches a hub at run time
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from plait.train.guard import DIVERGED_EXIT, PREEMPTED_EXIT, Preempted, TrainingDiverged
+
     args = _parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
+    except Preempted as stop:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"plait: {stop} (exit code {PREEMPTED_EXIT})", file=sys.stderr)
+        return PREEMPTED_EXIT
+    except TrainingDiverged as err:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"plait: {err} (exit code {DIVERGED_EXIT})", file=sys.stderr)
+        return DIVERGED_EXIT
+    except KeyboardInterrupt:
+        print("plait: interrupted (no checkpoint written for the step in progress)", file=sys.stderr)
+        return 130
     except (ConfigError, DataError, RewardError, SandboxUnavailable, RolloutServerError) as err:
         rank = os.environ.get("RANK", "0")
         if isinstance(err, ConfigError) and rank != "0":

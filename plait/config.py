@@ -218,6 +218,11 @@ class TrainConfig(Section):
     precision: Literal["fp32", "bf16"] = Field("bf16", description="Autocast precision for forward passes.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train; auto = cuda when available, else cpu.")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default).")
+    max_nonfinite_steps: int = Field(
+        3, ge=0,
+        description="Optimizer steps with a NaN/inf gradient are skipped (weights, optimizer and LR schedule untouched); "
+        "after more than this many in a row the run stops (exit code 3) without writing a checkpoint.",
+    )
     backend: Literal["auto", "local", "ddp", "fsdp2", "deepspeed"] = Field(
         "auto",
         description="How training processes share the work: local (one process), ddp (replicated weights), fsdp2 "
@@ -229,6 +234,9 @@ class TrainConfig(Section):
 
 class CheckpointConfig(Section):
     save_steps: int = Field(0, ge=0, description="Save a resumable checkpoint every N steps (0 = only at the end).")
+    save_every_minutes: float = Field(
+        0.0, ge=0, description="Also save when this many minutes passed since the last save (0 = off); rank 0's clock decides."
+    )
     keep_last: int = Field(2, ge=1, description="Checkpoints to keep; older ones are deleted after a new one commits.")
     save_final_model: bool = Field(True, description="Write the trained model as a HF folder to OUTPUT_DIR/final.")
 
@@ -608,6 +616,9 @@ def validate(cfg: Config, world_size: int | None = None):
     if isinstance(plan, str):
         problems.append(plan)
     problems += _engine_problems(cfg)
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 and cfg.output_dir is None:
+        problems.append("torchrun --max-restarts restarts the processes with the same arguments: set output_dir "
+                        "(e.g. output_dir=/shared/runs/my-run) so a restarted job finds its checkpoints and resumes")
 
     if r.num_generations < 2:
         problems.append("rollout.num_generations must be >= 2: GRPO's advantages compare completions of the same prompt")

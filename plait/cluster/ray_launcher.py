@@ -218,7 +218,10 @@ class Failure:
         from plait.rewards.runner import RewardError
         from plait.rewards.sandbox import SandboxUnavailable
 
-        return not isinstance(self.error, (ConfigError, DataError, RewardError, SandboxUnavailable))
+        from plait.train.guard import TrainingDiverged
+
+        # these would fail the same way again: a restart only repeats them
+        return not isinstance(self.error, (ConfigError, DataError, RewardError, SandboxUnavailable, TrainingDiverged))
 
 
 def _why(err: BaseException) -> str:

@@ -11,6 +11,7 @@ functions), backend (how gradients are computed and applied) and checkpoint stor
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from collections import defaultdict
@@ -25,7 +26,7 @@ from plait.algo.advantages import combine_rewards
 from plait.algo.kl import mix_reference, sequence_kl
 from plait.algo.logprobs import completion_logprobs
 from plait.algo.losses import LossSettings, StepCounts, engine_mismatch_weights, high_entropy_mask, policy_loss
-from plait.checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, resume_position, save_checkpoint
+from plait.checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, resume_position, save_checkpoint, trim_logs
 from plait.cluster import comm
 from plait.config import Config, ConfigError, resolve_backend, validate
 from plait.data import PromptOrder, build_prompts, load_rows
@@ -39,6 +40,7 @@ from plait.rollout import make_engine
 from plait.telemetry import MetricsSink, PhaseTimer
 from plait.train.backends import make_backend, resolve_device
 from plait.train.batch import collate, micro_batches
+from plait.train.guard import NonFiniteGuard, Preempted, StopSignal
 from plait.train.metrics import across_processes, describe_processes, phase_summary, sample_record, step_rollout_metrics
 from plait.train.sampling import collect_groups
 from plait.types import Batch, Group
@@ -87,12 +89,18 @@ def _choose_run_dir(cfg: Config) -> tuple[Path, Path | None]:
         return ckpt.parent.parent, ckpt
     run_dir = Path(cfg.output_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     existing = latest_checkpoint(run_dir)
+    if restarted_by_torchrun() and cfg.output_dir:  # torchrun --max-restarts started us again: continue
+        return run_dir, existing
     if existing is not None and cfg.resume == "never":
         raise ConfigError(
             [f"output_dir '{run_dir}' already holds checkpoints (newest: {existing.name}); "
              f"continue it with `plait train --resume {run_dir}`, or choose another output_dir"]
         )
     return run_dir, existing if cfg.resume == "auto" else None
+
+
+def restarted_by_torchrun() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
 def seed_everything(seed: int) -> None:
@@ -192,11 +200,13 @@ def train_micro_batch(model, mb: Batch, counts: StepCounts, cfg: Config, setting
 _PER_PROCESS = ("loss", "clip_low_tokens", "clip_high_tokens", "ratio_tokens", "logprob_gap_tokens", "trained_tokens", "entropy_tokens", "kl_tokens")
 
 
-def policy_update(batch: Batch, cfg: Config, backend) -> dict[str, float]:
+def policy_update(batch: Batch, cfg: Config, backend, guard: NonFiniteGuard | None = None, step: int = 0) -> dict[str, float]:
     """num_iterations passes over the generation batch, split into steps_per_generation
     optimizer steps, each accumulating gradients over its micro-batches. The loss is
-    normalized by the step's counts over all processes, so gradients sum over processes."""
+    normalized by the step's counts over all processes, so gradients sum over processes.
+    A step with a non-finite gradient is skipped by the backend; `guard` counts it."""
     a = cfg.algo
+    guard = guard or NonFiniteGuard(cfg.train.max_nonfinite_steps)
     settings = loss_settings(cfg)
     rows = len(batch) // a.steps_per_generation
     sums: dict[str, float] = defaultdict(float)
@@ -212,8 +222,13 @@ def policy_update(batch: Batch, cfg: Config, backend) -> dict[str, float]:
                     for k, v in train_micro_batch(backend.model, mb, counts, cfg, settings, backend).items():
                         sums[k] += v
             sums["real_tokens"] += toks
-            sums["grad_norm"] += backend.step(cfg.train.max_grad_norm)
+            norm = backend.step(cfg.train.max_grad_norm)
             sums["lr"] += scheduler.get_last_lr()[0]
+            if not guard.check(norm, step):  # skipped: the LR schedule waits for a real update
+                sums["nonfinite_steps"] += 1
+                continue
+            sums["grad_norm"] += norm
+            sums["applied_steps"] += 1
             scheduler.step()
             if a.ref_model_sync_steps and scheduler.last_epoch % a.ref_model_sync_steps == 0:
                 mix_reference(backend.ref_model, backend.module, a.ref_model_mixup_alpha)
@@ -222,7 +237,8 @@ def policy_update(batch: Batch, cfg: Config, backend) -> dict[str, float]:
     sums.update(zip(keys, comm.all_sum([sums[k] for k in keys])))
     steps = a.num_iterations * a.steps_per_generation
     tokens = max(1.0, sums["real_tokens"])
-    out = {"loss": sums["loss"] / steps, "grad_norm": sums["grad_norm"] / steps, "lr": sums["lr"] / steps}
+    out = {"loss": sums["loss"] / steps, "grad_norm": sums["grad_norm"] / max(1.0, sums["applied_steps"]), "lr": sums["lr"] / steps}
+    out["nonfinite_steps"] = sums["nonfinite_steps"]
     out["clip/low"] = sums["clip_low_tokens"] / tokens
     out["clip/high"] = sums["clip_high_tokens"] / tokens
     out["clip/fraction"] = out["clip/low"] + out["clip/high"]
@@ -246,14 +262,18 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
     plan = validate(cfg)  # every config problem, before anything heavy loads
     device = resolve_device(cfg.train.device)
     backend = make_backend(resolve_backend(cfg, plan.training_processes), cfg, device)  # joins the process group
-    result = _train(cfg, plan, backend, console)
+    stop = StopSignal().install()  # SIGTERM/SIGINT: finish the step, checkpoint, exit (Preempted)
+    try:
+        result = _train(cfg, plan, backend, console, stop)
+    finally:
+        stop.uninstall()
     # only on success: after an error the other processes may be inside another collective,
     # and a barrier here would hang; this process exits instead and torchrun stops the rest
     comm.shutdown()
     return result
 
 
-def _train(cfg: Config, plan: BatchPlan, backend, console: str | None) -> TrainResult:
+def _train(cfg: Config, plan: BatchPlan, backend, console: str | None, stop: StopSignal) -> TrainResult:
     main = comm.is_main()
     run_dir, resume_from = prepare_run_dir(cfg)
     if main:
@@ -296,7 +316,8 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None) -> TrainR
         state = load_checkpoint(resume_from, backend)
         start, order.consumed = state["step"], resume_position(state, comm.rank(), comm.world_size(), say)
         result.eval_before = state.get("eval_before")
-        say(f"resumed from {resume_from} (step {start})")
+        dropped = trim_logs(run_dir, start) if main else 0
+        say(f"resumed from {resume_from} (step {start})" + (f"; {dropped} log line(s) after it dropped (those steps run again)" if dropped else ""))
     eval_tokens = cfg.eval.max_completion_length or cfg.rollout.max_completion_length
 
     def run_eval(tag: str) -> float:
@@ -321,6 +342,8 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None) -> TrainR
     timer = PhaseTimer()
     names, weights = [r.name for r in rewards], [r.weight for r in rewards]
     prompts_per_round = plan.prompts_per_process * cfg.algo.steps_per_generation
+    guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
+    last_save = time.monotonic()
     for step in range(start + 1, cfg.train.max_steps + 1):
         with ExitStack() as step_weights:
             with timer("weight_sync"):  # HF: gather sharded weights once for the step; vLLM: copy them in
@@ -333,16 +356,21 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None) -> TrainR
             logprob_prepass(batch, cfg, backend)
         batch.advantages = step_advantages(groups, batch, cfg, names, weights)
         with timer("train"):
-            update = policy_update(batch, cfg, backend)
+            update = policy_update(batch, cfg, backend, guard, step)
+        if update["nonfinite_steps"]:
+            say(f"[yellow]step {step}: {update['nonfinite_steps']:.0f} optimizer step(s) skipped: non-finite gradient norm "
+                f"(weights, optimizer and LR schedule untouched; {guard.streak} in a row, limit {guard.limit})")
 
         metrics = {**step_rollout_metrics(groups, accuracy), **update, **getattr(engine, "sync_stats", {})}
         metrics.update(across_processes(sampling.metrics(), reward_health(rewards, sandboxed)))
         versions = [c.weight_version for g in groups for c in g.completions if c.weight_version is not None]
         if versions:  # engines holding a copy of the weights: how many updates behind they sampled (0 when synced)
             metrics["rollout/weight_staleness"] = step - 1 - min(versions)
-        if cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0 and step < cfg.train.max_steps:
+        stopping, save = _save_due(cfg, step, stop, last_save)
+        if save:
             with timer("checkpoint"):
                 save_checkpoint(run_dir, step, backend, _trainer_state(order, result), cfg.checkpoint.keep_last)
+            last_save = time.monotonic()
         times = timer.reset()  # the slowest process sets the pace: report its time per phase
         metrics.update(zip(times, comm.all_max(list(times.values()))))
         metrics["tokens/s_generate"] = metrics["tokens/generated"] / max(1e-9, metrics["time/generate"])
@@ -353,6 +381,9 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None) -> TrainR
             with (run_dir / "samples.jsonl").open("a") as f:
                 f.write(json.dumps(rec) + "\n")
             say(f"[dim]sample @ {step}: {rec['completion'][:160]!r} rewards={rec['rewards']}")
+        if stopping:
+            sink.close()
+            raise Preempted(run_dir, step, stop.requested or "a stop signal on another process")
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.train.max_steps:
             run_eval(f"step {step}")
 
@@ -367,6 +398,17 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None) -> TrainR
     describe_processes(backend, run_dir, say, final=True)
     _summary(say, result, cfg, run_dir)
     return result
+
+
+def _save_due(cfg: Config, step: int, stop: StopSignal, last_save: float) -> tuple[bool, bool]:
+    """(stop now, save a checkpoint now), the same in every process: a signal may reach only
+    some of them, and rank 0's clock decides the time-based saves."""
+    c = cfg.checkpoint
+    final = step == cfg.train.max_steps  # the end of the run saves anyway
+    by_time = bool(c.save_every_minutes) and time.monotonic() - last_save >= 60 * c.save_every_minutes and comm.is_main()
+    stopping, by_time = (bool(x) for x in comm.all_max([float(stop.requested is not None), float(by_time)]))
+    by_steps = bool(c.save_steps) and step % c.save_steps == 0
+    return stopping and not final, not final and (by_steps or by_time or stopping)
 
 
 def reward_health(rewards: list[BoundReward], sandboxed: bool) -> dict[str, float]:

@@ -98,9 +98,12 @@ class DeepSpeedBackend(LocalBackend):
         self.model.step()  # only steps (clip, update, zero) at the accumulation boundary
 
     def step(self, max_norm: float | None) -> float:
-        # the engine stepped after the last micro-batch; DeepSpeed clips by its config
+        # the engine stepped after the last micro-batch; DeepSpeed clips by its config, and
+        # ZeRO skips a step whose gradients hold inf/NaN (checked over all processes)
+        if not self.model.was_step_applied():
+            return float("inf")
         norm = self.model.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        return float(norm) if norm is not None else 0.0
 
     @contextlib.contextmanager
     def _gather_for_generation(self):

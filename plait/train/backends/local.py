@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from pathlib import Path
 
 import torch
@@ -109,12 +110,16 @@ class LocalBackend:
         (loss * comm.world_size()).backward()
 
     def step(self, max_norm: float | None) -> float:
-        """Clip the gradient norm, take the optimizer step, and return the pre-clip norm."""
+        """Clip the gradient norm, take the optimizer step, and return the pre-clip norm. A
+        non-finite norm skips the step (weights and AdamW moments untouched); the norm is
+        the same in every process (gradients are reduced first), so all of them skip."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
-        self.optimizer.step()
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
+        if math.isfinite(norm):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
+        return norm
 
     @contextlib.contextmanager
     def for_generation(self):

@@ -1,0 +1,283 @@
+"""Chaos: kill a training run again and again; it must end exactly where an unbroken run ends.
+
+    .venv/bin/python bench/chaos.py [--kills 6] [--nproc 2] [--steps 10] [--seed 0] [--json out.json]
+
+Runs a short GRPO training of a tiny random model once without interruption (the reference),
+then again with the same config while SIGKILLing a random training process `--kills` times at
+random moments: during start-up or resume, in the middle of a step, or while a checkpoint is
+being written (the harness watches for the `.tmp` folder). After each kill it starts the run
+again with `resume=auto`, as a requeueing scheduler would. At the end it compares, bit for bit:
+
+- the final weights (final/model.safetensors),
+- every committed checkpoint (weights and optimizer state) with the reference's of that step,
+- the per-step metrics (loss, rewards, grad norm, ...; timings excluded).
+
+It prints the kills by moment, the resumes, the checkpoints a resume loaded that were not
+identical to the reference's ("corrupt loads", must be 0), the largest weight difference
+(must be 0.0 on CPU) and exits 1 if anything differs. `--nproc 2` runs under torchrun (ddp)
+and kills one of the two workers; torchrun then stops the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+from safetensors.torch import load_file
+
+REWARD = '''def vowel_share(completions, **_):
+    return [sum(ch in "aeiouAEIOU" for ch in t) / max(1, len(t)) for t in completions]
+'''
+MOMENTS = ("startup", "step", "save")
+
+
+@dataclass
+class Report:
+    kills: dict = field(default_factory=lambda: {m: 0 for m in MOMENTS})
+    launches: int = 0
+    resumes: int = 0
+    corrupt_loads: int = 0
+    incomplete_checkpoints_seen: int = 0  # step_X.tmp left by a kill: never loaded
+    checkpoints_compared: int = 0
+    checkpoints_differing: int = 0
+    metrics_differing: list = field(default_factory=list)
+    max_weight_diff: float = 0.0
+    optimizer_identical: bool = False
+    steps_logged: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (self.corrupt_loads == 0 and self.checkpoints_differing == 0 and not self.metrics_differing
+                and self.max_weight_diff == 0.0 and self.optimizer_identical)
+
+
+def setup(work: Path) -> tuple[Path, Path]:
+    from plait.data.tasks import arithmetic
+    from plait.models import tiny_model
+
+    model = tiny_model(work / "model")
+    rows = [{"question": r["prompt"], "answer": r["answer"]} for r in arithmetic("train", 64)]
+    data = work / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (work / "chaos_rewards.py").write_text(REWARD)
+    return model, data
+
+
+def overrides(model: Path, data: Path, out: Path, steps: int, seed: int) -> list[str]:
+    return [
+        f"model.name_or_path={model}", "data.task=null", f"data.path={data}", "data.prompt_field=question",
+        "rollout.prompts_per_step=2", "rollout.num_generations=4", "rollout.max_completion_length=12",
+        "train.micro_batch_size=4", f"train.max_steps={steps}", "train.learning_rate=1e-3", "train.warmup_steps=2",
+        "train.precision=fp32", "train.threads=1", "rewards=[{name: 'chaos_rewards:vowel_share'}]",
+        "eval.before=false", "eval.after=false", "checkpoint.save_steps=1", "checkpoint.keep_last=1000",
+        "log.console=plain", f"output_dir={out}", f"seed={seed}", "resume=auto",
+    ]
+
+
+def command(nproc: int, sets: list[str]) -> list[str]:
+    flags = sum((["--set", s] for s in sets), [])
+    if nproc == 1:
+        return [sys.executable, "-m", "plait", "train", *flags]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+            str(random.Random().randint(20000, 40000)), "-m", "plait", "train", *flags]
+
+
+def trainers(proc: subprocess.Popen, nproc: int) -> list[psutil.Process]:
+    if nproc == 1:
+        return [psutil.Process(proc.pid)]
+    try:
+        return [c for c in psutil.Process(proc.pid).children(recursive=True) if "plait" in " ".join(c.cmdline())]
+    except psutil.Error:
+        return []
+
+
+def committed(out: Path) -> list[int]:
+    root = out / "checkpoints"
+    return sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if (p / "COMMITTED").is_file()) if root.is_dir() else []
+
+
+def metrics_lines(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def wait_for_moment(proc, out: Path, moment: str, rng: random.Random, nproc: int) -> bool:
+    """Block until the moment to kill (True), or until the run ends first (False)."""
+    start = time.monotonic()
+    if moment == "startup":
+        delay = rng.uniform(0.5, 4.0)
+        while time.monotonic() - start < delay:
+            if proc.poll() is not None:
+                return False
+            time.sleep(0.01)
+        return True
+    if moment == "step":
+        lines = metrics_lines(out)
+        while metrics_lines(out) <= lines:  # training is under way in this launch
+            if proc.poll() is not None:
+                return False
+            time.sleep(0.02)
+        delay = rng.uniform(0.0, 0.8)
+        end = time.monotonic() + delay
+        while time.monotonic() < end:
+            if proc.poll() is not None:
+                return False
+            time.sleep(0.005)
+        return True
+    newest = max(committed(out), default=0)
+    root = out / "checkpoints"
+    while True:  # save: a step_X.tmp newer than the newest committed checkpoint is being written
+        if proc.poll() is not None:
+            return False
+        if root.is_dir() and any(int(p.name.split("_")[1].split(".")[0]) > newest for p in root.glob("step_*.tmp")):
+            return True
+        time.sleep(0.001)
+
+
+def launch(cmd, work: Path, log) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(work), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def run_to_end(cmd, work: Path, log_path: Path) -> None:
+    with log_path.open("a") as log:
+        proc = launch(cmd, work, log)
+        if proc.wait() != 0:
+            raise SystemExit(f"chaos: a run failed without being killed; see {log_path}")
+
+
+def chaos_run(cmd, work: Path, out: Path, kills: int, rng: random.Random, nproc: int, report: Report, say) -> None:
+    log_path = work / "chaos.log"
+    done_kills = 0
+    while True:
+        with log_path.open("a") as log:
+            proc = launch(cmd, work, log)
+            report.launches += 1
+            if done_kills < kills:
+                moment = rng.choice(MOMENTS)
+                if wait_for_moment(proc, out, moment, rng, nproc):
+                    victims = trainers(proc, nproc)
+                    if victims:
+                        victim = rng.choice(victims)
+                        try:
+                            victim.send_signal(signal.SIGKILL)
+                            done_kills += 1
+                            report.kills[moment] += 1
+                            say(f"kill {done_kills}/{kills}: SIGKILL pid {victim.pid} at {moment} "
+                                f"(committed checkpoints: {committed(out)[-3:]})")
+                        except psutil.Error:
+                            pass
+            code = proc.wait()
+            if nproc > 1:  # torchrun stops the other worker; make sure nothing is left
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        report.incomplete_checkpoints_seen += len(list((out / "checkpoints").glob("*.tmp"))) if (out / "checkpoints").is_dir() else 0
+        if code == 0:
+            return
+        if report.launches > 4 * kills + 4:
+            raise SystemExit(f"chaos: the run keeps failing; see {log_path}")
+
+
+def same_tree(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a) if a.keys() == b.keys() else float("inf")
+
+
+def compare(ref: Path, out: Path, work: Path, report: Report) -> None:
+    fa, fb = load_file(str(ref / "final" / "model.safetensors")), load_file(str(out / "final" / "model.safetensors"))
+    report.max_weight_diff = max_diff(fa, fb)
+    for step in committed(out):
+        a, b = ref / "checkpoints" / f"step_{step:08d}", out / "checkpoints" / f"step_{step:08d}"
+        report.checkpoints_compared += 1
+        same = same_tree(load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))) and same_tree(
+            torch.load(a / "optimizer.pt", weights_only=False), torch.load(b / "optimizer.pt", weights_only=False))
+        report.checkpoints_differing += not same
+    last = max(committed(out))
+    report.optimizer_identical = same_tree(torch.load(ref / "checkpoints" / f"step_{last:08d}" / "optimizer.pt", weights_only=False),
+                                           torch.load(out / "checkpoints" / f"step_{last:08d}" / "optimizer.pt", weights_only=False))
+    # every resume names what it loaded: it must be a committed checkpoint identical to the reference's
+    for m in re.finditer(r"resumed from (\S+) \(step (\d+)\)", (work / "chaos.log").read_text()):
+        report.resumes += 1
+        loaded, step = Path(m.group(1)), int(m.group(2))
+        twin = ref / "checkpoints" / f"step_{step:08d}"
+        if not (loaded / "COMMITTED").is_file() or not same_tree(load_file(str(loaded / "model.safetensors")),
+                                                                  load_file(str(twin / "model.safetensors"))):
+            report.corrupt_loads += 1
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    refs = {r["step"]: r for r in (json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines())}
+    report.steps_logged = [r["step"] for r in rows]
+    for r in rows:
+        keys = [k for k in refs[r["step"]] if not k.startswith("time/") and "/s" not in k and "memory" not in k]
+        bad = [k for k in keys if r.get(k) != refs[r["step"]][k]]
+        if bad:
+            report.metrics_differing.append({"step": r["step"], "keys": bad[:5]})
+    if report.steps_logged != sorted(refs):
+        report.metrics_differing.append({"steps": report.steps_logged})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kills", type=int, default=6)
+    ap.add_argument("--nproc", type=int, default=2, choices=[1, 2])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0, help="seeds the kill schedule (the training seed is fixed)")
+    ap.add_argument("--json", help="also write the report here")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="plait-chaos-"))
+    say = print
+    try:
+        model, data = setup(work)
+        ref, out = work / "reference", work / "chaos"
+        say(f"chaos: {args.nproc} process(es), {args.steps} steps, {args.kills} kills; work folder {work}")
+        run_to_end(command(args.nproc, overrides(model, data, ref, args.steps, 0)), work, work / "reference.log")
+        say(f"reference run done ({time.monotonic() - t0:.0f}s)")
+        report = Report()
+        chaos_run(command(args.nproc, overrides(model, data, out, args.steps, 0)), work, out, args.kills,
+                  random.Random(args.seed), args.nproc, report, say)
+        compare(ref, out, work, report)
+        report.seconds = round(time.monotonic() - t0, 1)
+        say(f"kills: {sum(report.kills.values())} ({', '.join(f'{k} {v}' for k, v in report.kills.items())}); "
+            f"launches {report.launches}; resumes {report.resumes}")
+        say(f"corrupt checkpoints loaded: {report.corrupt_loads}; incomplete checkpoints left by kills (never loaded): "
+            f"{report.incomplete_checkpoints_seen}")
+        say(f"checkpoints compared with the reference: {report.checkpoints_compared}, differing: {report.checkpoints_differing}")
+        say(f"final weights max |diff|: {report.max_weight_diff}; optimizer state identical: {report.optimizer_identical}; "
+            f"metrics differing: {report.metrics_differing or 'none'}")
+        say(f"chaos: {'PASS' if report.ok else 'FAIL'} in {report.seconds}s")
+        if args.json:
+            Path(args.json).write_text(json.dumps({**asdict(report), "ok": report.ok}, indent=1))
+        return 0 if report.ok else 1
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Stops that keep a run's state safe: non-finite optimizer steps, and preemption signals.
+
+Non-finite steps: a NaN/inf gradient norm means the step would poison the weights and the
+AdamW moments for good. The backend then skips the update (weights and optimizer untouched);
+the loop counts the skip and does not advance the LR schedule. After `limit` consecutive
+skips the run stops with `TrainingDiverged`, without writing a checkpoint, so the last good
+one stays the newest. Every process sees the same norm (it is reduced over processes), so
+they all skip, and all stop, together.
+
+Preemption: the first SIGTERM or SIGINT (Slurm's time limit, a spot-instance notice, Ctrl-C)
+asks the loop to finish the step it is in, write a checkpoint and exit with PREEMPTED_EXIT;
+a second one stops at once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import threading
+
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later", what a requeueing scheduler should do
+DIVERGED_EXIT = 3
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive optimizer steps with non-finite gradients."""
+
+
+class Preempted(Exception):
+    """A stop signal arrived; the checkpoint of `step` is written."""
+
+    def __init__(self, run_dir, step: int, signame: str):
+        self.run_dir, self.step, self.signame = run_dir, step, signame
+        super().__init__(f"{signame}: stopped after step {step} with a checkpoint; continue with `plait train --resume {run_dir}`")
+
+
+class NonFiniteGuard:
+    """Counts skipped (non-finite) optimizer steps; raises after `limit` in a row."""
+
+    def __init__(self, limit: int):
+        self.limit, self.streak, self.skipped = limit, 0, 0
+
+    def check(self, grad_norm: float, step: int) -> bool:
+        """True when the optimizer step with this gradient norm was applied."""
+        if math.isfinite(grad_norm):
+            self.streak = 0
+            return True
+        self.streak += 1
+        self.skipped += 1
+        if self.streak > self.limit:
+            raise TrainingDiverged(
+                f"step {step}: {self.streak} optimizer steps in a row had a non-finite gradient norm ({grad_norm}); each was "
+                f"skipped (weights and optimizer untouched) and train.max_nonfinite_steps={self.limit} allows no more. The newest "
+                "checkpoint predates them and is intact. Try a lower train.learning_rate, train.max_grad_norm, "
+                "train.precision=fp32, or check the rewards for inf/NaN.")
+        return False
+
+
+class StopSignal:
+    """SIGTERM/SIGINT -> `requested` (first), KeyboardInterrupt (second). Only the main thread
+    can take signals; elsewhere (a Ray actor's worker thread) `install` does nothing."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._old: dict = {}
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.requested is not None:
+            self.uninstall()
+            raise KeyboardInterrupt(f"second {name}")
+        self.requested = name
+        print(f"plait: {name} received: finishing this step, then writing a checkpoint (send it again to stop now)",
+              file=sys.stderr, flush=True)
+
+    def install(self) -> "StopSignal":
+        # a Ray actor's signals belong to Ray (the launcher stops actors itself)
+        if threading.current_thread() is threading.main_thread() and "PLAIT_NODE_ID" not in os.environ:
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old.clear()

@@ -1,0 +1,155 @@
+"""Runs that survive: non-finite steps skipped, stop signals that checkpoint, torchrun
+restarts that resume, time-based saves, and the chaos harness (bench/chaos.py)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import plait.train.loop as loop
+from plait.config import load_config
+from plait.train.guard import PREEMPTED_EXIT, TrainingDiverged
+from test_train import final_weights, tiny_overrides
+from test_vllm import metrics_of, train_cmd
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parents[2]
+
+
+def ckpt(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step_{step:08d}"
+
+
+def poison_steps(monkeypatch, steps: set[int]) -> None:
+    """Fault injection: the advantages of these steps are NaN, so loss and gradients are."""
+    real = loop.step_advantages
+    seen = {"step": 0}
+
+    def advantages(*args, **kwargs):
+        seen["step"] += 1
+        adv = real(*args, **kwargs)
+        return adv * float("nan") if seen["step"] in steps else adv
+
+    monkeypatch.setattr(loop, "step_advantages", advantages)
+
+
+def test_a_non_finite_step_is_skipped_and_too_many_stop_the_run(tiny_model_path, prompts_jsonl, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    cfg = load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, run, "checkpoint.save_steps=1", "checkpoint.keep_last=10"))
+    poison_steps(monkeypatch, {2})
+    result = loop.train(cfg)
+    skipped = [m["nonfinite_steps"] for m in result.history]
+    assert skipped == [0, 1, 0, 0]
+    # step 2 changed nothing: weights, AdamW moments and the LR schedule are step 1's
+    w1, w2, w3 = (load_file(str(ckpt(run, s) / "model.safetensors")) for s in (1, 2, 3))
+    assert all(torch.equal(w1[k], w2[k]) for k in w1) and any(not torch.equal(w2[k], w3[k]) for k in w2)
+    o1, o2 = (torch.load(ckpt(run, s) / "optimizer.pt", weights_only=False)["optimizer"] for s in (1, 2))
+    assert all(torch.equal(o1["state"][i]["exp_avg"], o2["state"][i]["exp_avg"]) for i in o1["state"])
+    s1, s2 = (torch.load(ckpt(run, s) / "scheduler.pt", weights_only=False) for s in (1, 2))
+    assert s1["last_epoch"] == s2["last_epoch"]
+    assert all(torch.isfinite(v).all() for v in final_weights(run).values())
+
+    run2 = tmp_path / "diverging"
+    cfg = load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, run2, "checkpoint.save_steps=1",
+                                           "train.max_nonfinite_steps=1", "train.max_steps=6"))
+    poison_steps(monkeypatch, {3, 4, 5, 6})
+    with pytest.raises(TrainingDiverged, match="2 optimizer steps in a row had a non-finite gradient norm"):
+        loop.train(cfg)
+    # the step that raised wrote nothing: the newest checkpoint is step 3 (its update skipped)
+    assert [p.name for p in sorted((run2 / "checkpoints").iterdir())] == ["step_00000002", "step_00000003"]
+    w2, w3 = (load_file(str(ckpt(run2, s) / "model.safetensors")) for s in (2, 3))
+    assert all(torch.equal(w2[k], w3[k]) for k in w2)
+    assert not (run2 / "final").exists()
+
+
+def start(cmd, env, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for_steps(run: Path, n: int, proc, timeout=300) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        path = run / "metrics.jsonl"
+        if path.is_file() and len(path.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, "the run ended early"
+        time.sleep(0.05)
+    raise TimeoutError
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_checkpoints_the_step_and_exits_75_then_resume_is_exact(nproc, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    """SIGTERM (Slurm's time limit, a preemption): the step in progress finishes, a checkpoint
+    is written, the process exits with 75; `--resume` ends with the weights of an unbroken run.
+    Under torchrun the signal goes to torchrun, which passes it to its workers."""
+    steps = 8
+    straight = tmp_path / "straight"
+    assert subprocess.run(train_cmd(nproc, tiny_overrides(tiny_model_path, prompts_jsonl, straight, f"train.max_steps={steps}")),
+                          env=helper_env, capture_output=True, timeout=600).returncode == 0
+    run = tmp_path / "run"
+    args = tiny_overrides(tiny_model_path, prompts_jsonl, run, f"train.max_steps={steps}", "log.console=plain")
+    proc = start(train_cmd(nproc, args), helper_env, tmp_path / "log")
+    wait_for_steps(run, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=120)
+    shown = (tmp_path / "log").read_text()
+    done = [int(p.name.split("_")[1]) for p in (run / "checkpoints").iterdir() if (p / "COMMITTED").is_file()]
+    assert len(done) == 1 and 2 <= done[0] < steps, shown[-3000:]
+    assert "SIGTERM received: finishing this step" in shown
+    assert f"stopped after step {done[0]} with a checkpoint; continue with `plait train --resume {run}`" in shown
+    assert code == PREEMPTED_EXIT if nproc == 1 else code != 0  # torchrun, signalled itself, exits on its own terms
+    res = subprocess.run(train_cmd(nproc, [*args, "resume=auto"]), env=helper_env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert [m["step"] for m in metrics_of(run)] == list(range(1, steps + 1))
+    a, b = final_weights(straight), final_weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_torchrun_max_restarts_resumes_a_killed_worker(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    """`torchrun --max-restarts 1`: worker rank 1 is SIGKILLed in step 3; torchrun restarts both,
+    they resume from step 2's checkpoint and end with the weights of an unbroken run."""
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    extra = ["checkpoint.save_steps=1"]
+    assert subprocess.run(train_cmd(2, tiny_overrides(tiny_model_path, prompts_jsonl, straight, *extra)),
+                          env=helper_env, capture_output=True, timeout=600).returncode == 0
+    args = tiny_overrides(tiny_model_path, prompts_jsonl, run, *extra, "log.console=plain",
+                          "rewards=[{name: 'plait_test_rewards:vowel_share_die_once'}]")
+    cmd = train_cmd(2, args)
+    cmd[cmd.index("--nproc_per_node"):cmd.index("--nproc_per_node")] = ["--max-restarts", "1"]
+    env = {**helper_env, "PLAIT_TEST_DIE_MARKER": str(tmp_path / "died"), "PLAIT_TEST_DIE_CALL": "3", "PLAIT_TEST_DIE_RANK": "1"}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    shown = res.stdout + res.stderr
+    assert res.returncode == 0 and (tmp_path / "died").exists(), shown[-3000:]
+    assert f"resumed from {ckpt(run, 2)} (step 2)" in shown
+    assert [m["step"] for m in metrics_of(run)] == [1, 2, 3, 4]  # the log lines of the lost step were dropped
+    a, b = final_weights(straight), final_weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_time_based_saves(tiny_model_path, prompts_jsonl, tmp_path):
+    run = tmp_path / "run"
+    cfg = load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, run, "checkpoint.save_every_minutes=0.0001",
+                                           "checkpoint.keep_last=10"))
+    loop.train(cfg)  # every step takes longer than 6 ms: each one saves
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{s:08d}" for s in (1, 2, 3, 4)]
+
+
+def test_chaos_harness_finds_no_difference(tmp_path):
+    """bench/chaos.py, short: 3 SIGKILLs of a 2-process run at random moments (seeded)."""
+    out = tmp_path / "chaos.json"
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "chaos.py"), "--kills", "3", "--steps", "6", "--nproc", "2",
+                          "--seed", "1", "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert sum(report["kills"].values()) == 3 and report["resumes"] >= 3
+    assert report["corrupt_loads"] == 0 and report["checkpoints_differing"] == 0 and report["checkpoints_compared"] >= 6
+    assert report["max_weight_diff"] == 0.0 and report["optimizer_identical"] and report["metrics_differing"] == []
+    assert report["steps_logged"] == [1, 2, 3, 4, 5, 6]
