@@ -36,17 +36,24 @@ def init_from_env(device: torch.device, timeout_s: float = 1800, single_process_
     offloading); otherwise it stays without a group."""
     if active():
         return True
-    alone = {}
+    explicit: dict = {}  # explicit init arguments; none = env:// (torchrun's / Ray launcher's variables)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         if not single_process_ok:
             return False
-        alone = {"init_method": f"tcp://127.0.0.1:{free_port()}", "rank": 0, "world_size": 1}
+        explicit = {"init_method": f"tcp://127.0.0.1:{free_port()}", "rank": 0, "world_size": 1}
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart and not explicit:
+        # torchrun --max-restarts with its default (static) rendezvous keeps one store for every
+        # attempt: without a prefix, a restarted rank can read the previous attempt's gloo/NCCL
+        # addresses and connect to a dead peer
+        store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+        explicit = {"store": dist.PrefixStore(f"plait/attempt_{restart}", store), "rank": rank, "world_size": world}
     if device.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timedelta(seconds=timeout_s), **alone)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timedelta(seconds=timeout_s), **explicit)
     else:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s), **alone)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s), **explicit)
     return True
 
 
