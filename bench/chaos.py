@@ -131,20 +131,22 @@ def wait_for_moment(proc, out: Path, moment: str, rng: random.Random, nproc: int
             if proc.poll() is not None:
                 return False
             time.sleep(0.02)
-        delay = rng.uniform(0.0, 0.8)
+        delay = rng.uniform(0.0, 0.4)
         end = time.monotonic() + delay
         while time.monotonic() < end:
             if proc.poll() is not None:
                 return False
             time.sleep(0.005)
         return True
-    newest = max(committed(out), default=0)
-    root = out / "checkpoints"
-    while True:  # save: a step_X.tmp newer than the newest committed checkpoint is being written
+    root, launched = out / "checkpoints", time.time()
+    while True:  # save: a step_X.tmp this launch created (an earlier kill may have left one) is being written
         if proc.poll() is not None:
             return False
-        if root.is_dir() and any(int(p.name.split("_")[1].split(".")[0]) > newest for p in root.glob("step_*.tmp")):
-            return True
+        try:
+            if root.is_dir() and any(p.stat().st_mtime >= launched for p in root.glob("step_*.tmp")):
+                return True
+        except FileNotFoundError:  # renamed while we looked: the next one will do
+            pass
         time.sleep(0.001)
 
 
@@ -160,17 +162,22 @@ def run_to_end(cmd, work: Path, log_path: Path) -> None:
             raise SystemExit(f"chaos: a run failed without being killed; see {log_path}")
 
 
-def chaos_run(cmd, work: Path, out: Path, kills: int, rng: random.Random, nproc: int, report: Report, say) -> None:
+def chaos_run(cmd, work: Path, out: Path, kills: int, steps: int, rng: random.Random, nproc: int, report: Report, say) -> None:
     log_path = work / "chaos.log"
-    done_kills = 0
+    done_kills, left = 0, set()
     while True:
         with log_path.open("a") as log:
             proc = launch(cmd, work, log)
             report.launches += 1
             if done_kills < kills:
                 moment = rng.choice(MOMENTS)
+                if steps - max(committed(out), default=0) < 3:  # too close to the end to hit a step reliably
+                    moment = "startup"
                 if wait_for_moment(proc, out, moment, rng, nproc):
                     victims = trainers(proc, nproc)
+                    while not victims and proc.poll() is None:  # torchrun is still starting its workers
+                        time.sleep(0.05)
+                        victims = trainers(proc, nproc)
                     if victims:
                         victim = rng.choice(victims)
                         try:
@@ -187,7 +194,8 @@ def chaos_run(cmd, work: Path, out: Path, kills: int, rng: random.Random, nproc:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        report.incomplete_checkpoints_seen += len(list((out / "checkpoints").glob("*.tmp"))) if (out / "checkpoints").is_dir() else 0
+        left.update(p.name for p in (out / "checkpoints").glob("*.tmp")) if (out / "checkpoints").is_dir() else None
+        report.incomplete_checkpoints_seen = len(left)
         if code == 0:
             return
         if report.launches > 4 * kills + 4:
@@ -259,7 +267,7 @@ def main(argv=None) -> int:
         run_to_end(command(args.nproc, overrides(model, data, ref, args.steps, 0)), work, work / "reference.log")
         say(f"reference run done ({time.monotonic() - t0:.0f}s)")
         report = Report()
-        chaos_run(command(args.nproc, overrides(model, data, out, args.steps, 0)), work, out, args.kills,
+        chaos_run(command(args.nproc, overrides(model, data, out, args.steps, 0)), work, out, args.kills, args.steps,
                   random.Random(args.seed), args.nproc, report, say)
         compare(ref, out, work, report)
         report.seconds = round(time.monotonic() - t0, 1)
