@@ -13,6 +13,12 @@ Every process writes its part into `step_X.tmp`; after a barrier rank 0 commits 
 fsync, rename). A crash mid-save leaves only `step_X.tmp`, which `latest_checkpoint` ignores
 and the next save removes. Retention deletes old checkpoints only after a newer one has
 committed. With several nodes, the run directory must be on storage every node sees.
+
+Asynchronous saves (checkpoint.async_save, local/ddp/fsdp2): the state is copied to CPU
+memory while training waits, and the write, fsync and commit happen on a background thread
+while the next step runs. A save waits for the previous one to commit first; the end of the
+run (and a stop signal) waits too. A crash before the commit leaves a `.tmp` folder, never a
+checkpoint that looks complete.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import json
 import os
 import random
 import shutil
+import threading
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -67,9 +75,44 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, step: int, backend, state: dict, keep_last: int = 2) -> Path:
+class _Background:
+    """The one save still being written in this process (None when none)."""
+
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+    @classmethod
+    def start(cls, work: Callable[[], None]) -> None:
+        def run():
+            try:
+                work()
+            except BaseException as err:  # noqa: BLE001 - re-raised by wait()
+                cls.error = err
+
+        cls.thread = threading.Thread(target=run, name="plait-checkpoint", daemon=False)
+        cls.thread.start()
+
+    @classmethod
+    def wait(cls) -> None:
+        if cls.thread is not None:
+            cls.thread.join()
+            cls.thread = None
+        if cls.error is not None:
+            err, cls.error = cls.error, None
+            raise RuntimeError(f"writing a checkpoint in the background failed: {err}") from err
+
+
+def wait_for_saves() -> None:
+    """Block until this process's background save (if any) is written and committed."""
+    _Background.wait()
+
+
+def save_checkpoint(run_dir: Path, step: int, backend, state: dict, keep_last: int = 2, blocking: bool = True) -> Path:
     """Write step `step` atomically. Every process calls this (the backend's save is a
-    collective); `state` is the trainer state, taken from rank 0."""
+    collective); `state` is the trainer state, taken from rank 0. With blocking=False and a
+    backend that can (`save_state_async`), return once the state is copied, and write and
+    commit it in the background."""
+    wait_for_saves()  # the previous save commits first: retention counts on it
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
@@ -78,24 +121,38 @@ def save_checkpoint(run_dir: Path, step: int, backend, state: dict, keep_last: i
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     comm.barrier()
-    backend.save_state(tmp)
+    if blocking or not hasattr(backend, "save_state_async"):
+        backend.save_state(tmp)
+        finish = None
+    else:
+        finish = backend.save_state_async(tmp)  # state copied; `finish()` writes it
     torch.save(rng_state(), tmp / f"rng_{comm.rank()}.pt")
     if comm.is_main():
         torch.save(backend.scheduler.state_dict(), tmp / "scheduler.pt")
         info = {"step": step, "backend": backend.name, "world_size": comm.world_size(), **state}
         (tmp / "trainer_state.json").write_text(json.dumps(info, indent=1))
-    comm.barrier()  # every process's files are written
-    if comm.is_main():
-        _fsync_tree(tmp)
-        (tmp / MARKER).write_text("ok\n")
-        _fsync_dir(tmp)
-        if final.exists():  # re-saving the same step (e.g. resumed at it): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        prune(root, keep_last)
-    comm.barrier()
+    comm.barrier()  # every process's files are written (async: its state is copied)
+    if finish is None:
+        if comm.is_main():
+            _commit(tmp, final, keep_last)
+        comm.barrier()
+    else:
+        # rank 0's finish() returns once every process's shards are written (DCP gathers
+        # their results to write its metadata; local/ddp: only rank 0 writes)
+        _Background.start((lambda: (finish(), _commit(tmp, final, keep_last))) if comm.is_main() else finish)
     return final
+
+
+def _commit(tmp: Path, final: Path, keep_last: int) -> None:
+    """Rank 0: make `tmp` durable, mark it complete, rename it into place, prune."""
+    _fsync_tree(tmp)
+    (tmp / MARKER).write_text("ok\n")
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving the same step (e.g. resumed at it): replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    prune(final.parent, keep_last)
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:

@@ -238,6 +238,10 @@ class CheckpointConfig(Section):
         0.0, ge=0, description="Also save when this many minutes passed since the last save (0 = off); rank 0's clock decides."
     )
     keep_last: int = Field(2, ge=1, description="Checkpoints to keep; older ones are deleted after a new one commits.")
+    async_save: bool = Field(
+        True, description="Copy the state to CPU memory and write it in the background while training goes on "
+        "(local, ddp, fsdp2; deepspeed saves synchronously). The end of the run waits for it."
+    )
     save_final_model: bool = Field(True, description="Write the trained model as a HF folder to OUTPUT_DIR/final.")
 
 

@@ -26,7 +26,7 @@ from plait.algo.advantages import combine_rewards
 from plait.algo.kl import mix_reference, sequence_kl
 from plait.algo.logprobs import completion_logprobs
 from plait.algo.losses import LossSettings, StepCounts, engine_mismatch_weights, high_entropy_mask, policy_loss
-from plait.checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, resume_position, save_checkpoint, trim_logs
+from plait.checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, resume_position, save_checkpoint, trim_logs, wait_for_saves
 from plait.cluster import comm
 from plait.config import Config, ConfigError, resolve_backend, validate
 from plait.data import PromptOrder, build_prompts, load_rows
@@ -267,6 +267,7 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
         result = _train(cfg, plan, backend, console, stop)
     finally:
         stop.uninstall()
+        wait_for_saves()  # a save of a finished step still commits, even when the run failed after it
     # only on success: after an error the other processes may be inside another collective,
     # and a barrier here would hang; this process exits instead and torchrun stops the rest
     comm.shutdown()
@@ -368,8 +369,9 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None, stop: Sto
             metrics["rollout/weight_staleness"] = step - 1 - min(versions)
         stopping, save = _save_due(cfg, step, stop, last_save)
         if save:
-            with timer("checkpoint"):
-                save_checkpoint(run_dir, step, backend, _trainer_state(order, result), cfg.checkpoint.keep_last)
+            with timer("checkpoint"):  # async: only the copy to CPU (and waiting for the previous save)
+                save_checkpoint(run_dir, step, backend, _trainer_state(order, result), cfg.checkpoint.keep_last,
+                                blocking=stopping or not cfg.checkpoint.async_save)
             last_save = time.monotonic()
         times = timer.reset()  # the slowest process sets the pace: report its time per phase
         metrics.update(zip(times, comm.all_max(list(times.values()))))

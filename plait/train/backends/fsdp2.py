@@ -10,6 +10,7 @@ import contextlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
@@ -34,6 +35,7 @@ def shard_units(model) -> list[torch.nn.Module]:
 
 class FSDP2Backend(LocalBackend):
     name = "fsdp2"
+    _save_group = None  # gloo group for background checkpoint writes (made at the first async save)
 
     def _policies(self) -> dict:
         f = self.cfg.train.fsdp
@@ -134,6 +136,15 @@ class FSDP2Backend(LocalBackend):
 
     def save_state(self, folder: Path) -> None:
         dcp.save(self._state(), checkpoint_id=str(folder / "dcp"))
+
+    def save_state_async(self, folder: Path):
+        """DCP's async save: shards staged to CPU now, written by a background thread that
+        coordinates over a gloo group of its own (never the training group, which the next
+        step is using). Returns the wait for this process's part (rank 0: and the metadata)."""
+        if self._save_group is None:
+            self._save_group = dist.new_group(backend="gloo")
+        saving = dcp.async_save(self._state(), checkpoint_id=str(folder / "dcp"), process_group=self._save_group)
+        return getattr(saving, "upload_completion", saving).result  # a Future, or (zero-overhead staging) a response holding one
 
     def load_state(self, folder: Path) -> None:
         state = self._state()

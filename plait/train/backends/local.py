@@ -51,6 +51,17 @@ def load_trainable(model, weights: dict[str, torch.Tensor], where: Path) -> None
         raise RuntimeError(f"checkpoint {where} lacks trained weights: {lost[:5]}")
 
 
+def _to_cpu(tree):
+    """A copy of a (nested) state dict with every tensor on the CPU."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_cpu(v) for v in tree)
+    return copy.deepcopy(tree)
+
+
 class LocalBackend:
     """The whole model, its gradients and optimizer state in this one process."""
 
@@ -149,6 +160,22 @@ class LocalBackend:
         if self.ref_model is not None:
             save_file(dedup(self.ref_model.state_dict()), str(folder / "reference.safetensors"))
         torch.save({"optimizer": self.optimizer.state_dict()}, folder / "optimizer.pt")
+
+    def save_state_async(self, folder: Path):
+        """Copy the state to CPU now; the returned function writes it (rank 0's copy only)."""
+        if not comm.is_main():
+            return lambda: None
+        model = {k: v.cpu() for k, v in trainable_state(self.module).items()}  # trainable_state copies
+        ref = {k: v.cpu() for k, v in dedup(self.ref_model.state_dict()).items()} if self.ref_model is not None else None
+        optim = _to_cpu(self.optimizer.state_dict())
+
+        def write() -> None:
+            save_file(model, str(folder / "model.safetensors"))
+            if ref is not None:
+                save_file(ref, str(folder / "reference.safetensors"))
+            torch.save({"optimizer": optim}, folder / "optimizer.pt")
+
+        return write
 
     def load_state(self, folder: Path) -> None:
         load_trainable(self.module, load_file(str(folder / "model.safetensors")), folder)
