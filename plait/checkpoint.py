@@ -121,7 +121,7 @@ def save_checkpoint(run_dir: Path, step: int, backend, state: dict, keep_last: i
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     comm.barrier()
-    if blocking or not hasattr(backend, "save_state_async"):
+    if blocking or getattr(backend, "save_state_async", None) is None:
         backend.save_state(tmp)
         finish = None
     else:

@@ -52,6 +52,7 @@ def _merge(base: dict, extra: dict) -> dict:
 
 class DeepSpeedBackend(LocalBackend):
     name = "deepspeed"
+    save_state_async = None  # DeepSpeed writes its ZeRO partitions itself, synchronously
 
     def load(self, cfg) -> None:
         import deepspeed
