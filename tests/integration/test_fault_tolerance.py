@@ -3,6 +3,7 @@ restarts that resume, time-based saves, and the chaos harness (bench/chaos.py)."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import signal
 import subprocess
@@ -68,6 +69,50 @@ def test_a_non_finite_step_is_skipped_and_too_many_stop_the_run(tiny_model_path,
     w2, w3 = (load_file(str(ckpt(run2, s) / "model.safetensors")) for s in (2, 3))
     assert all(torch.equal(w2[k], w3[k]) for k in w2)
     assert not (run2 / "final").exists()
+
+
+DEEPSPEED_POISONED = """
+import sys, json
+import torch
+import plait.train.loop as loop
+from plait.config import load_config
+real, seen = loop.step_advantages, {"n": 0}
+def poisoned(*a, **k):
+    seen["n"] += 1
+    return real(*a, **k) * (float("nan") if seen["n"] == 2 else 1.0)
+loop.step_advantages = poisoned
+result = loop.train(load_config(None, json.loads(sys.argv[1])))
+print(json.dumps([m["nonfinite_steps"] for m in result.history]))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_skips_a_non_finite_step_too(stage, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    """ZeRO checks the gradients itself; plait reads whether it applied the step."""
+    run = tmp_path / "run"
+    sets = tiny_overrides(tiny_model_path, prompts_jsonl, run, "train.backend=deepspeed", f"train.deepspeed.zero_stage={stage}",
+                          "checkpoint.save_steps=1", "checkpoint.keep_last=10")
+    res = subprocess.run([sys.executable, "-c", DEEPSPEED_POISONED, json.dumps(sets)], env=helper_env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == [0, 1, 0, 0]
+    optim = [torch.load(next((ckpt(run, s) / "deepspeed" / "state").glob("*rank_0*optim_states.pt")), weights_only=False)
+             ["optimizer_state_dict"] for s in (1, 2, 3)]
+    tensors = [[t for t in _tensors(o)] for o in optim]
+    assert all(torch.equal(a, b) for a, b in zip(tensors[0], tensors[1]))  # the skipped step changed nothing
+    assert not all(torch.equal(a, b) for a, b in zip(tensors[1], tensors[2]))
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
 
 
 def start(cmd, env, log: Path) -> subprocess.Popen:
