@@ -1,0 +1,55 @@
+"""Pure pieces of fault tolerance: the non-finite guard, log trimming on resume, the
+torchrun-restart config check, and the stop signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from plait.checkpoint import trim_logs
+from plait.config import load_config, validate
+from plait.train.guard import NonFiniteGuard, StopSignal, TrainingDiverged
+from test_config import problems_of
+
+
+def test_guard_counts_streaks_and_stops_after_the_limit():
+    g = NonFiniteGuard(limit=2)
+    assert g.check(1.0, 1) and not g.check(float("nan"), 2) and not g.check(float("inf"), 3)
+    assert g.check(0.5, 4) and g.streak == 0 and g.skipped == 2  # a good step resets the streak
+    assert not g.check(float("nan"), 5) and not g.check(float("nan"), 6)
+    with pytest.raises(TrainingDiverged, match="step 7: 3 optimizer steps in a row"):
+        g.check(float("nan"), 7)
+    with pytest.raises(TrainingDiverged):
+        NonFiniteGuard(limit=0).check(float("-inf"), 1)
+
+
+def test_trim_logs_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
+    rows = [{"step": s, "loss": 0.1 * s} for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "lo')
+    (tmp_path / "eval.jsonl").write_text('{"tag": "before", "step": 0}\n{"tag": "step 4", "step": 4}\n')
+    assert trim_logs(tmp_path, 3) == 4  # steps 4, 5, the torn line, and eval at step 4
+    kept = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert kept == [1, 2, 3]
+    assert [json.loads(line)["tag"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()] == ["before"]
+    assert trim_logs(tmp_path / "nothing-here", 3) == 0
+
+
+def test_torchrun_restarts_need_a_fixed_output_dir(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    assert any("torchrun --max-restarts" in p and "set output_dir" in p for p in problems_of([]))
+    validate(load_config(None, ["output_dir=/tmp/run-x"]))  # no problem left
+
+
+def test_the_first_signal_asks_to_stop_the_second_interrupts():
+    stop = StopSignal().install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGTERM) is not stop._handle  # the second one restored the old handlers
+    finally:
+        stop.uninstall()
