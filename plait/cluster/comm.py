@@ -57,12 +57,13 @@ def init_from_env(device: torch.device, timeout_s: float = 1800, single_process_
     return True
 
 
-def free_port() -> int:
-    """A TCP port that is free on this host now (a rendezvous on 127.0.0.1)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on this host now (on 127.0.0.1, or "" = every interface, for
+    a port other nodes connect to)."""
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plait.cluster.placement import Node, Placement, model_shape, plan_cluster, render, render_failure
+from plait.cluster.comm import free_port
 from plait.config import Config, ConfigError
 
 # environment every actor gets from the driver (besides cluster.ray.env)
@@ -127,12 +127,6 @@ def make_plan(cfg: Config, nodes: list[Node], kind: str) -> Placement:
 # ---------------------------------------------------------------- actors
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     """preexec_fn: the child gets SIGTERM when the actor process dies, even by SIGKILL."""
     import ctypes
@@ -151,7 +145,7 @@ class Trainer:
         import ray
 
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "address": ray.util.get_node_ip_address(), "pid": os.getpid(), "port": _free_port()}
+        return {"node_id": ctx.get_node_id(), "address": ray.util.get_node_ip_address(), "pid": os.getpid(), "port": free_port("")}
 
     def run(self, cfg_json: str, master: str, port: int, console: str | None) -> dict:
         import ray
@@ -179,7 +173,7 @@ class GenerationServer:
 
         from plait.rollout.server import _cpu_threads, _wait_healthy
 
-        port = _free_port()
+        port = free_port("")
         env = dict(os.environ)
         if not ray.get_gpu_ids():  # CPU: the replica's workers get this node's cores, as `plait rollout-server` does
             env.update(_cpu_threads(0, engine_kwargs.get("tensor_parallel_size", 1), 1))
