@@ -162,7 +162,7 @@ def test_torchrun_max_restarts_resumes_a_killed_worker(tiny_model_path, prompts_
     """`torchrun --max-restarts 1`: worker rank 1 is SIGKILLed in step 3; torchrun restarts both,
     they resume from step 2's checkpoint and end with the weights of an unbroken run."""
     straight, run = tmp_path / "straight", tmp_path / "run"
-    extra = ["checkpoint.save_steps=1"]
+    extra = ["checkpoint.save_steps=1", "checkpoint.async_save=false"]  # which save survives a kill is chaos.py's business
     assert subprocess.run(train_cmd(2, tiny_overrides(tiny_model_path, prompts_jsonl, straight, *extra)),
                           env=helper_env, capture_output=True, timeout=600).returncode == 0
     args = tiny_overrides(tiny_model_path, prompts_jsonl, run, *extra, "log.console=plain",

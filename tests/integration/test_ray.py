@@ -123,8 +123,10 @@ def test_a_dead_trainer_is_reported_and_the_job_restarts_from_its_checkpoint(ray
     cause, tears the job down and, with max_restarts=1, starts it again from step 2's
     checkpoint; the run finishes all 4 steps. The driver runs as `ray job submit` starts it."""
     out = tmp_path / "run"
+    # synchronous saves: a process SIGKILLed just after an async save loses it (by design), and
+    # this test is about the restart, not about which checkpoint survived
     args = tiny_overrides(tiny_model_path, prompts_jsonl, out, "cluster.devices=2", "cluster.max_restarts=1", "checkpoint.save_steps=1",
-                          "rewards=[{name: 'plait_test_rewards:vowel_share_die_once'}]", "train.threads=1")
+                          "rewards=[{name: 'plait_test_rewards:vowel_share_die_once'}]", "train.threads=1", "checkpoint.async_save=false")
     die = {"PLAIT_TEST_DIE_MARKER": str(tmp_path / "died"), "PLAIT_TEST_DIE_CALL": "3", "PLAIT_TEST_DIE_RANK": "1"}
     # As under `ray job submit --runtime-env-json`: these reach the actors as the job's runtime
     # env (which Ray merges with plait's; naming a variable in both is an error in Ray).
@@ -147,7 +149,7 @@ def test_without_restarts_a_failure_stops_the_job_and_names_the_fix(ray_cluster,
     config that can't be placed fails before any actor starts, listing placements that work."""
     out = tmp_path / "run"
     args = tiny_overrides(tiny_model_path, prompts_jsonl, out, "cluster.devices=2", "checkpoint.save_steps=1",
-                          "rewards=[{name: 'plait_test_rewards:vowel_share_die_once'}]")
+                          "rewards=[{name: 'plait_test_rewards:vowel_share_die_once'}]", "checkpoint.async_save=false")
     env = {**helper_env, "PLAIT_TEST_DIE_MARKER": str(tmp_path / "died"), "PLAIT_TEST_DIE_CALL": "2", "PLAIT_TEST_DIE_RANK": "0"}
     res = ray_train(ray_cluster, args, env)
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
