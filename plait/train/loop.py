@@ -291,7 +291,7 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None, stop: Sto
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.seed)
     say(f"[bold]plait[/] run dir {run_dir}  |  {plan.prompts_per_step} prompts x {plan.num_generations} generations "
-        f"over {plan.training_processes} process(es) ({backend.name}), micro-batch {plan.micro_batch_size} x {plan.gradient_accumulation_steps} accumulation")
+        f"over {plan.training_processes} process(es) ({backend.name}, {cfg.train.precision}), micro-batch {plan.micro_batch_size} x {plan.gradient_accumulation_steps} accumulation")
     rewards = bind_rewards(cfg.rewards)
     metric = BoundReward(cfg.eval.metric, resolve_reward(cfg.eval.metric))
     sandboxed = uses_sandbox(cfg)

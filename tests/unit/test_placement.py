@@ -115,13 +115,13 @@ def test_memory_estimate_shards_with_the_backend():
     assert fsdp.train["weights"] == pytest.approx(ddp.train["weights"] / 8)
     assert fsdp.train["activations"] == ddp.train["activations"]  # activations are per process either way
     assert not ddp.fits and fsdp.train_total < ddp.train_total
-    zero2 = pl.estimate_memory(cfg_of("model.dtype=bfloat16", "train.deepspeed.zero_stage=2"), shape, 8, 0, "deepspeed", 80)
+    zero2 = pl.estimate_memory(cfg_of("model.dtype=bfloat16", "train.precision=bf16", "train.deepspeed.zero_stage=2"), shape, 8, 0, "deepspeed", 80)
     assert zero2.train["weights"] == ddp.train["weights"] and zero2.train["optimizer"] == pytest.approx(ddp.train["optimizer"] / 8)
-    lora = pl.estimate_memory(cfg_of("model.dtype=bfloat16", "model.lora={r: 8}"), shape, 1, 0, "local", 80)
+    lora = pl.estimate_memory(cfg_of("model.dtype=bfloat16", "train.precision=bf16", "model.lora={r: 8}"), shape, 1, 0, "local", 80)
     assert lora.train["optimizer"] < ddp.train["optimizer"] / 50
-    ckpt = pl.estimate_memory(cfg_of("model.dtype=bfloat16", "model.gradient_checkpointing=true"), shape, 8, 0, "ddp", 80)
+    ckpt = pl.estimate_memory(cfg_of("model.dtype=bfloat16", "train.precision=bf16", "model.gradient_checkpointing=true"), shape, 8, 0, "ddp", 80)
     assert ckpt.train["activations"] < ddp.train["activations"] / 10
-    gen = pl.estimate_memory(cfg_of(*SERVER, "rollout.vllm.gpu_memory_utilization=0.9"), shape, 8, 2, "ddp", 80)
+    gen = pl.estimate_memory(cfg_of(*SERVER, "rollout.vllm.gpu_memory_utilization=0.9", "train.precision=bf16"), shape, 8, 2, "ddp", 80)
     assert gen.generation["weights"] == pytest.approx(shape.params * 2 / 2)  # bf16 engine, tp 2 and gen.generation["kv cache"] > 0
     lines = pl.render_memory(ddp, "ddp", 8, 0)
     assert "** more than the device holds **" in lines[1] and "to fit:" in lines[-1]
