@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 
 from math_verify import parse, verify
+
+
+class _NoTimeoutNotice(logging.Filter):
+    """math-verify warns on every call made without its signal-based time limit; plait runs
+    rewards in worker threads, where that limit can't work, and bounds their time itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_NoTimeoutNotice())
 
 
 # a plain number: "81", "-3.5", "1,000"
