@@ -276,10 +276,26 @@ class EvalConfig(Section):
     batch_size: int = Field(100, ge=1, description="Prompts per greedy generate call.")
 
 
+class WandbConfig(Section):
+    project: str = Field("plait", description="W&B project.")
+    entity: str | None = Field(None, description="W&B team or user (null = your default).")
+    name: str | None = Field(None, description="Run name (null = the run directory's name).")
+    mode: Literal["online", "offline"] = Field(
+        "offline", description="offline writes RUN_DIR/wandb with no network (`wandb sync` uploads it later); online streams to the server."
+    )
+    tags: list[str] = Field(default_factory=list, description="Tags on the W&B run.")
+
+
 class LogConfig(Section):
     console: Literal["rich", "plain", "none"] = Field("rich", description="Console output style.")
     every_steps: int = Field(1, ge=1, description="Print a metrics line every N steps.")
-    sample_every_steps: int = Field(10, ge=0, description="Log a sample completion every N steps (0 = never).")
+    sample_every_steps: int = Field(10, ge=0, description="Log sample completions every N steps (0 = never).")
+    samples: int = Field(4, ge=1, description="Groups whose first completion is logged each time (prompt, completion, each reward).")
+    tensorboard: bool = Field(True, description="Write TensorBoard event files to RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`).")
+    wandb: WandbConfig | None = Field(None, description="Log to Weights & Biases (needs `pip install plait[wandb]`); null = off.")
+    peak_flops: float | None = Field(
+        None, gt=0, description="Peak FLOP/s of one training device for MFU (null = datasheet on known GPUs, a measured matmul peak on CPU)."
+    )
 
 
 class RayConfig(Section):
@@ -551,6 +567,18 @@ def _backend_problems(cfg: Config, processes: int, launched: int) -> list[str]:
     return out
 
 
+def _log_problems(cfg: Config) -> list[str]:
+    """Logging sinks whose packages are missing."""
+    import importlib.util
+
+    out = []
+    if cfg.log.wandb is not None and importlib.util.find_spec("wandb") is None:
+        out.append("log.wandb is set but the wandb package is not installed: `pip install -e '.[wandb]'`, or log.wandb=null")
+    if cfg.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        out.append("log.tensorboard=true needs the tensorboard package (`pip install tensorboard`), or set log.tensorboard=false")
+    return out
+
+
 def _engine_problems(cfg: Config) -> list[str]:
     """Generation engine choices that can't work with this config or install."""
     import importlib.util
@@ -642,6 +670,7 @@ def validate(cfg: Config, world_size: int | None = None):
     if isinstance(plan, str):
         problems.append(plan)
     problems += _engine_problems(cfg)
+    problems += _log_problems(cfg)
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 and cfg.output_dir is None:
         problems.append("torchrun --max-restarts restarts the processes with the same arguments: set output_dir "
                         "(e.g. output_dir=/shared/runs/my-run) so a restarted job finds its checkpoints and resumes")

@@ -6,7 +6,9 @@ Every training process runs the same loop (SPMD). These helpers keep the loop fr
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -67,12 +69,38 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# Seconds this process spent in the collectives below (waiting for the slowest process
+# included), for the per-step metrics. Gradient all-reduces inside DDP/FSDP/DeepSpeed's
+# backward are not here: they overlap with compute and count in the train phase.
+SECONDS = [0.0]
+
+
+def _timed(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not active():
+            return fn(*args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            SECONDS[0] += time.perf_counter() - t0
+    return wrapper
+
+
+def take_seconds() -> float:
+    """Collective seconds since the last call."""
+    out, SECONDS[0] = SECONDS[0], 0.0
+    return out
+
+
 def shutdown() -> None:
     if active():
         dist.barrier()
         dist.destroy_process_group()
 
 
+@_timed
 def barrier() -> None:
     if active():
         dist.barrier()
@@ -83,6 +111,7 @@ def _comm_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if active() and dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+@_timed
 def all_sum(values: list[float]) -> list[float]:
     """Each number summed over processes (float64, so counts stay exact)."""
     if not active():
@@ -92,6 +121,7 @@ def all_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+@_timed
 def all_max(values: list[float]) -> list[float]:
     if not active():
         return list(values)
@@ -100,6 +130,7 @@ def all_max(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+@_timed
 def all_gather_rows(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """Every process's `t` (same shape on all), concatenated along `dim` in rank order."""
     if not active():
@@ -109,6 +140,7 @@ def all_gather_rows(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return torch.cat(parts, dim=dim).to(t.device)
 
 
+@_timed
 def all_gather_objects(obj) -> list:
     """Every process's picklable `obj`, in rank order."""
     if not active():
@@ -118,6 +150,7 @@ def all_gather_objects(obj) -> list:
     return out
 
 
+@_timed
 def broadcast_object(obj):
     """Rank 0's `obj` on every process."""
     if not active():

@@ -11,6 +11,7 @@ import asyncio
 import inspect
 import logging
 import math
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ class RewardError(RuntimeError):
 
 
 TIMEOUTS: Counter = Counter()  # reward name -> calls that ran past timeout_s (read per step)
+SECONDS: Counter = Counter()  # reward name -> seconds its calls took (they run side by side; read per step)
 
 
 @dataclass
@@ -73,6 +75,7 @@ def _sample(texts: list[str], i: int) -> str:
 
 def call_reward(reward: BoundReward, texts: list[str], kwargs: dict[str, list]) -> list[float | None]:
     """One reward over all completions, checked: len == len(texts), finite floats or None."""
+    t0 = time.perf_counter()
     try:
         values = reward.fn(completions=texts, **kwargs, **reward.kwargs)
         if inspect.isawaitable(values):  # an async reward: run it to completion on this thread
@@ -82,6 +85,8 @@ def call_reward(reward: BoundReward, texts: list[str], kwargs: dict[str, list]) 
             f"reward '{reward.name}' raised {type(err).__name__}: {err} "
             f"(on a batch of {len(texts)} completions; the first was {_sample(texts, 0) if texts else '-'})"
         ) from err
+    finally:
+        SECONDS[reward.name] += time.perf_counter() - t0
     try:
         values = list(values)
     except TypeError:

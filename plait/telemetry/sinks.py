@@ -1,4 +1,6 @@
-"""Where metrics go: one JSON object per line in the run directory, and the console."""
+"""Where metrics go: the console (a progress bar and a compact line per step), one JSON
+object per line in the run directory, TensorBoard event files, and Weights & Biases when
+configured. Only the main process writes."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ CONSOLE_COLUMNS = [
     ("time/generate", "gen", "{:.1f}s"),
     ("time/score", "score", "{:.2f}s"),
     ("time/train", "train", "{:.1f}s"),
+    ("mfu/train", "mfu", "{:.0%}"),
 ]
 
 
@@ -31,11 +34,77 @@ def _clean(v):
     return v
 
 
+def _numbers(metrics: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+
+
+def _sample_rows(records: list[dict]) -> tuple[list[str], list[list]]:
+    names = sorted({k for r in records for k in r["rewards"]})
+    return ["prompt", "completion", "answer", *names], [
+        [r["prompt"], r["completion"], str(r.get("answer")), *(r["rewards"].get(n) for n in names)] for r in records
+    ]
+
+
+class TensorBoardWriter:
+    """Scalars under their metric names; sample completions as a markdown table (TEXT tab)."""
+
+    def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), flush_secs=30)
+
+    def log(self, step: int, metrics: dict) -> None:
+        for k, v in _numbers(metrics).items():
+            self.writer.add_scalar(k, v, step)
+
+    def samples(self, step: int, records: list[dict]) -> None:
+        head, rows = _sample_rows(records)
+
+        def cell(v) -> str:
+            return str(v).replace("|", "\\|").replace("\n", "<br>")
+
+        table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        table += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+        self.writer.add_text("samples", "\n".join(table), step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbWriter:
+    """A W&B run, offline by default (RUN_DIR/wandb, `wandb sync` later); a resumed plait run
+    continues the same W&B run (its id is kept in RUN_DIR/wandb_id)."""
+
+    def __init__(self, run_dir: Path, settings, config: dict):
+        import wandb
+
+        id_file = run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        id_file.write_text(run_id)
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=settings.project, entity=settings.entity, name=settings.name or run_dir.name, tags=settings.tags,
+            mode=settings.mode, dir=str(run_dir), id=run_id, resume="allow", config=config,
+        )
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.run.log(_numbers(metrics), step=step)
+
+    def samples(self, step: int, records: list[dict]) -> None:
+        head, rows = _sample_rows(records)
+        self.run.log({"samples": self.wandb.Table(columns=head, data=rows)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class MetricsSink:
-    """Writes metrics.jsonl and shows a progress bar with ETA plus a compact line per step."""
+    """Writes metrics.jsonl (+ TensorBoard / W&B) and shows a progress bar with ETA plus a
+    compact line per step."""
 
     def __init__(self, run_dir: Path | None, total_steps: int, style: str = "rich", every: int = 1, start_step: int = 0):
         self.path = None if run_dir is None else Path(run_dir) / "metrics.jsonl"
+        self.writers: list = []
         self.every = every
         self.style = style
         self.console = Console(highlight=False, quiet=style == "none", soft_wrap=True)
@@ -55,6 +124,14 @@ class MetricsSink:
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step)
             self.progress.start()
 
+    def open(self, run_dir: Path, log_cfg, config: dict) -> None:
+        """Start writing to the run directory: metrics.jsonl, and TensorBoard / W&B as configured."""
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if log_cfg.tensorboard:
+            self.writers.append(TensorBoardWriter(Path(run_dir)))
+        if log_cfg.wandb is not None:
+            self.writers.append(WandbWriter(Path(run_dir), log_cfg.wandb, config))
+
     def print(self, *msg: str) -> None:
         self.console.print(*msg)
 
@@ -62,6 +139,8 @@ class MetricsSink:
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps({"step": step, **{k: _clean(v) for k, v in metrics.items()}}) + "\n")
+        for w in self.writers:
+            w.log(step, metrics)
         if self.progress is not None:
             self.progress.update(self.task, completed=step)
         if step % self.every == 0:
@@ -71,7 +150,27 @@ class MetricsSink:
                     parts.append(f"{label} {fmt.format(metrics[key])}")
             self.console.print("  ".join(parts))
 
+    def samples(self, step: int, records: list[dict]) -> None:
+        """Sample completions: samples.jsonl, the console (the first), TensorBoard, W&B."""
+        if self.path is None or not records:
+            return
+        with (self.path.parent / "samples.jsonl").open("a") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+        for w in self.writers:
+            w.samples(step, records)
+        r = records[0]
+        self.console.print(f"[dim]sample @ {step}: {r['completion'][:160]!r} rewards={r['rewards']}")
+
     def close(self) -> None:
+        """Stop the progress bar (the run goes on to evaluate / summarize)."""
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+
+    def finish(self) -> None:
+        """Close the files and runs behind the sinks."""
+        self.close()
+        for w in self.writers:
+            w.close()
+        self.writers = []

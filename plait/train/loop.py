@@ -35,9 +35,13 @@ from plait.models import load_tokenizer
 from plait.plan import BatchPlan
 from plait.rewards import resolve_reward
 from plait.rewards.code import STATS as SANDBOX_STATS, configure as configure_sandbox, sandbox_settings, uses_sandbox
-from plait.rewards.runner import TIMEOUTS, BoundReward, bind_rewards, call_reward, reward_inputs
+from plait.rewards.runner import SECONDS as REWARD_SECONDS, TIMEOUTS, BoundReward, bind_rewards, call_reward, reward_inputs
 from plait.rollout import make_engine
 from plait.telemetry import MetricsSink, PhaseTimer
+from plait.telemetry.advice import suggestion
+from plait.telemetry.flops import device_peak, model_cost
+from plait.telemetry.memory import MemoryMeter
+from plait.telemetry.meter import StepMeter
 from plait.train.backends import make_backend, resolve_device
 from plait.train.batch import collate, micro_batches
 from plait.train.guard import NonFiniteGuard, Preempted, StopSignal
@@ -128,13 +132,14 @@ def reference_logprobs(model, ref_model, mb: Batch, temperature: float) -> torch
 
 
 @torch.no_grad()
-def logprob_prepass(batch: Batch, cfg: Config, backend) -> None:
+def logprob_prepass(batch: Batch, cfg: Config, backend) -> int:
     """Fill batch.old_logprobs (needed when the policy moves before a row is trained on, or
-    for the KL reward) and batch.ref_logprobs (beta > 0), micro-batch by micro-batch."""
+    for the KL reward) and batch.ref_logprobs (beta > 0), micro-batch by micro-batch.
+    Returns the number of forward passes made over the batch."""
     a = cfg.algo
     need_old = a.num_iterations > 1 or a.steps_per_generation > 1 or a.kl_in_reward
     if not need_old and a.beta == 0:
-        return
+        return 0
     model, ref_model = backend.module, backend.ref_model
     temperature = cfg.rollout.temperature or 1.0
     old = torch.zeros_like(batch.completion_mask, dtype=torch.float32)
@@ -150,6 +155,7 @@ def logprob_prepass(batch: Batch, cfg: Config, backend) -> None:
                 ref[rows, cols] = reference_logprobs(model, ref_model, mb, temperature).float().cpu()
     batch.old_logprobs = old if need_old else None
     batch.ref_logprobs = ref if a.beta > 0 else None
+    return int(need_old) + int(a.beta > 0)
 
 
 def step_advantages(groups: list[Group], batch: Batch, cfg: Config, reward_names: list[str], weights: list[float]) -> torch.Tensor:
@@ -200,13 +206,16 @@ def train_micro_batch(model, mb: Batch, counts: StepCounts, cfg: Config, setting
 _PER_PROCESS = ("loss", "clip_low_tokens", "clip_high_tokens", "ratio_tokens", "logprob_gap_tokens", "trained_tokens", "entropy_tokens", "kl_tokens")
 
 
-def policy_update(batch: Batch, cfg: Config, backend, guard: NonFiniteGuard | None = None, step: int = 0) -> dict[str, float]:
+def policy_update(batch: Batch, cfg: Config, backend, guard: NonFiniteGuard | None = None, step: int = 0,
+                  timer: PhaseTimer | None = None) -> dict[str, float]:
     """num_iterations passes over the generation batch, split into steps_per_generation
     optimizer steps, each accumulating gradients over its micro-batches. The loss is
     normalized by the step's counts over all processes, so gradients sum over processes.
-    A step with a non-finite gradient is skipped by the backend; `guard` counts it."""
+    A step with a non-finite gradient is skipped by the backend; `guard` counts it.
+    Timed as `train` (forward + backward) and `optimizer` (clip + step)."""
     a = cfg.algo
     guard = guard or NonFiniteGuard(cfg.train.max_nonfinite_steps)
+    timer = timer or PhaseTimer()
     settings = loss_settings(cfg)
     rows = len(batch) // a.steps_per_generation
     sums: dict[str, float] = defaultdict(float)
@@ -217,12 +226,15 @@ def policy_update(batch: Batch, cfg: Config, backend, guard: NonFiniteGuard | No
             mbs = [mb.to(backend.device) for mb in micro_batches(chunk, cfg.train.micro_batch_size)]
             seqs, toks, n_mbs = comm.all_sum([len(chunk), float(chunk.completion_mask.sum()), len(mbs)])
             counts = StepCounts(int(seqs), int(toks), int(n_mbs), cfg.rollout.max_completion_length)
-            for i, mb in enumerate(mbs):
-                with backend.accumulate(last=i == len(mbs) - 1):
-                    for k, v in train_micro_batch(backend.model, mb, counts, cfg, settings, backend).items():
-                        sums[k] += v
+            with timer("train"):
+                for i, mb in enumerate(mbs):
+                    with backend.accumulate(last=i == len(mbs) - 1):
+                        for k, v in train_micro_batch(backend.model, mb, counts, cfg, settings, backend).items():
+                            sums[k] += v
             sums["real_tokens"] += toks
-            norm = backend.step(cfg.train.max_grad_norm)
+            sums["processed_tokens"] += float(chunk.attention_mask.sum())  # this process's, prompts included
+            with timer("optimizer"):
+                norm = backend.step(cfg.train.max_grad_norm)
             sums["lr"] += scheduler.get_last_lr()[0]
             if not guard.check(norm, step):  # skipped: the LR schedule waits for a real update
                 sums["nonfinite_steps"] += 1
@@ -239,6 +251,7 @@ def policy_update(batch: Batch, cfg: Config, backend, guard: NonFiniteGuard | No
     tokens = max(1.0, sums["real_tokens"])
     out = {"loss": sums["loss"] / steps, "grad_norm": sums["grad_norm"] / max(1.0, sums["applied_steps"]), "lr": sums["lr"] / steps}
     out["nonfinite_steps"] = sums["nonfinite_steps"]
+    out["tokens/processed"] = sums["processed_tokens"]
     out["clip/low"] = sums["clip_low_tokens"] / tokens
     out["clip/high"] = sums["clip_high_tokens"] / tokens
     out["clip/fraction"] = out["clip/low"] + out["clip/high"]
@@ -279,7 +292,7 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None, stop: Sto
     run_dir, resume_from = prepare_run_dir(cfg)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    sink = MetricsSink(run_dir if main else None, cfg.train.max_steps, (console or cfg.log.console) if main else "none")
+    sink = MetricsSink(None, cfg.train.max_steps, (console or cfg.log.console) if main else "none", every=cfg.log.every_steps)
     say = sink.print
     cfg = apply_plan(cfg, plan, say)
     if cfg.train.backend == "auto":  # plait chose: say so, and record it in the resolved config
@@ -287,6 +300,15 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None, stop: Sto
         say(f"train.backend=auto -> {backend.name} ({plan.training_processes} training process{'es' if plan.training_processes > 1 else ''})")
     if main:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        sink.open(run_dir, cfg.log, cfg.model_dump(mode="json"))
+    try:
+        return _run(cfg, plan, backend, sink, stop, run_dir, resume_from)
+    finally:
+        sink.finish()
+
+
+def _run(cfg: Config, plan: BatchPlan, backend, sink: MetricsSink, stop: StopSignal, run_dir: Path, resume_from: Path | None) -> TrainResult:
+    main, say = comm.is_main(), sink.print
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.seed)
@@ -305,6 +327,7 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None, stop: Sto
     eval_prompts = build_prompts(load_rows(cfg.data, "eval", cfg.seed), tokenizer, cfg.data, log=say) if evaluating else []
     backend.load(cfg)  # model (+ reference) + optimizer, sharded as the backend does it
     describe_processes(backend, run_dir, say)
+    meter = make_meter(cfg, backend, say)
     engine = make_engine(cfg, backend.module, tokenizer, view=backend.for_generation, device=backend.device)
     order = PromptOrder(len(train_prompts), cfg.seed, cfg.data.shuffle, rank=comm.rank(), stride=comm.world_size())
     pad_id = engine.pad_id
@@ -354,10 +377,9 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None, stop: Sto
             accuracy = step_accuracy(groups, metric)
         batch = collate(groups, pad_id, cfg.algo.mask_truncated_completions)
         with timer("reference"):
-            logprob_prepass(batch, cfg, backend)
+            prepass_forwards = logprob_prepass(batch, cfg, backend)
         batch.advantages = step_advantages(groups, batch, cfg, names, weights)
-        with timer("train"):
-            update = policy_update(batch, cfg, backend, guard, step)
+        update = policy_update(batch, cfg, backend, guard, step, timer)
         if update["nonfinite_steps"]:
             say(f"[yellow]step {step}: {update['nonfinite_steps']:.0f} optimizer step(s) skipped: non-finite gradient norm "
                 f"(weights, optimizer and LR schedule untouched; {guard.streak} in a row, limit {guard.limit})")
@@ -374,20 +396,21 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None, stop: Sto
                                 blocking=stopping or not cfg.checkpoint.async_save)
             last_save = time.monotonic()
         times = timer.reset()  # the slowest process sets the pace: report its time per phase
-        metrics.update(zip(times, comm.all_max(list(times.values()))))
-        metrics["tokens/s_generate"] = metrics["tokens/generated"] / max(1e-9, metrics["time/generate"])
+        times = dict(zip(times, comm.all_max(list(times.values()))))
+        metrics.update(times)
+        metrics["tokens/s_generate"] = metrics["tokens/generated"] / max(1e-9, metrics.get("time/generate", 0.0))
+        flops = meter.flops(groups, batch, cfg.algo.num_iterations, prepass_forwards)
+        metrics.update(meter.measure(flops, metrics.pop("tokens/processed"), times))
         sink.log(step, metrics)
         result.history.append(metrics)
         if main and cfg.log.sample_every_steps and step % cfg.log.sample_every_steps == 0:
-            rec = sample_record(step, groups[0])
-            with (run_dir / "samples.jsonl").open("a") as f:
-                f.write(json.dumps(rec) + "\n")
-            say(f"[dim]sample @ {step}: {rec['completion'][:160]!r} rewards={rec['rewards']}")
+            sink.samples(step, [sample_record(step, g) for g in groups[: cfg.log.samples]])
         if stopping:
             sink.close()
             raise Preempted(run_dir, step, stop.requested or "a stop signal on another process")
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.train.max_steps:
-            run_eval(f"step {step}")
+            with timer("eval"):  # counted in the next step's time
+                run_eval(f"step {step}")
 
     sink.close()
     if start < cfg.train.max_steps:  # the final checkpoint makes the finished run resumable/extendable
@@ -400,6 +423,21 @@ def _train(cfg: Config, plan: BatchPlan, backend, console: str | None, stop: Sto
     describe_processes(backend, run_dir, say, final=True)
     _summary(say, result, cfg, run_dir)
     return result
+
+
+def make_meter(cfg: Config, backend, say) -> StepMeter:
+    """Throughput/MFU/memory per step: the model's FLOPs per token and one device's peak."""
+    hf_config = getattr(backend.module, "config", None)
+    described = backend.describe()
+    trainable = sum(p.numel() for p in backend.module.parameters() if p.requires_grad) if cfg.model.lora else described["params_total"]
+    cost = model_cost(hf_config, described["params_total"], trainable) if hf_config is not None else None
+    peak, source = (None, "")
+    if comm.is_main():  # one measurement (on CPU), while the others wait: they would compete for the cores
+        peak, source = device_peak(backend.device, cfg.train.precision, cfg.log.peak_flops)
+    peak, source = comm.broadcast_object((peak, source))
+    say(f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({source})" if peak else f"no MFU: {source}")
+    local = not (cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "server")
+    return StepMeter(cost, peak, MemoryMeter(backend.device), local)
 
 
 def _save_due(cfg: Config, step: int, stop: StopSignal, last_save: float) -> tuple[bool, bool]:
@@ -417,6 +455,8 @@ def reward_health(rewards: list[BoundReward], sandboxed: bool) -> dict[str, floa
     """Reward calls that timed out, and the sandbox's executions/seconds/invalid runs, this
     step (the same keys in every process, so they can be summed)."""
     out = {f"reward/{r.name}/timeouts": float(TIMEOUTS.pop(r.name, 0)) for r in rewards}
+    out.update({f"reward/{r.name}/seconds": float(REWARD_SECONDS.pop(r.name, 0.0)) for r in rewards})
+    REWARD_SECONDS.clear()  # the eval metric's calls are not a reward's cost
     if sandboxed:
         out.update(SANDBOX_STATS.take())
     return out
@@ -442,6 +482,11 @@ def _summary(say, result: TrainResult, cfg: Config, run_dir: Path) -> None:
     total, shares = phase_summary(result.history)
     say(f"[bold]done[/]: {len(result.history)} steps in {total:.0f}s; time per phase: "
         + ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])))
+    tip = suggestion(shares, cfg)
+    if tip:
+        say(f"[bold yellow]suggestion[/]: {tip}")
+    say(f"report: `plait report {run_dir}` (HTML + figures); TensorBoard: `tensorboard --logdir {run_dir}`" if cfg.log.tensorboard
+        else f"report: `plait report {run_dir}` (HTML + figures)")
     if result.eval_before is not None and result.eval_after is not None:
         say(f"[bold green]{cfg.eval.metric}: {result.eval_before:.3f} before -> {result.eval_after:.3f} after[/]")
     if cfg.checkpoint.save_final_model:

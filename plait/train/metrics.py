@@ -57,14 +57,16 @@ def sample_record(step: int, group: Group) -> dict:
 
 
 def phase_summary(history: list[dict]) -> tuple[float, dict[str, float]]:
-    """Total step seconds and each phase's share of it over the whole run."""
-    total = sum(m.get("time/step", 0.0) for m in history)
+    """Total step seconds and each phase's share of the run (the shares add up to 1; with
+    several processes each phase is its slowest process's time)."""
+    total = sum(m.get("time/step") or 0.0 for m in history)
     phases: dict[str, float] = {}
     for m in history:
         for k, v in m.items():
-            if k.startswith("time/") and k != "time/step":
+            if k.startswith("time/") and k != "time/step" and v is not None:
                 phases[k[5:]] = phases.get(k[5:], 0.0) + v
-    return total, {k: v / total for k, v in phases.items()} if total else {}
+    covered = sum(phases.values())
+    return total, {k: v / covered for k, v in phases.items()} if covered else {}
 
 
 def step_rollout_metrics(groups: list[Group], accuracy: list[float] | None) -> dict[str, float]:
