@@ -13,7 +13,7 @@ export TRANSFORMERS_VERBOSITY := error
 # DeepSpeed compiles no op at install time (plait uses torch's AdamW; see docs/scaling.md)
 export DS_BUILD_OPS := 0
 
-.PHONY: setup model demo test test-fast clean help
+.PHONY: setup model browser demo test test-fast clean help
 
 help:
 	@echo "make demo   - set up, then train SmolLM2-135M-Instruct with GRPO on arithmetic (CPU, ~15 min)"
@@ -44,7 +44,15 @@ model: $(VENV)/.installed
 demo: setup
 	$(BIN)/plait train
 
-test: setup
+# The report page is tested in a real headless Chromium (Debian's chromium + chromium-driver).
+# Installed when this runs as root with apt; otherwise that one test is skipped and says why.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) || \
+	    echo "note: no chromium/chromedriver (apt-get install chromium chromium-driver): the report's browser test will be skipped"; }
+
+test: setup browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 test-fast: setup

@@ -69,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, help="port of replica 0; replica i listens on port+i (default: rollout.vllm.servers[0]'s port)")
     r.add_argument("--model", help="model to serve (default model.name_or_path); the trainer sends its weights anyway")
 
+    rp = sub.add_parser("report", help="write RUN_DIR/report/index.html (self-contained, offline) and PNG figures of a run")
+    rp.add_argument("run_dir", help="a run directory (runs/NAME-TIME, or output_dir)")
+    rp.add_argument("--out", help="where to write (default RUN_DIR/report)")
+
     sub.add_parser("prepare-model", help="convert the bundled SmolLM2-135M-Instruct GGUF to safetensors (once)")
     sub.add_parser("tasks", help="list built-in tasks")
     sub.add_parser("rewards", help="list built-in reward functions")
@@ -237,6 +241,18 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from plait.report import ReportError, write_report
+
+    try:
+        page = write_report(args.run_dir, args.out)
+    except ReportError as err:
+        print(f"plait report: {err}", file=sys.stderr)
+        return 2
+    print(f"report: {page} (open it in a browser; figures also in {page.parent / 'figures'})")
+    return 0
+
+
 def cmd_rollout_server(args) -> int:
     import importlib.util
     from urllib.parse import urlsplit
@@ -299,7 +315,7 @@ def cmd_sandbox(args) -> int:
     return 0
 
 
-COMMANDS = {"plan": cmd_plan, "rollout-server": cmd_rollout_server, "sandbox": cmd_sandbox, "train": cmd_train, "check": cmd_check, "eval": cmd_eval, "prepare-model": cmd_prepare_model, "tasks": cmd_tasks, "rewards": cmd_rewards}
+COMMANDS = {"plan": cmd_plan, "report": cmd_report, "rollout-server": cmd_rollout_server, "sandbox": cmd_sandbox, "train": cmd_train, "check": cmd_check, "eval": cmd_eval, "prepare-model": cmd_prepare_model, "tasks": cmd_tasks, "rewards": cmd_rewards}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 from pathlib import Path
 
 from rich.console import Console
@@ -79,7 +80,7 @@ class WandbWriter:
         import wandb
 
         id_file = run_dir / "wandb_id"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
         self.wandb = wandb
         self.run = wandb.init(

@@ -100,6 +100,8 @@ def test_two_processes_match_one_and_resume_after_a_crash(backend, single_proces
     assert "resumed from" in resumed.stdout
     assert_same_run(out, single_process_run)
 
+    for m in _metrics(out):  # the telemetry of two processes: collectives timed, FLOPs of both counted
+        assert m["comm/seconds"] > 0 and 0 < m["mfu/train"] < 2, m["step"]
     held = json.loads((out / "cluster.json").read_text())
     assert [p["rank"] for p in held] == [0, 1]
     total = held[0]["params_total"]

@@ -1,0 +1,144 @@
+"""Telemetry of a real (tiny) run: the per-step figures, TensorBoard and W&B files, and the
+HTML report, opened in a real headless Chromium."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from test_train import tiny_overrides
+
+from plait.config import load_config
+from plait.train.loop import train
+
+PHASES = ("generate", "score", "train", "optimizer", "idle", "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_model_path, prompts_jsonl, tmp_path_factory):
+    out = tmp_path_factory.mktemp("telemetry") / "run"
+    cfg = load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, out, "train.max_steps=3", "log.sample_every_steps=1",
+                                           "log.samples=2", "eval.before=true", "eval.after=true", "checkpoint.save_steps=2"))
+    result = train(cfg)
+    return result.run_dir
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_every_step_has_phases_throughput_mfu_and_memory(run_dir):
+    rows = metrics(run_dir)
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    for m in rows:
+        phases = {k[5:]: v for k, v in m.items() if k.startswith("time/") and k != "time/step"}
+        for p in ("generate", "score", "train", "optimizer", "idle"):
+            assert phases[p] >= 0, p
+        # one process: the phases (idle included) account for the whole step, no second counted twice
+        assert sum(phases.values()) == pytest.approx(m["time/step"], rel=1e-6)
+        assert m["tokens/s_train"] > 0 and m["tokens/s_generate"] > 0
+        assert 0 < m["mfu/train"] < 2 and 0 < m["mfu/step"] < 2  # against a measured CPU peak: a sane fraction
+        assert m["flops/step"] > 0
+        assert m["memory/rss_gb"] > 0.05 and m["memory/peak_rss_gb"] >= m["memory/rss_gb"] * 0.5
+        assert m["reward/plait_test_rewards:vowel_share/seconds"] >= 0
+        assert m["comm/seconds"] == 0.0  # one process: no collective ran
+    assert "time/checkpoint" in rows[1]  # save_steps=2
+
+
+def test_tensorboard_events_hold_the_scalars_and_samples(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    assert "reward/total/mean" in tags["scalars"] and "mfu/train" in tags["scalars"]
+    jsonl = [m["reward/total/mean"] for m in metrics(run_dir)]
+    assert [e.value for e in acc.Scalars("reward/total/mean")] == pytest.approx(jsonl, rel=1e-6)
+    assert [e.step for e in acc.Scalars("time/train")] == [1, 2, 3]
+    assert any(t.startswith("samples") for t in tags["tensors"])  # add_text is stored as a tensor summary
+
+
+def test_samples_log_prompt_completion_and_each_reward(run_dir):
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1, 1, 2, 2, 3, 3]  # log.samples=2 groups per step
+    for s in samples:
+        assert s["prompt"] and isinstance(s["completion"], str)
+        assert set(s["rewards"]) == {"plait_test_rewards:vowel_share"}
+
+
+def report_page(run_dir, tmp_path):
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "-m", "plait", "report", str(run_dir), "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out / "index.html"
+
+
+def test_report_is_self_contained(run_dir, tmp_path):
+    page = report_page(run_dir, tmp_path)
+    html = page.read_text()
+    for name in ("rewards", "length", "policy", "time", "throughput", "memory"):
+        png = page.parent / "figures" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert f"id='fig-{name}'" in html
+    assert "src='http" not in html and 'src="http' not in html and "<link" not in html  # nothing fetched: opens offline
+    assert html.count("<tr><td class='num'>") >= 6  # the sample table's rows
+
+
+def test_report_of_a_directory_without_a_run_says_so(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "plait", "report", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "no metrics.jsonl" in proc.stderr
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="needs Debian's chromium and chromium-driver (`make test` installs them as root)")
+def test_report_opens_in_headless_chromium(run_dir, tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    page = report_page(run_dir, tmp_path)
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"):
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=opts, service=Service(CHROMEDRIVER))
+    try:
+        driver.get(page.as_uri())
+        figures = driver.execute_script(
+            "return Array.from(document.querySelectorAll('img.figure')).map(i => [i.id, i.complete, i.naturalWidth, i.naturalHeight])"
+        )
+        assert {f[0] for f in figures} == {f"fig-{n}" for n in ("rewards", "length", "policy", "time", "throughput", "memory")}
+        for fid, complete, width, height in figures:
+            assert complete and width > 300 and height > 100, (fid, width, height)  # decoded, not a broken image
+        rows = driver.execute_script("return document.querySelectorAll('#samples tr').length")
+        assert rows == 1 + 6
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == [], errors
+    finally:
+        driver.quit()
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("wandb") is None, reason="needs the wandb extra")
+def test_wandb_offline_run_records_the_metrics(tiny_model_path, prompts_jsonl, tmp_path):
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_SILENT="true", WANDB_API_KEY="", HOME=str(tmp_path))  # no account, no network
+    args = tiny_overrides(tiny_model_path, prompts_jsonl, out, "train.max_steps=2", "log.wandb={mode: offline, project: plait-test}")
+    code = f"from plait.cli import main; import sys; sys.exit(main(['train', *{[x for a in args for x in ('--set', a)]!r}]))"
+    helpers = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers")
+    env["PYTHONPATH"] = os.pathsep.join([helpers, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((out / "wandb").iterdir())
+    data = next(runs[0].glob("run-*.wandb")).read_bytes()
+    assert b"reward/total/mean" in data and b"mfu/train" in data
+    run_id = (out / "wandb_id").read_text().strip()
+    assert run_id in runs[0].name  # a resumed run continues this W&B run

@@ -1,0 +1,113 @@
+"""The telemetry's pieces: FLOPs model against torch's own FLOP counter, device peaks, phase
+timing, memory, the end-of-run suggestion."""
+
+import time
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from plait.config import load_config
+from plait.models import load_model
+from plait.telemetry import PhaseTimer
+from plait.telemetry.advice import suggestion
+from plait.telemetry.flops import device_peak, gpu_peak, measure_cpu_peak, model_cost
+from plait.telemetry.memory import MemoryMeter
+from plait.train.metrics import phase_summary
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path):
+    model = load_model(str(tiny_model_path), "float32")
+    n = sum(p.numel() for p in model.parameters())
+    return model, model_cost(model.config, n, n)
+
+
+def counted(model, lengths, backward=False):
+    """FLOPs torch's FlopCounterMode sees for a forward (and backward) of each sequence."""
+    total = 0
+    for t in lengths:
+        ids = torch.randint(0, model.config.vocab_size, (1, t))
+        with FlopCounterMode(display=False) as fc:
+            out = model(input_ids=ids).logits.float().sum()
+            if backward:
+                out.backward()
+        total += fc.get_total_flops()
+        model.zero_grad(set_to_none=True)
+    return total
+
+
+def test_forward_flops_match_torch_flop_counter(tiny):
+    model, cost = tiny
+    lengths = [17, 40]
+    assert cost.forward(lengths) == pytest.approx(counted(model, lengths), rel=0.02)
+
+
+def test_training_flops_match_torch_flop_counter(tiny):
+    model, cost = tiny
+    lengths = [24, 9]
+    assert cost.train(lengths) == pytest.approx(counted(model, lengths, backward=True), rel=0.03)
+
+
+def test_generation_flops_count_each_prompt_once(tiny):
+    _, cost = tiny
+    one = cost.generate([10], [[5]])
+    assert cost.generate([10], [[5, 5]]) - one == pytest.approx(one - cost.forward([10]))  # a second completion adds only its decode
+    # decoding token i of a completion attends to prompt + i positions
+    n, l, d = cost.matmul_params, cost.layers, cost.attn_width
+    assert one - cost.forward([10]) == pytest.approx(sum(2 * n + 4 * l * d * (10 + i) for i in range(5)))
+
+
+def test_untied_input_embedding_is_a_lookup_not_a_matmul(tiny):
+    model, _ = tiny
+    cfg = model.config
+    untied = type(cfg).from_dict({**cfg.to_dict(), "tie_word_embeddings": False})
+    n = 10_000_000
+    assert model_cost(untied, n, n).matmul_params == n - cfg.vocab_size * cfg.hidden_size
+    lora = model_cost(cfg, n, 1000)
+    assert lora.train([8]) < model_cost(cfg, n, n).train([8])  # frozen weights get no weight gradient
+
+
+def test_device_peaks():
+    assert gpu_peak("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert gpu_peak("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert gpu_peak("NVIDIA A100-SXM4-80GB", "fp32") == 19.5e12
+    assert gpu_peak("Some Future GPU", "bf16") is None
+    assert device_peak(torch.device("cpu"), "fp32", override=1e12) == (1e12, "log.peak_flops")
+    peak = measure_cpu_peak(torch.float32, torch.get_num_threads(), size=512, repeats=2)
+    assert 1e8 < peak < 1e14  # a real CPU, measured: between 0.1 GFLOP/s and 100 TFLOP/s
+
+
+def test_phases_and_idle_cover_the_step():
+    timer = PhaseTimer()
+    with timer("generate"):
+        time.sleep(0.02)
+    time.sleep(0.01)  # in no phase
+    with timer("train"):
+        time.sleep(0.03)
+    times = timer.reset()
+    assert times["time/generate"] >= 0.02 and times["time/train"] >= 0.03 and times["time/idle"] >= 0.01
+    assert times["time/generate"] + times["time/train"] + times["time/idle"] == pytest.approx(times["time/step"])
+    total, shares = phase_summary([{"step": 1, **times}, {"step": 2, **times}])
+    assert total == pytest.approx(2 * times["time/step"]) and sum(shares.values()) == pytest.approx(1.0)
+
+
+def test_memory_peak_is_per_step():
+    meter = MemoryMeter(torch.device("cpu"))
+    meter.take()
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    first = meter.take()
+    del big
+    meter.take()  # this step began with the tensor still held
+    third = meter.take()
+    assert first["memory/peak_rss_gb"] - third["memory/peak_rss_gb"] > 0.04  # the peak was reset after the steps that had it
+    assert third["memory/rss_gb"] > 0
+
+
+def test_suggestion_names_the_dominant_phase_and_the_settings():
+    cfg = load_config(None, ["rollout.max_completion_length=256", "rollout.num_generations=8"])
+    tip = suggestion({"generate": 0.78, "train": 0.2, "score": 0.02}, cfg)
+    assert tip.startswith("generate is 78% of step time") and "rollout.engine=vllm" in tip
+    assert "max_completion_length (now 256)" in tip and "num_generations (now 8)" in tip
+    assert "train.precision=bf16" in suggestion({"train": 0.6, "generate": 0.4}, load_config(None, ["train.precision=fp32"]))
+    assert suggestion({"train": 0.45, "generate": 0.45, "idle": 0.1}, cfg) is None  # nothing dominates
