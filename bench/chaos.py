@@ -38,6 +38,8 @@ import psutil
 import torch
 from safetensors.torch import load_file
 
+from plait.telemetry.meter import is_measurement
+
 REWARD = '''def vowel_share(completions, **_):
     return [sum(ch in "aeiouAEIOU" for ch in t) / max(1, len(t)) for t in completions]
 '''
@@ -240,7 +242,7 @@ def compare(ref: Path, out: Path, work: Path, report: Report) -> None:
     refs = {r["step"]: r for r in (json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines())}
     report.steps_logged = [r["step"] for r in rows]
     for r in rows:
-        keys = [k for k in refs[r["step"]] if not k.startswith("time/") and "/s" not in k and "memory" not in k]
+        keys = [k for k in refs[r["step"]] if not is_measurement(k)]
         bad = [k for k in keys if r.get(k) != refs[r["step"]][k]]
         if bad:
             report.metrics_differing.append({"step": r["step"], "keys": bad[:5]})

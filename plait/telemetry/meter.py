@@ -8,6 +8,15 @@ from plait.telemetry.memory import MemoryMeter
 from plait.types import Batch, Group
 
 
+# metrics that measure the machine (clocks, memory), not the training: they differ between two
+# runs that are otherwise bitwise identical
+MEASURED_PREFIXES = ("time/", "mfu/", "memory/", "comm/", "tokens/s_", "weight_sync/seconds")
+
+
+def is_measurement(key: str) -> bool:
+    return key.startswith(MEASURED_PREFIXES) or key.endswith("/seconds")
+
+
 class StepMeter:
     """`measure(...)` after each step's phases are timed: FLOPs this process did, summed over
     processes, against (the slowest process's phase time x processes x one device's peak)."""
