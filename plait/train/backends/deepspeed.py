@@ -75,7 +75,7 @@ class DeepSpeedBackend(LocalBackend):
         module = load_model(m.name_or_path, m.dtype, None, m.gradient_checkpointing)
         self._skeleton_config = module.config
         # the LR schedule steps the client optimizer's param groups, which ZeRO keeps using
-        optimizer, self.scheduler = make_optimizer(module, cfg)
+        optimizer, self.scheduler = make_optimizer(module, cfg, fused=False)
         self.model, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=self.ds_config)
         self.module = self.model.module
         self.module.train()

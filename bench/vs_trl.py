@@ -1,0 +1,220 @@
+"""plait vs TRL's GRPOTrainer on the same work, side by side.
+
+    .venv/bin/pip install -e '.[bench]'          # TRL (it brings no new torch)
+    .venv/bin/python bench/vs_trl.py --size small [--steps 8] [--rounds 2]
+    .venv/bin/python bench/vs_trl.py --size large --steps 3 --rounds 1
+
+Both trainers get the same model (the bundled SmolLM2-135M-Instruct, fp32 weights), the same
+prompts (the arithmetic task, chat template applied once by plait and handed to TRL as the
+same text), the same reward functions and weights (plait's accuracy 1.0 + boxed_format 0.5),
+num_generations, completion length (no early stop: both sample up to max_completion_length or
+EOS), batch (prompts x generations per optimizer step, one optimizer step per generation),
+learning rate (constant, no warm-up), loss (DAPO token-level, beta 0, group-scaled
+advantages), precision and seed. TRL's gradient checkpointing (its default) is off, as
+plait's is, so both do the same arithmetic (--trl-gradient-checkpointing to compare with it on).
+
+Each run is its own process (clean peak RSS). The rounds alternate plait, TRL, plait, TRL ...;
+each run's first --warmup steps are left out of the timings. Printed: the median step time,
+completion tokens/s and peak RSS of each, the ratio plait/TRL, and whether their mean
+reward per step differs (a permutation test over the steps of all rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = {  # prompts per step, generations per prompt, completion tokens, micro-batch
+    "small": (2, 4, 32, 8),
+    "large": (8, 8, 128, 16),
+}
+LR = 3e-5
+REWARD_WEIGHTS = (1.0, 0.5)
+
+
+def shared_prompts(model: str, n: int, seed: int):
+    """The arithmetic task's training rows, as plait builds them (chat template applied)."""
+    from plait.config import load_config
+    from plait.data import build_prompts, load_rows
+    from plait.models import load_tokenizer
+
+    cfg = load_config(None, [f"model.name_or_path={model}", f"data.num_train={n}", f"seed={seed}"])
+    tok = load_tokenizer(cfg.model.name_or_path)
+    return cfg, tok, build_prompts(load_rows(cfg.data, "train", seed), tok, cfg.data)
+
+
+# ---------------------------------------------------------------- one run, in its own process
+
+
+def run_plait(model: str, size: str, steps: int, seed: int, out: Path) -> dict:
+    from plait.config import load_config
+    from plait.train.loop import train
+
+    prompts, gens, length, micro = SIZES[size]
+    cfg = load_config(None, [
+        f"model.name_or_path={model}", f"seed={seed}", f"rollout.prompts_per_step={prompts}", f"rollout.num_generations={gens}",
+        f"rollout.max_completion_length={length}", f"train.micro_batch_size={micro}", f"train.max_steps={steps}",
+        f"train.learning_rate={LR}", "train.warmup_steps=0", "train.lr_scheduler=constant", "train.precision=fp32",
+        "algo.loss_type=dapo", "algo.beta=0", "algo.scale_rewards=group",
+        f"rewards=[{{name: accuracy, weight: {REWARD_WEIGHTS[0]}}}, {{name: boxed_format, weight: {REWARD_WEIGHTS[1]}}}]",
+        "eval.before=false", "eval.after=false", "log.console=none", "log.tensorboard=false", "checkpoint.save_steps=0",
+        "checkpoint.save_final_model=false", f"output_dir={out / 'run'}",
+    ])
+    result = train(cfg)
+    return {
+        "step_s": [m["time/step"] for m in result.history],
+        "reward": [m["reward/total/mean"] for m in result.history],
+        "completion_tokens": [m["tokens/generated"] for m in result.history],
+    }
+
+
+def run_trl(model_name: str, size: str, steps: int, seed: int, out: Path, gradient_checkpointing: bool) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from plait.models import resolve_model_path
+    from plait.rewards.format import boxed_format
+    from plait.rewards.math import accuracy
+
+    n_prompts, gens, length, micro = SIZES[size]
+    _, tok, prompts = shared_prompts(model_name, 1000, seed)
+    data = Dataset.from_list([{"prompt": p.text, "answer": p.answer} for p in prompts])
+    per_step = {"reward": [], "completion_tokens": []}
+
+    def accuracy_reward(completions, answer, completion_ids, **_):
+        per_step["completion_tokens"].append(sum(len(c) for c in completion_ids))
+        return accuracy(completions, answer)
+
+    def format_reward(completions, **_):
+        return boxed_format(completions)
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.times, self.t0 = [], 0.0
+
+        def on_step_begin(self, *_, **__):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            self.times.append(time.perf_counter() - self.t0)
+
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs and "reward" in logs:
+                per_step["reward"].append(logs["reward"])
+
+    accumulation = max(1, n_prompts * gens // micro)
+    args = GRPOConfig(
+        output_dir=str(out / "trl"), seed=seed, data_seed=seed, use_cpu=True, bf16=False, fp16=False,
+        num_generations=gens, max_completion_length=length, per_device_train_batch_size=min(micro, n_prompts * gens),
+        gradient_accumulation_steps=accumulation, steps_per_generation=accumulation, num_iterations=1,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, loss_type="dapo", beta=0.0,
+        scale_rewards="group", temperature=1.0, top_p=1.0, reward_weights=list(REWARD_WEIGHTS),
+        gradient_checkpointing=gradient_checkpointing, logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(model_name)), dtype=torch.float32)
+    clock = Clock()
+    trainer = GRPOTrainer(model=model, reward_funcs=[accuracy_reward, format_reward], args=args, train_dataset=data,
+                          processing_class=tok, callbacks=[clock])
+    trainer.train()
+    return {"step_s": clock.times, "reward": per_step["reward"], "completion_tokens": per_step["completion_tokens"]}
+
+
+def worker(args) -> None:
+    out = Path(args.tmp)
+    if args.worker == "plait":
+        res = run_plait(args.model, args.size, args.steps + args.warmup, args.seed, out)
+    else:
+        res = run_trl(args.model, args.size, args.steps + args.warmup, args.seed, out, args.trl_gradient_checkpointing)
+    res["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    Path(args.result).write_text(json.dumps(res))
+
+
+# ---------------------------------------------------------------- the comparison
+
+
+def permutation_p(a: list[float], b: list[float], rounds: int = 20000, seed: int = 0) -> float:
+    """Two-sided p-value of the difference of means of a and b (label shuffling)."""
+    rng = random.Random(seed)
+    observed = abs(statistics.fmean(a) - statistics.fmean(b))
+    pooled, hits = a + b, 0
+    for _ in range(rounds):
+        rng.shuffle(pooled)
+        if abs(statistics.fmean(pooled[: len(a)]) - statistics.fmean(pooled[len(a):])) >= observed - 1e-12:
+            hits += 1
+    return (hits + 1) / (rounds + 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per run (after the warm-up)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2, help="plait, TRL pairs (alternating)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="the bundled model, or a model folder")
+    ap.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off unless given")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--worker", choices=["plait", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--tmp", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+
+    runs: dict[str, list[dict]] = {"plait": [], "trl": []}
+    for r in range(args.rounds):
+        for who in ("plait", "trl"):
+            with tempfile.TemporaryDirectory() as tmp:
+                result = Path(tmp) / "result.json"
+                cmd = [sys.executable, __file__, "--worker", who, "--model", args.model, "--size", args.size, "--steps", str(args.steps),
+                       "--warmup", str(args.warmup), "--seed", str(args.seed + r), "--tmp", tmp, "--result", str(result)]
+                if args.trl_gradient_checkpointing:
+                    cmd.append("--trl-gradient-checkpointing")
+                t0 = time.perf_counter()
+                proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                if proc.returncode != 0:
+                    sys.exit(f"{who} run failed:\n{proc.stderr[-4000:]}")
+                runs[who].append(json.loads(result.read_text()))
+                print(f"round {r + 1}: {who:<5} {time.perf_counter() - t0:6.0f} s wall", flush=True)
+
+    prompts, gens, length, _ = SIZES[args.size]
+    summary = {"size": args.size, "prompts": prompts, "generations": gens, "completion_tokens": length, "steps": args.steps,
+               "warmup": args.warmup, "rounds": args.rounds}
+    print(f"\n{args.size}: {prompts} prompts x {gens} generations x {length} tokens, {args.steps} timed steps x {args.rounds} round(s) each, fp32, CPU")
+    print(f"{'':<8}{'step s (median)':>16}{'completion tok/s':>18}{'peak RSS GiB':>14}{'mean reward':>13}")
+    for who, rs in runs.items():
+        steps = [s for r in rs for s in r["step_s"][args.warmup:]]
+        toks = [t for r in rs for t in r["completion_tokens"][args.warmup:]]
+        rewards = [x for r in rs for x in r["reward"]]
+        summary[who] = {"step_s_median": statistics.median(steps), "step_s": steps, "tokens_per_s": sum(toks) / sum(steps),
+                        "peak_rss_gb": max(r["peak_rss_gb"] for r in rs), "reward_mean": statistics.fmean(rewards),
+                        "reward_per_step": [r["reward"] for r in rs]}
+        s = summary[who]
+        print(f"{who:<8}{s['step_s_median']:>16.2f}{s['tokens_per_s']:>18.1f}{s['peak_rss_gb']:>14.2f}{s['reward_mean']:>13.3f}")
+    ratio = summary["plait"]["step_s_median"] / summary["trl"]["step_s_median"]
+    a = [x for r in runs["plait"] for x in r["reward"]]
+    b = [x for r in runs["trl"] for x in r["reward"]]
+    p = permutation_p(a, b)
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    verdict = "indistinguishable" if p >= 0.05 else ("plait better" if diff > 0 else "TRL better")
+    summary.update(ratio=ratio, reward_diff=diff, reward_p=p, learning=verdict)
+    print(f"\nplait / TRL step time: {ratio:.2f}x ({1 / ratio:.2f}x faster; goal <= 0.40x)")
+    print(f"mean reward per step: plait - TRL = {diff:+.3f}, permutation p = {p:.3f} -> {verdict}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The optimizer: fused AdamW where it applies, the same update as the reference loop."""
+
+import torch
+
+from plait.config import load_config
+from plait.train.optim import can_fuse, make_optimizer
+
+
+def test_fused_adamw_matches_the_plain_one():
+    torch.manual_seed(0)
+    cfg = load_config(None, ["train.learning_rate=1e-2", "train.weight_decay=0.1"])
+    a = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    b = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    b.load_state_dict(a.state_dict())
+    fused, _ = make_optimizer(a, cfg)
+    plain, _ = make_optimizer(b, cfg, fused=False)
+    assert fused.param_groups[0]["fused"] is True and not plain.param_groups[0]["fused"]
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        for model, opt in ((a, fused), (b, plain)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_only_plain_float_parameters_are_fused():
+    assert can_fuse([torch.nn.Parameter(torch.zeros(3))])
+    assert not can_fuse([torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)])
+    assert not can_fuse([])
