@@ -218,6 +218,10 @@ class TrainConfig(Section):
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup.")
     warmup_steps: int = Field(2, ge=0, description="Linear warmup steps.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    shared_prompt_pass: bool = Field(
+        True, description="Run each group's prompt through the model once and share its KV cache with the group's completions "
+        "(forward and backward); applies to backend local without gradient checkpointing, others run every row whole."
+    )
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1.")
     adam_beta2: float = Field(0.99, ge=0.0, lt=1.0, description="AdamW beta2.")
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="Clip the gradient norm (null = no clipping).")

@@ -44,3 +44,41 @@ def completion_logprobs(model, input_ids, attention_mask, prompt_len: int, tempe
     if temperature and temperature != 1.0:
         logits = logits / temperature
     return selective_log_softmax(logits, input_ids[:, prompt_len:], with_entropy=with_entropy)
+
+
+def prompt_runs(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> list[int]:
+    """Lengths of the runs of consecutive rows that share the same (padded) prompt: a group's
+    completions sit next to each other, so a micro-batch of G whole groups gives G runs."""
+    runs: list[int] = []
+    for i in range(input_ids.shape[0]):
+        same = i > 0 and torch.equal(input_ids[i, :prompt_len], input_ids[i - 1, :prompt_len]) and torch.equal(
+            attention_mask[i, :prompt_len], attention_mask[i - 1, :prompt_len])
+        if same:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return runs
+
+
+def shared_prompt_logprobs(model, input_ids, attention_mask, prompt_len: int, runs: list[int], temperature: float = 1.0,
+                           with_entropy: bool = False):
+    """completion_logprobs, with each distinct prompt run through the model once: its KV cache
+    is handed to the rows that share it (gradients flow back through the shared cache into
+    the one prompt pass). A group of n completions then costs one prompt + n completions
+    instead of n prompts + n completions, in the forward and the backward alike."""
+    from transformers import DynamicCache
+
+    first = torch.tensor([sum(runs[:g]) for g in range(len(runs))], device=input_ids.device)
+    row_group = torch.repeat_interleave(torch.arange(len(runs), device=input_ids.device), torch.tensor(runs, device=input_ids.device))
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    head = model(input_ids=input_ids[first, :prompt_len], attention_mask=attention_mask[first, :prompt_len],
+                 position_ids=positions[first, :prompt_len], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache.batch_select_indices(row_group)  # every row gets its prompt's keys/values (an autograd-tracked gather)
+    completion = input_ids[:, prompt_len:]
+    tail = model(input_ids=completion, attention_mask=attention_mask, position_ids=positions[:, prompt_len:],
+                 past_key_values=cache, use_cache=True, logits_to_keep=completion.shape[1])
+    logits = torch.cat([head.logits[row_group], tail.logits[:, :-1]], dim=1)  # position t predicts token t+1
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    return selective_log_softmax(logits, completion, with_entropy=with_entropy)

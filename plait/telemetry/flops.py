@@ -1,8 +1,8 @@
 """Model FLOPs and the device's peak, for model FLOPs utilization (MFU).
 
 MFU = the FLOPs the model needs for the tokens it processed / (time x peak FLOP/s). Only
-useful work counts (real tokens, not padding; a group's prompt prefilled once), so MFU falls
-when plait wastes compute, which is what it is for.
+useful work counts (real tokens, not padding; a group's prompt computed once, in generation
+and in training), so MFU falls when plait wastes compute, which is what it is for.
 
 Per real token of a sequence of length T, a forward pass costs 2N + 4*L*d*T FLOPs (the matmul
 weights, N, and attention scores/values, as in PaLM's appendix B); training adds the backward
@@ -29,6 +29,7 @@ class ModelCost:
     trainable: int  # weights that get gradients
     layers: int
     attn_width: int  # heads x head_dim
+    head_params: int = 0  # the output head (vocab x hidden), part of N: needed only where a token is predicted
 
     def forward(self, lengths: list[int]) -> float:
         """FLOPs of one forward pass over sequences of these real lengths."""
@@ -40,14 +41,42 @@ class ModelCost:
         n = float(sum(lengths))
         return n * (4 * self.matmul_params + 2 * self.trainable) + 3.0 * fwd_attn
 
+    def _group_attention(self, prompt_lengths: list[int], completion_lengths: list[list[int]]) -> float:
+        """Forward attention FLOPs of groups whose prompt is computed once: the prompt's tokens
+        over the prompt, each completion's tokens over its whole sequence."""
+        per = 4 * self.layers * self.attn_width
+        return float(sum(per * p * p + sum(per * c * (p + c) for c in cs) for p, cs in zip(prompt_lengths, completion_lengths)))
+
+    def _group_tokens(self, prompt_lengths: list[int], completion_lengths: list[list[int]]) -> tuple[int, int]:
+        """(tokens through the body, tokens through the output head): the head only where a
+        completion token is predicted (the last prompt position predicts the first)."""
+        completions = sum(sum(cs) for cs in completion_lengths)
+        return sum(prompt_lengths) + completions, completions
+
+    def forward_groups(self, prompt_lengths: list[int], completion_lengths: list[list[int]]) -> float:
+        """A forward pass over groups (prompt once + its completions): the useful work of a
+        log-prob pass, whether or not the prompt is shared in practice."""
+        body, head = self._group_tokens(prompt_lengths, completion_lengths)
+        return 2.0 * (body * (self.matmul_params - self.head_params) + head * self.head_params) + self._group_attention(prompt_lengths, completion_lengths)
+
+    def train_groups(self, prompt_lengths: list[int], completion_lengths: list[list[int]]) -> float:
+        """Forward + backward over groups (prompt once + its completions)."""
+        body, head = self._group_tokens(prompt_lengths, completion_lengths)
+        frozen_share = 1.0 - self.trainable / max(1, self.matmul_params)  # weight gradients only for trainable weights
+        per_weight = 6.0 - 2.0 * frozen_share
+        return per_weight * (body * (self.matmul_params - self.head_params) + head * self.head_params) + 3 * self._group_attention(prompt_lengths, completion_lengths)
+
     def generate(self, prompt_lengths: list[int], completion_lengths: list[list[int]]) -> float:
-        """Sampling groups: each prompt prefilled once, each completion token decoded against
-        its context (prompt + the tokens before it)."""
-        flops = self.forward(prompt_lengths)
+        """Sampling groups: each prompt prefilled once (the output head only at its last
+        position, which gives every completion's first token), then each later token decoded
+        against its context (prompt + the tokens before it)."""
+        per = 4 * self.layers * self.attn_width
+        body = self.matmul_params - self.head_params
+        flops = 0.0
         for p, lengths in zip(prompt_lengths, completion_lengths):
-            for c in lengths:
-                # decoding token i attends to p + i positions: sum over i < c of (2N + 4*L*d*(p+i))
-                flops += c * 2 * self.matmul_params + 4 * self.layers * self.attn_width * (c * p + c * (c - 1) / 2)
+            flops += p * (2 * body + per * p) + 2 * self.head_params
+            for c in lengths:  # decode steps i = 1 .. c-1 feed token i, which attends to p + i positions
+                flops += (c - 1) * 2 * self.matmul_params + per * sum(p + i for i in range(1, c))
         return flops
 
 
@@ -65,6 +94,7 @@ def model_cost(hf_config, params_total: int, trainable: int) -> ModelCost:
         trainable=min(trainable, params_total),
         layers=int(getattr(text, "num_hidden_layers", 0) or 0),
         attn_width=heads * head_dim,
+        head_params=vocab * hidden,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from plait.cluster import comm
 from plait.telemetry.flops import ModelCost
 from plait.telemetry.memory import MemoryMeter
-from plait.types import Batch, Group
+from plait.types import Group
 
 
 # metrics that measure the machine (clocks, memory), not the training: they differ between two
@@ -25,19 +25,18 @@ class StepMeter:
         self.cost, self.peak, self.memory = cost, peak, memory
         self.local_generation = local_generation  # generation runs on the training devices (not a server)
 
-    def flops(self, groups: list[Group], batch: Batch, iterations: int, prepass_forwards: int) -> dict[str, float]:
-        """This process's model FLOPs per phase."""
+    def flops(self, groups: list[Group], iterations: int, prepass_forwards: int) -> dict[str, float]:
+        """This process's useful model FLOPs per phase (each group's prompt counted once)."""
         if self.cost is None:
             return {}
-        lengths = batch.attention_mask.sum(dim=1).tolist()
+        prompts = [len(g.prompt.token_ids) for g in groups]
+        completions = [[len(c.token_ids) for c in g.completions] for g in groups]
         out = {
-            "train": iterations * self.cost.train(lengths),
-            "reference": prepass_forwards * self.cost.forward(lengths),
+            "train": iterations * self.cost.train_groups(prompts, completions),
+            "reference": prepass_forwards * self.cost.forward_groups(prompts, completions),
         }
         if self.local_generation:
-            out["generate"] = self.cost.generate(
-                [len(g.prompt.token_ids) for g in groups], [[len(c.token_ids) for c in g.completions] for g in groups]
-            )
+            out["generate"] = self.cost.generate(prompts, completions)
         return out
 
     def measure(self, flops: dict[str, float], trained_tokens: float, times: dict[str, float]) -> dict[str, float]:

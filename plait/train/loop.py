@@ -24,7 +24,7 @@ import torch
 
 from plait.algo.advantages import combine_rewards
 from plait.algo.kl import mix_reference, sequence_kl
-from plait.algo.logprobs import completion_logprobs
+from plait.algo.logprobs import completion_logprobs, prompt_runs, shared_prompt_logprobs
 from plait.algo.losses import LossSettings, StepCounts, engine_mismatch_weights, high_entropy_mask, policy_loss
 from plait.checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, resume_position, save_checkpoint, trim_logs, wait_for_saves
 from plait.cluster import comm
@@ -124,11 +124,28 @@ def loss_settings(cfg: Config) -> LossSettings:
     )
 
 
-def reference_logprobs(model, ref_model, mb: Batch, temperature: float) -> torch.Tensor:
+def shares_prompts(cfg: Config, backend) -> bool:
+    """Whether a group's prompt goes through the model once for all its completions: one
+    process (DDP/FSDP/ZeRO hook one forward per backward) and no activation checkpointing
+    (it recomputes without a KV cache)."""
+    return cfg.train.shared_prompt_pass and backend.name == "local" and not cfg.model.gradient_checkpointing
+
+
+def sequence_logprobs(model, mb: Batch, temperature: float, with_entropy: bool = False, shared: bool = False):
+    """[B, C] completion log-probs (and entropies) of a micro-batch; with `shared`, rows with
+    the same prompt share one prompt pass (same numbers to float rounding, fewer FLOPs)."""
+    if shared:
+        runs = prompt_runs(mb.input_ids, mb.attention_mask, mb.prompt_len)
+        if len(runs) < len(mb):
+            return shared_prompt_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, runs, temperature, with_entropy)
+    return completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature, with_entropy)
+
+
+def reference_logprobs(model, ref_model, mb: Batch, temperature: float, shared: bool = False) -> torch.Tensor:
     """log-probs under the reference: a separate copy, or the base model under LoRA."""
     ctx = model.disable_adapter() if ref_model is None else nullcontext()
     with ctx:
-        return completion_logprobs(ref_model or model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature)
+        return sequence_logprobs(ref_model or model, mb, temperature, shared=shared)
 
 
 @torch.no_grad()
@@ -144,15 +161,16 @@ def logprob_prepass(batch: Batch, cfg: Config, backend) -> int:
     temperature = cfg.rollout.temperature or 1.0
     old = torch.zeros_like(batch.completion_mask, dtype=torch.float32)
     ref = torch.zeros_like(old)
+    shared = shares_prompts(cfg, backend)
     size = cfg.train.micro_batch_size
     for start, mb in zip(range(0, len(batch), size), micro_batches(batch, size)):
         mb = mb.to(backend.device)
         rows, cols = slice(start, start + len(mb)), slice(0, mb.completion_mask.shape[1])
         with backend.autocast():
             if need_old:
-                old[rows, cols] = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature).float().cpu()
+                old[rows, cols] = sequence_logprobs(model, mb, temperature, shared=shared).float().cpu()
             if a.beta > 0:
-                ref[rows, cols] = reference_logprobs(model, ref_model, mb, temperature).float().cpu()
+                ref[rows, cols] = reference_logprobs(model, ref_model, mb, temperature, shared).float().cpu()
     batch.old_logprobs = old if need_old else None
     batch.ref_logprobs = ref if a.beta > 0 else None
     return int(need_old) + int(a.beta > 0)
@@ -184,7 +202,7 @@ def train_micro_batch(model, mb: Batch, counts: StepCounts, cfg: Config, setting
     a = cfg.algo
     with_entropy = a.top_entropy_quantile < 1 or a.entropy_coeff > 0
     with backend.autocast():
-        out = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, cfg.rollout.temperature or 1.0, with_entropy)
+        out = sequence_logprobs(model, mb, cfg.rollout.temperature or 1.0, with_entropy, shares_prompts(cfg, backend))
     logp, entropy = (out[0].float(), out[1].float()) if with_entropy else (out.float(), None)
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()  # one pass: ratio is exactly 1
     mask = high_entropy_mask(entropy.detach(), mb.completion_mask, a.top_entropy_quantile) if entropy is not None else mb.completion_mask
@@ -399,7 +417,7 @@ def _run(cfg: Config, plan: BatchPlan, backend, sink: MetricsSink, stop: StopSig
         times = dict(zip(times, comm.all_max(list(times.values()))))
         metrics.update(times)
         metrics["tokens/s_generate"] = metrics["tokens/generated"] / max(1e-9, metrics.get("time/generate", 0.0))
-        flops = meter.flops(groups, batch, cfg.algo.num_iterations, prepass_forwards)
+        flops = meter.flops(groups, cfg.algo.num_iterations, prepass_forwards)
         metrics.update(meter.measure(flops, metrics.pop("tokens/processed"), times))
         sink.log(step, metrics)
         result.history.append(metrics)

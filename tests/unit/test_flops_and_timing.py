@@ -52,10 +52,12 @@ def test_training_flops_match_torch_flop_counter(tiny):
 def test_generation_flops_count_each_prompt_once(tiny):
     _, cost = tiny
     one = cost.generate([10], [[5]])
-    assert cost.generate([10], [[5, 5]]) - one == pytest.approx(one - cost.forward([10]))  # a second completion adds only its decode
-    # decoding token i of a completion attends to prompt + i positions
-    n, l, d = cost.matmul_params, cost.layers, cost.attn_width
-    assert one - cost.forward([10]) == pytest.approx(sum(2 * n + 4 * l * d * (10 + i) for i in range(5)))
+    two = cost.generate([10], [[5, 5]])
+    n, h, l, d = cost.matmul_params, cost.head_params, cost.layers, cost.attn_width
+    prefill = 10 * (2 * (n - h) + 4 * l * d * 10) + 2 * h  # the head only at the last prompt position
+    decode = sum(2 * n + 4 * l * d * (10 + i) for i in range(1, 5))  # tokens 1..4 fed back, each over prompt + i
+    assert one == pytest.approx(prefill + decode)
+    assert two - one == pytest.approx(decode)  # a second completion adds only its decode
 
 
 def test_untied_input_embedding_is_a_lookup_not_a_matmul(tiny):
@@ -111,3 +113,20 @@ def test_suggestion_names_the_dominant_phase_and_the_settings():
     assert "max_completion_length (now 256)" in tip and "num_generations (now 8)" in tip
     assert "train.precision=bf16" in suggestion({"train": 0.6, "generate": 0.4}, load_config(None, ["train.precision=fp32"]))
     assert suggestion({"train": 0.45, "generate": 0.45, "idle": 0.1}, cfg) is None  # nothing dominates
+
+
+def test_shared_prompt_pass_flops_match_the_group_cost_model(tiny):
+    """A group's prompt run once, its KV cache shared by 4 completions: what torch counts for
+    that forward+backward is what the cost model charges a group (and less than 4 whole rows)."""
+    from plait.algo.logprobs import shared_prompt_logprobs
+
+    model, cost = tiny
+    p, c, n = 14, 10, 4
+    ids = torch.randint(0, model.config.vocab_size, (n, p + c))
+    ids[:, :p] = ids[0, :p]
+    mask = torch.ones_like(ids)
+    with FlopCounterMode(display=False) as fc:
+        shared_prompt_logprobs(model, ids, mask, p, [n]).sum().backward()
+    model.zero_grad(set_to_none=True)
+    assert cost.train_groups([p], [[c] * n]) == pytest.approx(fc.get_total_flops(), rel=0.03)
+    assert cost.train_groups([p], [[c] * n]) < 0.8 * cost.train([p + c] * n)
