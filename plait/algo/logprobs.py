@@ -69,16 +69,23 @@ def shared_prompt_logprobs(model, input_ids, attention_mask, prompt_len: int, ru
     from transformers import DynamicCache
 
     first = torch.tensor([sum(runs[:g]) for g in range(len(runs))], device=input_ids.device)
-    row_group = torch.repeat_interleave(torch.arange(len(runs), device=input_ids.device), torch.tensor(runs, device=input_ids.device))
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
     head = model(input_ids=input_ids[first, :prompt_len], attention_mask=attention_mask[first, :prompt_len],
                  position_ids=positions[first, :prompt_len], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    cache.batch_select_indices(row_group)  # every row gets its prompt's keys/values (an autograd-tracked gather)
+    for layer in cache.layers:  # every row gets its prompt's keys/values
+        layer.keys, layer.values = _spread(layer.keys, runs), _spread(layer.values, runs)
     completion = input_ids[:, prompt_len:]
     tail = model(input_ids=completion, attention_mask=attention_mask, position_ids=positions[:, prompt_len:],
                  past_key_values=cache, use_cache=True, logits_to_keep=completion.shape[1])
-    logits = torch.cat([head.logits[row_group], tail.logits[:, :-1]], dim=1)  # position t predicts token t+1
+    logits = torch.cat([_spread(head.logits, runs), tail.logits[:, :-1]], dim=1)  # position t predicts token t+1
     if temperature and temperature != 1.0:
         logits = logits / temperature
     return selective_log_softmax(logits, completion, with_entropy=with_entropy)
+
+
+def _spread(t: torch.Tensor, runs: list[int]) -> torch.Tensor:
+    """Row g of `t` repeated runs[g] times. expand + cat, not an index gather: its backward is
+    a plain sum per group, so gradients add up in the same order every run (an index_add
+    backward may not), and resumed runs stay bitwise identical."""
+    return torch.cat([t[g : g + 1].expand(n, *t.shape[1:]) for g, n in enumerate(runs)])

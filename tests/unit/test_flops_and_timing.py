@@ -130,3 +130,30 @@ def test_shared_prompt_pass_flops_match_the_group_cost_model(tiny):
     model.zero_grad(set_to_none=True)
     assert cost.train_groups([p], [[c] * n]) == pytest.approx(fc.get_total_flops(), rel=0.03)
     assert cost.train_groups([p], [[c] * n]) < 0.8 * cost.train([p + c] * n)
+
+
+def test_shared_prompt_pass_gives_the_plain_log_probs_and_gradients(tiny):
+    """Two groups with prompts of different lengths (left padding) and ragged completions:
+    sharing each prompt's pass changes nothing but float rounding, forward and backward."""
+    from plait.algo.logprobs import completion_logprobs, prompt_runs, shared_prompt_logprobs
+
+    model, _ = tiny
+    torch.manual_seed(1)
+    p, c = 12, 9
+    ids = torch.randint(5, 1000, (7, p + c))
+    mask = torch.ones_like(ids)
+    ids[:4, :p] = ids[0, :p]
+    ids[4:, :p] = ids[4, :p]
+    ids[4:, :3], mask[4:, :3] = 0, 0  # the second prompt is shorter
+    mask[1, p + 5:], mask[6, p + 2:] = 0, 0  # completions end early
+    runs = prompt_runs(ids, mask, p)
+    assert runs == [4, 3]
+    real = mask[:, p:].bool()
+    plain = completion_logprobs(model, ids, mask, p)
+    shared = shared_prompt_logprobs(model, ids, mask, p, runs)
+    torch.testing.assert_close(shared[real], plain[real], rtol=1e-5, atol=1e-5)
+    params = [q for q in model.parameters() if q.requires_grad]
+    g_plain = torch.autograd.grad((plain * real).sum(), params)
+    g_shared = torch.autograd.grad((shared * real).sum(), params)
+    for a, b in zip(g_plain, g_shared):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
