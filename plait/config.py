@@ -111,6 +111,10 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0, description="Sample among the top k tokens (0 = all).")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings besides EOS.")
     batch_size: int = Field(64, ge=1, description="Sequences per generate call.")
+    packed_weights: bool = Field(
+        True, description="Engine hf, fp32 on CPU: decode through oneDNN-packed copies of the linear weights, made when a step's "
+        "generation starts (decoding matmuls 2-3x faster; one extra copy of the weights while generating)."
+    )
     two_stage: TwoStageConfig | None = Field(
         None, description="Sample a few candidates per prompt first; spend the rest of the group only on prompts that can still teach (seed 001)."
     )
@@ -221,6 +225,11 @@ class TrainConfig(Section):
     shared_prompt_pass: bool = Field(
         True, description="Run each group's prompt through the model once and share its KV cache with the group's completions "
         "(forward and backward); applies to backend local without gradient checkpointing, others run every row whole."
+    )
+    retain_host_memory: bool = Field(
+        True, description="Keep freed host memory in the process for reuse (glibc: big blocks from the heap, no trimming) so the "
+        "same big tensors are not page-faulted in again every micro-batch (SmolLM2 on 2 CPU cores: train phase ~25% faster); "
+        "RSS then stays at its peak during the run."
     )
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1.")
     adam_beta2: float = Field(0.99, ge=0.0, lt=1.0, description="AdamW beta2.")

@@ -45,6 +45,7 @@ from plait.telemetry.meter import StepMeter
 from plait.train.backends import make_backend, resolve_device
 from plait.train.batch import collate, micro_batches
 from plait.train.guard import NonFiniteGuard, Preempted, StopSignal
+from plait.train.hostmem import retained_host_memory
 from plait.train.metrics import across_processes, describe_processes, phase_summary, sample_record, step_rollout_metrics
 from plait.train.sampling import collect_groups
 from plait.types import Batch, Group
@@ -295,7 +296,8 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
     backend = make_backend(resolve_backend(cfg, plan.training_processes), cfg, device)  # joins the process group
     stop = StopSignal().install()  # SIGTERM/SIGINT: finish the step, checkpoint, exit (Preempted)
     try:
-        result = _train(cfg, plan, backend, console, stop)
+        with retained_host_memory(cfg.train.retain_host_memory):  # no page faults for reused big tensors
+            result = _train(cfg, plan, backend, console, stop)
     finally:
         stop.uninstall()
         wait_for_saves()  # a save of a finished step still commits, even when the run failed after it

@@ -1,0 +1,63 @@
+"""Host memory: keep freed blocks in the process instead of handing them back to the kernel.
+
+glibc serves every block over 32 MiB with its own mmap and unmaps it on free, and trims the
+heap's free top beyond a threshold. A training step allocates and frees the same big tensors
+every micro-batch (a tied 49k x 576 embedding's gradient, logits, activations), so each one is
+page-faulted in and zeroed by the kernel again, page by page: measured on 2 CPU cores, a
+SmolLM2-135M forward + backward spent ~0.9 of 3.4 s in page faults (the `fill_` and `add`
+that first touch fresh gradient buffers). With big blocks served from the heap and no trimming,
+a freed block is reused as it is: the same step took 2.5 s.
+
+The cost: the process's RSS stays at its peak instead of shrinking between phases (the peak
+itself does not grow). The settings are process-wide; `retained_host_memory` puts glibc's
+defaults back when the run ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import sys
+
+# mallopt parameters (malloc.h) and glibc's defaults
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
+_NEVER_TRIM = 2**31 - 1  # mallopt takes an int
+
+
+def _glibc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - glibc only (musl has no such symbol)
+        return libc if hasattr(libc, "mallopt") else None
+    except (OSError, AttributeError):
+        return None
+
+
+def retain_freed_memory(libc=None) -> bool:
+    """Serve big blocks from the heap and never trim it. True where it took effect (glibc)."""
+    libc = libc or _glibc()
+    return bool(libc) and libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM) == 1
+
+
+def release_freed_memory(libc=None) -> None:
+    """glibc's defaults again (freed memory goes back to the kernel as it used to)."""
+    libc = libc or _glibc()
+    if libc:
+        libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
+        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
+        libc.malloc_trim(0)
+
+
+@contextlib.contextmanager
+def retained_host_memory(enabled: bool = True):
+    """Inside, freed host memory stays in the process for reuse (where glibc allows it)."""
+    libc = _glibc() if enabled else None
+    active = retain_freed_memory(libc) if libc else False
+    try:
+        yield active
+    finally:
+        if active:
+            release_freed_memory(libc)

@@ -1,0 +1,106 @@
+"""The CPU fast paths behind plait's step time: the inverse-CDF sampler, oneDNN-packed decoding
+weights, and retained host memory. Each must give what the slow path gives."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from plait.rollout.hf import HFEngine, inverse_cdf, sample_next
+from plait.rollout.packed import packed_linears, packing_available
+from plait.train.hostmem import _glibc
+from plait.types import Prompt, SamplingParams
+
+
+def test_inverse_cdf_draws_follow_the_distribution():
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0]]).expand(200_000, -1)
+    u = torch.rand(200_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    draws = inverse_cdf(probs, u)
+    freq = torch.bincount(draws, minlength=6).double() / len(draws)
+    assert freq[[0, 2, 5]].sum() == 0  # zero-probability tokens are never drawn
+    assert torch.allclose(freq, probs[0].double(), atol=0.005)
+    # the ends of [0, 1) map to the first and the last token with mass
+    edges = inverse_cdf(probs[:2], torch.tensor([0.0, 1.0 - 1e-12], dtype=torch.float64))
+    assert edges.tolist() == [1, 4]
+
+
+def test_sampling_respects_top_k_and_uses_each_groups_stream():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(max_tokens=1, temperature=1.0, top_k=3, seed=0)
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    for seed in range(20):
+        gens = [torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 100)]
+        token, logp = sample_next(logits, params, gens, groups)
+        top3 = logits.topk(3).indices
+        assert all(t in top3[i] for i, t in enumerate(token.tolist()))
+        assert torch.allclose(logp, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1))
+    # group 1's draws don't depend on group 0's stream
+    a, _ = sample_next(logits, params, [torch.Generator().manual_seed(1), torch.Generator().manual_seed(7)], groups)
+    b, _ = sample_next(logits, params, [torch.Generator().manual_seed(2), torch.Generator().manual_seed(7)], groups)
+    assert a[3:].tolist() == b[3:].tolist()
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN packed linear")
+def test_packed_linears_compute_the_same_and_restore_the_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.SiLU(), torch.nn.Linear(96, 32, bias=False))
+    half = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    model.append(torch.nn.Identity())
+    x = torch.randn(5, 7, 64)
+    with torch.no_grad():
+        expected = model(x)
+        with packed_linears(model) as n, packed_linears(model) as nested:
+            assert (n, nested) == (2, 0)  # nested use leaves the outer packing alone
+            assert all("forward" in m.__dict__ for m in model if isinstance(m, torch.nn.Linear))
+            got = model(x)
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # falls back to torch's own linear
+                assert model(x).dtype == torch.bfloat16
+        with packed_linears(half) as skipped:
+            assert skipped == 0  # only fp32 weights are packed
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert not any("forward" in m.__dict__ for m in model)  # restored
+    model(x).sum().backward()  # and trainable again
+    assert model[0].weight.grad is not None
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN packed linear")
+def test_engine_samples_the_same_with_packed_weights(tiny_model_path):
+    from plait.models import load_model, load_tokenizer
+
+    tok, model = load_tokenizer(str(tiny_model_path)), load_model(str(tiny_model_path))
+    prompts = [Prompt(i, t, tok(t)["input_ids"]) for i, t in enumerate(["What is 2 + 2?", "Name a colour."])]
+    greedy, sampled = SamplingParams(max_tokens=12, temperature=0), SamplingParams(max_tokens=12, temperature=1.0, seed=3)
+    for params in (greedy, sampled):
+        plain = HFEngine(model, tok, packed_weights=False).generate(prompts, params, n=3)
+        packed = HFEngine(model, tok, packed_weights=True).generate(prompts, params, n=3)
+        assert [[c.token_ids for c in g] for g in plain] == [[c.token_ids for c in g] for g in packed]
+        for gp, gq in zip(plain, packed):
+            for cp, cq in zip(gp, gq):
+                assert torch.allclose(torch.tensor(cp.logprobs), torch.tensor(cq.logprobs), atol=1e-4)
+
+
+_FAULTS = textwrap.dedent("""
+    import resource, sys, torch
+    from plait.train.hostmem import retained_host_memory
+    def faults_of(size):  # page faults of allocating, touching and freeing `size` bytes
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.zeros(size // 4).add_(1)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    with retained_host_memory(sys.argv[1] == "on") as active:
+        print(int(active), *[faults_of(64 * 2**20) for _ in range(16)])
+""")
+
+
+@pytest.mark.skipif(_glibc() is None, reason="glibc only")
+def test_retained_host_memory_reuses_freed_blocks_without_page_faults():
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, check=True).stdout.split()
+        return int(out[0]), [int(x) for x in out[1:]]
+
+    pages = 64 * 2**20 // 4096
+    active, faults = run("on")  # the heap grows a few times around small allocations, then a freed block is reused as it is
+    assert active == 1 and max(faults[-4:]) < pages // 20, faults
+    active, faults = run("off")  # glibc's default: unmapped on free, faulted in again page by page every time
+    assert active == 0 and min(faults) > pages // 2, faults
