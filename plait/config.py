@@ -223,8 +223,9 @@ class TrainConfig(Section):
     warmup_steps: int = Field(2, ge=0, description="Linear warmup steps.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     shared_prompt_pass: bool = Field(
-        True, description="Run each group's prompt through the model once and share its KV cache with the group's completions "
-        "(forward and backward); applies to backend local without gradient checkpointing, others run every row whole."
+        True, description="Run each group's prompt through the model once for all its completions, forward and backward: each "
+        "group packed into one row (prompt, then its completions, no padding; a KV cache handed on for models with scaled logits); "
+        "applies to backend local without gradient checkpointing, others run every padded row whole."
     )
     retain_host_memory: bool = Field(
         True, description="Keep freed host memory in the process for reuse (glibc: big blocks from the heap, no trimming) so the "

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+def _logps(lg: torch.Tensor, tokens: torch.Tensor, with_entropy: bool):
+    """log softmax(lg)[tokens] of [..., V] logits in fp32 (and H = logsumexp - sum p * logit)."""
+    lg = lg.float()
+    lse = torch.logsumexp(lg, dim=-1)
+    logp = lg.gather(-1, tokens[..., None]).squeeze(-1) - lse
+    return logp, (lse - (torch.softmax(lg, -1) * lg).sum(-1)) if with_entropy else None
 
 
 def selective_log_softmax(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 8, with_entropy: bool = False):
@@ -13,14 +23,17 @@ def selective_log_softmax(logits: torch.Tensor, tokens: torch.Tensor, chunk: int
     """
     logps, ents = [], []
     for start in range(0, logits.shape[0], chunk):
-        lg = logits[start : start + chunk].float()
-        lse = torch.logsumexp(lg, dim=-1)
-        logps.append(lg.gather(-1, tokens[start : start + chunk, :, None]).squeeze(-1) - lse)
-        if with_entropy:  # H = logsumexp - sum p * logit
-            ents.append(lse - (torch.softmax(lg, -1) * lg).sum(-1))
-    if with_entropy:
-        return torch.cat(logps), torch.cat(ents)
-    return torch.cat(logps)
+        logp, ent = _logps(logits[start : start + chunk], tokens[start : start + chunk], with_entropy)
+        logps.append(logp)
+        ents.append(ent)
+    return (torch.cat(logps), torch.cat(ents)) if with_entropy else torch.cat(logps)
+
+
+def token_log_softmax(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 512, with_entropy: bool = False):
+    """The same for [N, V] logits and [N] tokens, `chunk` rows at a time."""
+    parts = [_logps(lg, tk, with_entropy) for lg, tk in zip(logits.split(chunk), tokens.split(chunk))]
+    logps = torch.cat([p for p, _ in parts])
+    return (logps, torch.cat([e for _, e in parts])) if with_entropy else logps
 
 
 def completion_logprobs(model, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0, with_entropy: bool = False):
@@ -65,23 +78,114 @@ def shared_prompt_logprobs(model, input_ids, attention_mask, prompt_len: int, ru
     """completion_logprobs, with each distinct prompt run through the model once: its KV cache
     is handed to the rows that share it (gradients flow back through the shared cache into
     the one prompt pass). A group of n completions then costs one prompt + n completions
-    instead of n prompts + n completions, in the forward and the backward alike."""
+    instead of n prompts + n completions, in the forward and the backward alike.
+
+    The prompt pass stops one token short and makes no logits: each row feeds the prompt's
+    last token itself (left padding puts a real token there), so every prediction comes out
+    of one pass through the output head, and the head's weight gradient is one product
+    instead of two added up (for a 49k-token vocabulary that second one is 113 MB a pass)."""
     from transformers import DynamicCache
 
     first = torch.tensor([sum(runs[:g]) for g in range(len(runs))], device=input_ids.device)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    head = model(input_ids=input_ids[first, :prompt_len], attention_mask=attention_mask[first, :prompt_len],
-                 position_ids=positions[first, :prompt_len], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache, cut = DynamicCache(), prompt_len - 1
+    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
+    model(input_ids=input_ids[first, :cut], attention_mask=attention_mask[first, :cut], position_ids=positions[first, :cut],
+          past_key_values=cache, use_cache=True, logits_to_keep=no_logits)
     for layer in cache.layers:  # every row gets its prompt's keys/values
         layer.keys, layer.values = _spread(layer.keys, runs), _spread(layer.values, runs)
-    completion = input_ids[:, prompt_len:]
-    tail = model(input_ids=completion, attention_mask=attention_mask, position_ids=positions[:, prompt_len:],
-                 past_key_values=cache, use_cache=True, logits_to_keep=completion.shape[1])
-    logits = torch.cat([_spread(head.logits, runs), tail.logits[:, :-1]], dim=1)  # position t predicts token t+1
+    completion_len = input_ids.shape[1] - prompt_len
+    predicting = torch.arange(completion_len, device=input_ids.device)  # the last token predicts nothing
+    logits = model(input_ids=input_ids[:, cut:], attention_mask=attention_mask, position_ids=positions[:, cut:],
+                   past_key_values=cache, use_cache=True, logits_to_keep=predicting).logits
     if temperature and temperature != 1.0:
         logits = logits / temperature
-    return selective_log_softmax(logits, completion, with_entropy=with_entropy)
+    return selective_log_softmax(logits, input_ids[:, prompt_len:], with_entropy=with_entropy)
+
+
+@dataclass
+class PackedGroups:
+    """A micro-batch laid out one group per row: its prompt, then each completion after it,
+    no padding between them. `mask` lets a completion see the prompt and its own past only,
+    so every token computes what it would in its own padded row."""
+
+    input_ids: torch.Tensor  # [G, S]
+    position_ids: torch.Tensor  # [G, S]: a completion's positions continue from its prompt's
+    allowed: torch.Tensor  # [G, 1, S, S] bool: query may attend to key
+    source: torch.Tensor  # [N] flat index into G*S: the position whose logits predict each completion token
+    targets: torch.Tensor  # [N] the completion tokens
+    rows: torch.Tensor  # [N] where each token sits in the [B, C] output
+    cols: torch.Tensor  # [N]
+
+
+def pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, runs: list[int], pad_id: int = 0) -> PackedGroups:
+    """Lay a micro-batch of whole groups (rows [B, prompt_len + C]: left-padded prompts,
+    right-padded completions; `runs` rows per group) out as one packed row per group."""
+    ids, mask = input_ids.tolist(), attention_mask.tolist()
+    seqs, segs, poss, source, targets, rows, cols = [], [], [], [], [], [], []
+    start = 0
+    for g, n in enumerate(runs):
+        prompt = [t for t, m in zip(ids[start][:prompt_len], mask[start][:prompt_len]) if m]
+        if not prompt:
+            raise ValueError(f"row {start} has an empty prompt: a completion needs at least one prompt token to be predicted from")
+        seq, seg, pos = list(prompt), [0] * len(prompt), list(range(len(prompt)))
+        for i, r in enumerate(range(start, start + n)):
+            completion = [t for t, m in zip(ids[r][prompt_len:], mask[r][prompt_len:]) if m]
+            prev = len(prompt) - 1  # the prompt's last token predicts the first completion token
+            for j, tok in enumerate(completion):
+                source.append((g, prev))
+                targets.append(tok)
+                rows.append(r)
+                cols.append(j)
+                prev = len(seq)
+                seq.append(tok)
+                seg.append(i + 1)
+                pos.append(len(prompt) + j)
+        seqs.append(seq), segs.append(seg), poss.append(pos)
+        start += n
+    width = max(len(s) for s in seqs)
+    dev = input_ids.device
+    pad = lambda xs, v: torch.tensor([x + [v] * (width - len(x)) for x in xs], dtype=torch.long, device=dev)  # noqa: E731
+    seg = pad(segs, -1)  # -1: padding, which sees only padding (so no row of the mask is empty)
+    causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
+    allowed = causal & ((seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None]))
+    flat = torch.tensor([g * width + p for g, p in source], dtype=torch.long, device=dev)
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+    return PackedGroups(pad(seqs, pad_id), pad(poss, 0), allowed[:, None], flat, as_tensor(targets), as_tensor(rows), as_tensor(cols))
+
+
+def can_pack(model) -> bool:
+    """The packed pass runs the decoder and the output head separately: only for models whose
+    logits are the head's plain projection of the last hidden state."""
+    cfg = getattr(model, "config", None)
+    scaled = any(getattr(cfg, k, None) not in (None, 1.0) for k in ("final_logit_softcapping", "logit_scale"))
+    try:
+        return not scaled and model.get_decoder() is not None and model.get_output_embeddings() is not None
+    except (AttributeError, NotImplementedError):
+        return False
+
+
+def packed_group_logprobs(model, input_ids, attention_mask, prompt_len: int, runs: list[int], temperature: float = 1.0,
+                          with_entropy: bool = False):
+    """completion_logprobs with each group packed into one row (pack_groups): a group's prompt
+    goes through the model once and no padding goes through it at all, forward and backward;
+    the output head runs only where a completion token is predicted. [B, C] out, zeros at
+    padding (as the masked loss ignores them)."""
+    packed = pack_groups(input_ids, attention_mask, prompt_len, runs)
+    dtype = next(model.parameters()).dtype
+    bias = torch.zeros(packed.allowed.shape, dtype=dtype, device=input_ids.device).masked_fill(~packed.allowed, torch.finfo(dtype).min)
+    hidden = model.get_decoder()(input_ids=packed.input_ids, attention_mask=bias, position_ids=packed.position_ids,
+                                 use_cache=False).last_hidden_state
+    logits = model.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1])[packed.source])
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    out = token_log_softmax(logits, packed.targets, with_entropy=with_entropy)
+    shape = (input_ids.shape[0], input_ids.shape[1] - prompt_len)
+
+    def place(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(shape, dtype=values.dtype, device=values.device).index_put((packed.rows, packed.cols), values)
+
+    return (place(out[0]), place(out[1])) if with_entropy else place(out)
 
 
 def _spread(t: torch.Tensor, runs: list[int]) -> torch.Tensor:

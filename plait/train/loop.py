@@ -24,7 +24,7 @@ import torch
 
 from plait.algo.advantages import combine_rewards
 from plait.algo.kl import mix_reference, sequence_kl
-from plait.algo.logprobs import completion_logprobs, prompt_runs, shared_prompt_logprobs
+from plait.algo.logprobs import can_pack, completion_logprobs, packed_group_logprobs, prompt_runs, shared_prompt_logprobs
 from plait.algo.losses import LossSettings, StepCounts, engine_mismatch_weights, high_entropy_mask, policy_loss
 from plait.checkpoint import find_checkpoint, latest_checkpoint, load_checkpoint, resume_position, save_checkpoint, trim_logs, wait_for_saves
 from plait.cluster import comm
@@ -134,10 +134,13 @@ def shares_prompts(cfg: Config, backend) -> bool:
 
 def sequence_logprobs(model, mb: Batch, temperature: float, with_entropy: bool = False, shared: bool = False):
     """[B, C] completion log-probs (and entropies) of a micro-batch; with `shared`, rows with
-    the same prompt share one prompt pass (same numbers to float rounding, fewer FLOPs)."""
+    the same prompt share one prompt pass, and (where the model allows) each group is packed
+    into one row without padding (same numbers to float rounding, fewer FLOPs)."""
     if shared:
         runs = prompt_runs(mb.input_ids, mb.attention_mask, mb.prompt_len)
-        if len(runs) < len(mb):
+        if can_pack(model):  # one row per group, no padding at all
+            return packed_group_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, runs, temperature, with_entropy)
+        if len(runs) < len(mb) and mb.prompt_len > 1:  # a 1-token prompt has nothing to share
             return shared_prompt_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, runs, temperature, with_entropy)
     return completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature, with_entropy)
 

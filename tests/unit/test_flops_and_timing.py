@@ -117,7 +117,8 @@ def test_suggestion_names_the_dominant_phase_and_the_settings():
 
 def test_shared_prompt_pass_flops_match_the_group_cost_model(tiny):
     """A group's prompt run once, its KV cache shared by 4 completions: what torch counts for
-    that forward+backward is what the cost model charges a group (and less than 4 whole rows)."""
+    that forward+backward is what the cost model charges a group (and less than 4 whole rows),
+    plus the prompt's last token, which each completion feeds itself (n - 1 extra tokens)."""
     from plait.algo.logprobs import shared_prompt_logprobs
 
     model, cost = tiny
@@ -128,14 +129,17 @@ def test_shared_prompt_pass_flops_match_the_group_cost_model(tiny):
     with FlopCounterMode(display=False) as fc:
         shared_prompt_logprobs(model, ids, mask, p, [n]).sum().backward()
     model.zero_grad(set_to_none=True)
-    assert cost.train_groups([p], [[c] * n]) == pytest.approx(fc.get_total_flops(), rel=0.03)
+    extra = (n - 1) * 6 * (cost.matmul_params - cost.head_params)
+    assert cost.train_groups([p], [[c] * n]) + extra == pytest.approx(fc.get_total_flops(), rel=0.03)
     assert cost.train_groups([p], [[c] * n]) < 0.8 * cost.train([p + c] * n)
 
 
-def test_shared_prompt_pass_gives_the_plain_log_probs_and_gradients(tiny):
+@pytest.mark.parametrize("way", ["shared_cache", "packed"])
+def test_shared_prompt_pass_gives_the_plain_log_probs_and_gradients(tiny, way):
     """Two groups with prompts of different lengths (left padding) and ragged completions:
-    sharing each prompt's pass changes nothing but float rounding, forward and backward."""
-    from plait.algo.logprobs import completion_logprobs, prompt_runs, shared_prompt_logprobs
+    sharing each prompt's pass (a KV cache handed on, or each group packed into one row)
+    changes nothing but float rounding, forward and backward, entropies included."""
+    from plait.algo.logprobs import completion_logprobs, packed_group_logprobs, prompt_runs, shared_prompt_logprobs
 
     model, _ = tiny
     torch.manual_seed(1)
@@ -149,9 +153,11 @@ def test_shared_prompt_pass_gives_the_plain_log_probs_and_gradients(tiny):
     runs = prompt_runs(ids, mask, p)
     assert runs == [4, 3]
     real = mask[:, p:].bool()
-    plain = completion_logprobs(model, ids, mask, p)
-    shared = shared_prompt_logprobs(model, ids, mask, p, runs)
+    fn = shared_prompt_logprobs if way == "shared_cache" else packed_group_logprobs
+    plain, plain_ent = completion_logprobs(model, ids, mask, p, temperature=0.7, with_entropy=True)
+    shared, shared_ent = fn(model, ids, mask, p, runs, temperature=0.7, with_entropy=True)
     torch.testing.assert_close(shared[real], plain[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shared_ent[real], plain_ent[real], rtol=1e-5, atol=1e-5)
     params = [q for q in model.parameters() if q.requires_grad]
     g_plain = torch.autograd.grad((plain * real).sum(), params)
     g_shared = torch.autograd.grad((shared * real).sum(), params)
