@@ -55,7 +55,7 @@ def shared_prompts(model: str, n: int, seed: int):
 # ---------------------------------------------------------------- one run, in its own process
 
 
-def run_plait(model: str, size: str, steps: int, seed: int, out: Path) -> dict:
+def run_plait(model: str, size: str, steps: int, seed: int, out: Path, device: str = "cpu", precision: str = "fp32") -> dict:
     from plait.config import load_config
     from plait.train.loop import train
 
@@ -63,7 +63,7 @@ def run_plait(model: str, size: str, steps: int, seed: int, out: Path) -> dict:
     cfg = load_config(None, [
         f"model.name_or_path={model}", f"seed={seed}", f"rollout.prompts_per_step={prompts}", f"rollout.num_generations={gens}",
         f"rollout.max_completion_length={length}", f"train.micro_batch_size={micro}", f"train.max_steps={steps}",
-        f"train.learning_rate={LR}", "train.warmup_steps=0", "train.lr_scheduler=constant", "train.precision=fp32",
+        f"train.learning_rate={LR}", "train.warmup_steps=0", "train.lr_scheduler=constant", f"train.precision={precision}", f"train.device={device}",
         "algo.loss_type=dapo", "algo.beta=0", "algo.scale_rewards=group",
         f"rewards=[{{name: accuracy, weight: {REWARD_WEIGHTS[0]}}}, {{name: boxed_format, weight: {REWARD_WEIGHTS[1]}}}]",
         "eval.before=false", "eval.after=false", "log.console=none", "log.tensorboard=false", "checkpoint.save_steps=0",
@@ -77,7 +77,8 @@ def run_plait(model: str, size: str, steps: int, seed: int, out: Path) -> dict:
     }
 
 
-def run_trl(model_name: str, size: str, steps: int, seed: int, out: Path, gradient_checkpointing: bool) -> dict:
+def run_trl(model_name: str, size: str, steps: int, seed: int, out: Path, gradient_checkpointing: bool, device: str = "cpu",
+            precision: str = "fp32") -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -115,7 +116,7 @@ def run_trl(model_name: str, size: str, steps: int, seed: int, out: Path, gradie
 
     accumulation = max(1, n_prompts * gens // micro)
     args = GRPOConfig(
-        output_dir=str(out / "trl"), seed=seed, data_seed=seed, use_cpu=True, bf16=False, fp16=False,
+        output_dir=str(out / "trl"), seed=seed, data_seed=seed, use_cpu=device == "cpu", bf16=precision == "bf16", fp16=False,
         num_generations=gens, max_completion_length=length, per_device_train_batch_size=min(micro, n_prompts * gens),
         gradient_accumulation_steps=accumulation, steps_per_generation=accumulation, num_iterations=1,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, loss_type="dapo", beta=0.0,
@@ -134,10 +135,14 @@ def run_trl(model_name: str, size: str, steps: int, seed: int, out: Path, gradie
 def worker(args) -> None:
     out = Path(args.tmp)
     if args.worker == "plait":
-        res = run_plait(args.model, args.size, args.steps + args.warmup, args.seed, out)
+        res = run_plait(args.model, args.size, args.steps + args.warmup, args.seed, out, args.device, args.precision)
     else:
-        res = run_trl(args.model, args.size, args.steps + args.warmup, args.seed, out, args.trl_gradient_checkpointing)
+        res = run_trl(args.model, args.size, args.steps + args.warmup, args.seed, out, args.trl_gradient_checkpointing, args.device, args.precision)
     res["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if args.device == "cuda":
+        import torch
+
+        res["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 2**30
     Path(args.result).write_text(json.dumps(res))
 
 
@@ -165,6 +170,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2-135m-instruct", help="the bundled model, or a model folder")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off unless given")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both train and generate")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="both: fp32 weights, bf16 autocast when bf16")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--worker", choices=["plait", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
@@ -179,7 +186,8 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 result = Path(tmp) / "result.json"
                 cmd = [sys.executable, __file__, "--worker", who, "--model", args.model, "--size", args.size, "--steps", str(args.steps),
-                       "--warmup", str(args.warmup), "--seed", str(args.seed + r), "--tmp", tmp, "--result", str(result)]
+                       "--warmup", str(args.warmup), "--seed", str(args.seed + r), "--tmp", tmp, "--result", str(result),
+                       "--device", args.device, "--precision", args.precision]
                 if args.trl_gradient_checkpointing:
                     cmd.append("--trl-gradient-checkpointing")
                 t0 = time.perf_counter()
@@ -190,9 +198,10 @@ def main() -> None:
                 print(f"round {r + 1}: {who:<5} {time.perf_counter() - t0:6.0f} s wall", flush=True)
 
     prompts, gens, length, _ = SIZES[args.size]
-    summary = {"size": args.size, "prompts": prompts, "generations": gens, "completion_tokens": length, "steps": args.steps,
+    summary = {"size": args.size, "device": args.device, "precision": args.precision, "prompts": prompts, "generations": gens, "completion_tokens": length, "steps": args.steps,
                "warmup": args.warmup, "rounds": args.rounds}
-    print(f"\n{args.size}: {prompts} prompts x {gens} generations x {length} tokens, {args.steps} timed steps x {args.rounds} round(s) each, fp32, CPU")
+    print(f"\n{args.size}: {prompts} prompts x {gens} generations x {length} tokens, {args.steps} timed steps x {args.rounds} round(s) each, "
+          f"{args.precision}, {args.device}")
     print(f"{'':<8}{'step s (median)':>16}{'completion tok/s':>18}{'peak RSS GiB':>14}{'mean reward':>13}")
     for who, rs in runs.items():
         steps = [s for r in rs for s in r["step_s"][args.warmup:]]
