@@ -16,21 +16,12 @@ def _logps(lg: torch.Tensor, tokens: torch.Tensor, with_entropy: bool):
 
 
 def selective_log_softmax(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 8, with_entropy: bool = False):
-    """log softmax(logits)[tokens] (and the entropy of each position), a few rows at a time in fp32.
+    """log softmax(logits)[tokens] (and the entropy of each position), `chunk` rows of the
+    first dimension at a time in fp32.
 
-    logits: [B, C, V], tokens: [B, C] -> [B, C] (or a pair). Chunking keeps the fp32
-    full-vocabulary copy to `chunk` rows instead of the whole batch.
+    logits: [B, C, V] or [N, V], tokens: [B, C] or [N] -> that shape (or a pair). Chunking keeps
+    the fp32 full-vocabulary copy to `chunk` rows instead of the whole batch.
     """
-    logps, ents = [], []
-    for start in range(0, logits.shape[0], chunk):
-        logp, ent = _logps(logits[start : start + chunk], tokens[start : start + chunk], with_entropy)
-        logps.append(logp)
-        ents.append(ent)
-    return (torch.cat(logps), torch.cat(ents)) if with_entropy else torch.cat(logps)
-
-
-def token_log_softmax(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 512, with_entropy: bool = False):
-    """The same for [N, V] logits and [N] tokens, `chunk` rows at a time."""
     parts = [_logps(lg, tk, with_entropy) for lg, tk in zip(logits.split(chunk), tokens.split(chunk))]
     logps = torch.cat([p for p, _ in parts])
     return (logps, torch.cat([e for _, e in parts])) if with_entropy else logps
@@ -106,7 +97,7 @@ def shared_prompt_logprobs(model, input_ids, attention_mask, prompt_len: int, ru
 @dataclass
 class PackedGroups:
     """A micro-batch laid out one group per row: its prompt, then each completion after it,
-    no padding between them. `mask` lets a completion see the prompt and its own past only,
+    no padding between them. `allowed` lets a completion see the prompt and its own past only,
     so every token computes what it would in its own padded row."""
 
     input_ids: torch.Tensor  # [G, S]
@@ -118,9 +109,10 @@ class PackedGroups:
     cols: torch.Tensor  # [N]
 
 
-def pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, runs: list[int], pad_id: int = 0) -> PackedGroups:
+def pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, runs: list[int]) -> PackedGroups:
     """Lay a micro-batch of whole groups (rows [B, prompt_len + C]: left-padded prompts,
-    right-padded completions; `runs` rows per group) out as one packed row per group."""
+    right-padded completions; `runs` rows per group) out as one packed row per group. Rows
+    shorter than the longest are filled with token 0, which only padding attends to."""
     ids, mask = input_ids.tolist(), attention_mask.tolist()
     seqs, segs, poss, source, targets, rows, cols = [], [], [], [], [], [], []
     start = 0
@@ -151,7 +143,7 @@ def pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_le
     allowed = causal & ((seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None]))
     flat = torch.tensor([g * width + p for g, p in source], dtype=torch.long, device=dev)
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
-    return PackedGroups(pad(seqs, pad_id), pad(poss, 0), allowed[:, None], flat, as_tensor(targets), as_tensor(rows), as_tensor(cols))
+    return PackedGroups(pad(seqs, 0), pad(poss, 0), allowed[:, None], flat, as_tensor(targets), as_tensor(rows), as_tensor(cols))
 
 
 def can_pack(model) -> bool:
@@ -179,7 +171,7 @@ def packed_group_logprobs(model, input_ids, attention_mask, prompt_len: int, run
     logits = model.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1])[packed.source])
     if temperature and temperature != 1.0:
         logits = logits / temperature
-    out = token_log_softmax(logits, packed.targets, with_entropy=with_entropy)
+    out = selective_log_softmax(logits, packed.targets, chunk=512, with_entropy=with_entropy)
     shape = (input_ids.shape[0], input_ids.shape[1] - prompt_len)
 
     def place(values: torch.Tensor) -> torch.Tensor:

@@ -36,28 +36,17 @@ def _glibc():
         return None
 
 
-def retain_freed_memory(libc=None) -> bool:
-    """Serve big blocks from the heap and never trim it. True where it took effect (glibc)."""
-    libc = libc or _glibc()
-    return bool(libc) and libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM) == 1
-
-
-def release_freed_memory(libc=None) -> None:
-    """glibc's defaults again (freed memory goes back to the kernel as it used to)."""
-    libc = libc or _glibc()
-    if libc:
-        libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
-        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
-        libc.malloc_trim(0)
-
-
 @contextlib.contextmanager
 def retained_host_memory(enabled: bool = True):
-    """Inside, freed host memory stays in the process for reuse (where glibc allows it)."""
+    """Inside, freed host memory stays in the process for reuse (where glibc allows it): big
+    blocks come from the heap and the heap is never trimmed. Yields whether that took effect;
+    glibc's defaults are back on exit and the free memory is returned to the kernel."""
     libc = _glibc() if enabled else None
-    active = retain_freed_memory(libc) if libc else False
+    active = bool(libc) and libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM) == 1
     try:
         yield active
     finally:
         if active:
-            release_freed_memory(libc)
+            libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
+            libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
+            libc.malloc_trim(0)
