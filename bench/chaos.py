@@ -109,7 +109,9 @@ def trainers(proc: subprocess.Popen, nproc: int) -> list[psutil.Process]:
 
 def committed(out: Path) -> list[int]:
     root = out / "checkpoints"
-    return sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if (p / "COMMITTED").is_file()) if root.is_dir() else []
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if (p / "COMMITTED").is_file())
 
 
 def metrics_lines(out: Path) -> int:
@@ -154,7 +156,9 @@ def wait_for_moment(proc, out: Path, moment: str, rng: random.Random, nproc: int
 
 def launch(cmd, work: Path, log) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(work), os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def run_to_end(cmd, work: Path, log_path: Path) -> None:
@@ -164,7 +168,9 @@ def run_to_end(cmd, work: Path, log_path: Path) -> None:
             raise SystemExit(f"chaos: a run failed without being killed; see {log_path}")
 
 
-def chaos_run(cmd, work: Path, out: Path, kills: int, steps: int, rng: random.Random, nproc: int, report: Report, say) -> None:
+def chaos_run(
+    cmd, work: Path, out: Path, kills: int, steps: int, rng: random.Random, nproc: int, report: Report, say
+) -> None:
     log_path = work / "chaos.log"
     done_kills, left = 0, set()
     while True:
@@ -224,12 +230,16 @@ def compare(ref: Path, out: Path, work: Path, report: Report) -> None:
     for step in committed(out):
         a, b = ref / "checkpoints" / f"step_{step:08d}", out / "checkpoints" / f"step_{step:08d}"
         report.checkpoints_compared += 1
-        same = same_tree(load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))) and same_tree(
-            torch.load(a / "optimizer.pt", weights_only=False), torch.load(b / "optimizer.pt", weights_only=False))
+        same_weights = same_tree(load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors")))
+        same = same_weights and same_tree(
+            torch.load(a / "optimizer.pt", weights_only=False), torch.load(b / "optimizer.pt", weights_only=False)
+        )
         report.checkpoints_differing += not same
     last = max(committed(out))
-    report.optimizer_identical = same_tree(torch.load(ref / "checkpoints" / f"step_{last:08d}" / "optimizer.pt", weights_only=False),
-                                           torch.load(out / "checkpoints" / f"step_{last:08d}" / "optimizer.pt", weights_only=False))
+    report.optimizer_identical = same_tree(
+        torch.load(ref / "checkpoints" / f"step_{last:08d}" / "optimizer.pt", weights_only=False),
+        torch.load(out / "checkpoints" / f"step_{last:08d}" / "optimizer.pt", weights_only=False),
+    )
     # every resume names what it loaded: it must be a committed checkpoint identical to the reference's
     for m in re.finditer(r"resumed from (\S+) \(step (\d+)\)", (work / "chaos.log").read_text()):
         report.resumes += 1
@@ -277,8 +287,10 @@ def main(argv=None) -> int:
             f"launches {report.launches}; resumes {report.resumes}")
         say(f"corrupt checkpoints loaded: {report.corrupt_loads}; incomplete checkpoints left by kills (never loaded): "
             f"{report.incomplete_checkpoints_seen}")
-        say(f"checkpoints compared with the reference: {report.checkpoints_compared}, differing: {report.checkpoints_differing}")
-        say(f"final weights max |diff|: {report.max_weight_diff}; optimizer state identical: {report.optimizer_identical}; "
+        say(f"checkpoints compared with the reference: {report.checkpoints_compared}, "
+            f"differing: {report.checkpoints_differing}")
+        say(f"final weights max |diff|: {report.max_weight_diff}; "
+            f"optimizer state identical: {report.optimizer_identical}; "
             f"metrics differing: {report.metrics_differing or 'none'}")
         say(f"chaos: {'PASS' if report.ok else 'FAIL'} in {report.seconds}s")
         if args.json:

@@ -47,8 +47,11 @@ def main() -> None:
         for async_save in (False, True):
             out = Path(tmp) / f"run-{async_save}"
             rows = run(out, args.steps, model, async_save)[:-1]  # the last step's save is the final, blocking one
-            size = sum(f.stat().st_size for f in (out / "checkpoints").rglob("*") if f.is_file()) / len(list((out / "checkpoints").iterdir()))
-            print(f"| {'async' if async_save else 'sync'} | {statistics.median(r['time/checkpoint'] for r in rows):.2f} | "
+            checkpoints = out / "checkpoints"
+            total = sum(f.stat().st_size for f in checkpoints.rglob("*") if f.is_file())
+            size = total / len(list(checkpoints.iterdir()))
+            print(f"| {'async' if async_save else 'sync'} | "
+                  f"{statistics.median(r['time/checkpoint'] for r in rows):.2f} | "
                   f"{statistics.median(r['time/step'] for r in rows):.2f} | {size / 2**20:.0f} MiB |")
 
 

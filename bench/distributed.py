@@ -6,9 +6,9 @@ Each backend runs a real `plait train` (torchrun for the distributed ones) on th
 GRPO step: 4 prompts x 4 generations of up to 32 tokens, micro-batches of 4, bf16 autocast.
 Step time is the mean `time/step` over the steps after the first (which pays one-time
 costs); `train` is the policy-update part of it. Peak memory is each process's peak RSS (CPU)
-or peak CUDA allocation (GPU), from RUN_DIR/cluster.json. On a 2-core CPU the processes
-share the cores, so distributed runs are *slower* here: the bench shows what each backend
-costs in memory and overhead, not a speed-up.
+or peak CUDA allocation (GPU), from RUN_DIR/cluster.json. On a CPU with few cores the
+processes share them, so distributed runs are *slower* there: the bench then shows what each
+backend costs in memory and overhead, not a speed-up.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ def run(name: str, extra: list[str], args, root: Path) -> dict:
         "train.precision=bf16", "eval.before=false", "eval.after=false", "checkpoint.save_final_model=false",
         "log.console=none", f"output_dir={out}", *extra,
     ]
-    launcher = [] if name == "local" else ["-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port", str(free_port())]
+    launcher = [] if name == "local" else [
+        "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port", str(free_port())
+    ]
     cmd = [sys.executable, *launcher, "-m", "plait", "train", *sum((["--set", o] for o in opts), [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     if proc.returncode != 0:
@@ -66,7 +68,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1, help="OMP threads per process (1 x 2 processes = this machine's 2 cores)")
+    ap.add_argument("--threads", type=int, default=1, help="OMP threads per process")
     ap.add_argument("--only", nargs="*", default=list(BACKENDS))
     args = ap.parse_args()
     rows = []
@@ -74,7 +76,8 @@ def main() -> None:
         for name in args.only:
             rows.append(run(name, BACKENDS[name], args, Path(tmp)))
             print(json.dumps(rows[-1]), flush=True)
-    label = {"peak_rss_mb": "peak RSS per process (MB)", "peak_cuda_mb": "peak CUDA memory per process (MB)"}[rows[0]["memory"]]
+    labels = {"peak_rss_mb": "peak RSS per process (MB)", "peak_cuda_mb": "peak CUDA memory per process (MB)"}
+    label = labels[rows[0]["memory"]]
     print(f"\n| backend | processes | step s | train s | generate s | params/process (M) | {label} |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

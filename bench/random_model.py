@@ -1,6 +1,5 @@
 """A randomly initialised copy of a model: its config and tokenizer, fresh weights. Same shapes
-and FLOPs, no weights to carry (how the GPU figures in docs/vs-trl.md were taken on a machine
-that can't download).
+and FLOPs, no weights to carry, so timings can be taken on a machine that can't download.
 
     python bench/random_model.py ~/.cache/plait/models/SmolLM2-135M-Instruct /tmp/random-smollm2
 """

@@ -55,17 +55,21 @@ def shared_prompts(model: str, n: int, seed: int):
 # ---------------------------------------------------------------- one run, in its own process
 
 
-def run_plait(model: str, size: str, steps: int, seed: int, out: Path, device: str = "cpu", precision: str = "fp32") -> dict:
+def run_plait(
+    model: str, size: str, steps: int, seed: int, out: Path, device: str = "cpu", precision: str = "fp32"
+) -> dict:
     from plait.config import load_config
     from plait.train.loop import train
 
     prompts, gens, length, micro = SIZES[size]
     cfg = load_config(None, [
-        f"model.name_or_path={model}", f"seed={seed}", f"rollout.prompts_per_step={prompts}", f"rollout.num_generations={gens}",
-        f"rollout.max_completion_length={length}", f"train.micro_batch_size={micro}", f"train.max_steps={steps}",
-        f"train.learning_rate={LR}", "train.warmup_steps=0", "train.lr_scheduler=constant", f"train.precision={precision}", f"train.device={device}",
+        f"model.name_or_path={model}", f"seed={seed}", f"rollout.prompts_per_step={prompts}",
+        f"rollout.num_generations={gens}", f"rollout.max_completion_length={length}", f"train.micro_batch_size={micro}",
+        f"train.max_steps={steps}", f"train.learning_rate={LR}", "train.warmup_steps=0", "train.lr_scheduler=constant",
+        f"train.precision={precision}", f"train.device={device}",
         "algo.loss_type=dapo", "algo.beta=0", "algo.scale_rewards=group",
-        f"rewards=[{{name: accuracy, weight: {REWARD_WEIGHTS[0]}}}, {{name: boxed_format, weight: {REWARD_WEIGHTS[1]}}}]",
+        f"rewards=[{{name: accuracy, weight: {REWARD_WEIGHTS[0]}}}, "
+        f"{{name: boxed_format, weight: {REWARD_WEIGHTS[1]}}}]",
         "eval.before=false", "eval.after=false", "log.console=none", "log.tensorboard=false", "checkpoint.save_steps=0",
         "checkpoint.save_final_model=false", f"output_dir={out / 'run'}",
     ])
@@ -77,8 +81,10 @@ def run_plait(model: str, size: str, steps: int, seed: int, out: Path, device: s
     }
 
 
-def run_trl(model_name: str, size: str, steps: int, seed: int, out: Path, gradient_checkpointing: bool, device: str = "cpu",
-            precision: str = "fp32") -> dict:
+def run_trl(
+    model_name: str, size: str, steps: int, seed: int, out: Path, gradient_checkpointing: bool, device: str = "cpu",
+    precision: str = "fp32",
+) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -116,7 +122,8 @@ def run_trl(model_name: str, size: str, steps: int, seed: int, out: Path, gradie
 
     accumulation = max(1, n_prompts * gens // micro)
     args = GRPOConfig(
-        output_dir=str(out / "trl"), seed=seed, data_seed=seed, use_cpu=device == "cpu", bf16=precision == "bf16", fp16=False,
+        output_dir=str(out / "trl"), seed=seed, data_seed=seed, use_cpu=device == "cpu", bf16=precision == "bf16",
+        fp16=False,
         num_generations=gens, max_completion_length=length, per_device_train_batch_size=min(micro, n_prompts * gens),
         gradient_accumulation_steps=accumulation, steps_per_generation=accumulation, num_iterations=1,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, loss_type="dapo", beta=0.0,
@@ -137,7 +144,8 @@ def worker(args) -> None:
     if args.worker == "plait":
         res = run_plait(args.model, args.size, args.steps + args.warmup, args.seed, out, args.device, args.precision)
     else:
-        res = run_trl(args.model, args.size, args.steps + args.warmup, args.seed, out, args.trl_gradient_checkpointing, args.device, args.precision)
+        res = run_trl(args.model, args.size, args.steps + args.warmup, args.seed, out, args.trl_gradient_checkpointing,
+                      args.device, args.precision)
     res["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     if args.device == "cuda":
         import torch
@@ -171,7 +179,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct", help="the bundled model, or a model folder")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off unless given")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both train and generate")
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="both: fp32 weights, bf16 autocast when bf16")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                    help="both: fp32 weights, bf16 autocast when bf16")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--worker", choices=["plait", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
@@ -185,33 +194,37 @@ def main() -> None:
         for who in ("plait", "trl"):
             with tempfile.TemporaryDirectory() as tmp:
                 result = Path(tmp) / "result.json"
-                cmd = [sys.executable, __file__, "--worker", who, "--model", args.model, "--size", args.size, "--steps", str(args.steps),
-                       "--warmup", str(args.warmup), "--seed", str(args.seed + r), "--tmp", tmp, "--result", str(result),
-                       "--device", args.device, "--precision", args.precision]
+                cmd = [sys.executable, __file__, "--worker", who, "--model", args.model, "--size", args.size,
+                       "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed + r),
+                       "--tmp", tmp, "--result", str(result), "--device", args.device, "--precision", args.precision]
                 if args.trl_gradient_checkpointing:
                     cmd.append("--trl-gradient-checkpointing")
                 t0 = time.perf_counter()
-                proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if proc.returncode != 0:
                     sys.exit(f"{who} run failed:\n{proc.stderr[-4000:]}")
                 runs[who].append(json.loads(result.read_text()))
                 print(f"round {r + 1}: {who:<5} {time.perf_counter() - t0:6.0f} s wall", flush=True)
 
     prompts, gens, length, _ = SIZES[args.size]
-    summary = {"size": args.size, "device": args.device, "precision": args.precision, "prompts": prompts, "generations": gens, "completion_tokens": length, "steps": args.steps,
+    summary = {"size": args.size, "device": args.device, "precision": args.precision, "prompts": prompts,
+               "generations": gens, "completion_tokens": length, "steps": args.steps,
                "warmup": args.warmup, "rounds": args.rounds}
-    print(f"\n{args.size}: {prompts} prompts x {gens} generations x {length} tokens, {args.steps} timed steps x {args.rounds} round(s) each, "
-          f"{args.precision}, {args.device}")
+    print(f"\n{args.size}: {prompts} prompts x {gens} generations x {length} tokens, "
+          f"{args.steps} timed steps x {args.rounds} round(s) each, {args.precision}, {args.device}")
     print(f"{'':<8}{'step s (median)':>16}{'completion tok/s':>18}{'peak RSS GiB':>14}{'mean reward':>13}")
     for who, rs in runs.items():
         steps = [s for r in rs for s in r["step_s"][args.warmup:]]
         toks = [t for r in rs for t in r["completion_tokens"][args.warmup:]]
         rewards = [x for r in rs for x in r["reward"]]
-        summary[who] = {"step_s_median": statistics.median(steps), "step_s": steps, "tokens_per_s": sum(toks) / sum(steps),
+        summary[who] = {"step_s_median": statistics.median(steps), "step_s": steps,
+                        "tokens_per_s": sum(toks) / sum(steps),
                         "peak_rss_gb": max(r["peak_rss_gb"] for r in rs), "reward_mean": statistics.fmean(rewards),
                         "reward_per_step": [r["reward"] for r in rs]}
         s = summary[who]
-        print(f"{who:<8}{s['step_s_median']:>16.2f}{s['tokens_per_s']:>18.1f}{s['peak_rss_gb']:>14.2f}{s['reward_mean']:>13.3f}")
+        print(f"{who:<8}{s['step_s_median']:>16.2f}{s['tokens_per_s']:>18.1f}"
+              f"{s['peak_rss_gb']:>14.2f}{s['reward_mean']:>13.3f}")
     ratio = summary["plait"]["step_s_median"] / summary["trl"]["step_s_median"]
     a = [x for r in runs["plait"] for x in r["reward"]]
     b = [x for r in runs["trl"] for x in r["reward"]]

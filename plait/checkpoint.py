@@ -110,7 +110,7 @@ def wait_for_saves() -> None:
 def save_checkpoint(run_dir: Path, step: int, backend, state: dict, keep_last: int = 2, blocking: bool = True) -> Path:
     """Write step `step` atomically. Every process calls this (the backend's save is a
     collective); `state` is the trainer state, taken from rank 0. With blocking=False and a
-    backend that can (`save_state_async`), return once the state is copied, and write and
+    backend that can (`backend.async_save`), return once the state is copied, and write and
     commit it in the background."""
     wait_for_saves()  # the previous save commits first: retention counts on it
     root = Path(run_dir) / "checkpoints"
@@ -121,7 +121,7 @@ def save_checkpoint(run_dir: Path, step: int, backend, state: dict, keep_last: i
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     comm.barrier()
-    if blocking or getattr(backend, "save_state_async", None) is None:
+    if blocking or not backend.async_save:
         backend.save_state(tmp)
         finish = None
     else:

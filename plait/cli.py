@@ -201,12 +201,10 @@ def cmd_check(args) -> int:
         print(f"generation: vllm ({r.vllm.mode}: {where})")
     else:
         print("generation: hf (in the training processes)")
-    from plait.rewards.code import uses_sandbox
+    from plait.rewards.code import Sandbox, uses_sandbox
 
     if uses_sandbox(cfg):
-        from plait.rewards import sandbox
-
-        tier = sandbox.require(cfg.sandbox.min_tier)  # SandboxUnavailable -> exit 2
+        tier = Sandbox.from_config(cfg.sandbox).tier  # the run's own check: SandboxUnavailable -> exit 2
         print(f"sandbox: code rewards will run under '{tier}' (minimum '{cfg.sandbox.min_tier}')")
     return 0
 
@@ -215,8 +213,8 @@ def cmd_eval(args) -> int:
     from plait.data import build_prompts, load_rows
     from plait.evaluate import evaluate
     from plait.models import load_model, load_tokenizer, model_path_problem
-    from plait.rewards import resolve_reward
-    from plait.rewards.runner import BoundReward
+    from plait.rewards.code import Sandbox
+    from plait.rewards.runner import bind_metric
     from plait.rollout import make_engine
 
     cfg = _load(args)
@@ -224,6 +222,9 @@ def cmd_eval(args) -> int:
     if why:
         print(f"plait eval: {why.split(': ', 1)[-1]}", file=sys.stderr)
         return 2
+    metric = bind_metric(cfg.eval.metric)
+    if metric.needs_sandbox:  # the config's sandbox settings; below sandbox.min_tier: exit 2 before any model loads
+        metric.sandbox = Sandbox.from_config(cfg.sandbox)
     tok = load_tokenizer(args.model)
     prompts = build_prompts(load_rows(cfg.data, "eval", cfg.seed), tok, cfg.data)
     from plait.train.backends import resolve_device
@@ -232,7 +233,6 @@ def cmd_eval(args) -> int:
     model = load_model(args.model, cfg.model.dtype).to(device)
     cfg.model.name_or_path = args.model  # a colocated vLLM engine loads the same weights
     engine = make_engine(cfg, model, tok, device=device)
-    metric = BoundReward(cfg.eval.metric, resolve_reward(cfg.eval.metric))
     with engine.weights_for_step(0):  # rollout servers get this model's weights
         res = evaluate(engine, prompts, metric, cfg.eval.max_completion_length or cfg.rollout.max_completion_length, cfg.rollout.stop)
     for s in res.samples[: args.show]:

@@ -7,6 +7,7 @@ and caches a normal safetensors folder, so every later load is a plain `from_pre
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -103,6 +104,23 @@ def load_tokenizer(name_or_path: str):
     return tok
 
 
+def pad_id_of(tokenizer, eos_ids: list[int] | None = None) -> int:
+    """The id completions are padded with: the tokenizer's pad token, else the smallest of
+    `eos_ids` (the EOS ids generation stops at, when the engine knows them), else the
+    tokenizer's EOS."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return min(eos_ids) if eos_ids else tokenizer.eos_token_id
+
+
+def autocast(device: torch.device, precision: str):
+    """The context forward passes run in: bf16 autocast on `device` for precision "bf16" (on CPU it
+    uses AMX where the CPU has it), else nothing (the weights' own dtype)."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def enable_activation_checkpointing(model) -> None:
     """Recompute activations in backward (non-reentrant: works with frozen inputs, LoRA and
     FSDP2). transformers >= 5.x names it activation_checkpointing_enable."""
@@ -197,7 +215,7 @@ def tiny_model(path: str | os.PathLike, vocab_from: str | None = None, seed: int
         tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        pad_token_id=pad_id_of(tok),
     )
     cfg.update(overrides)
     torch.manual_seed(seed)

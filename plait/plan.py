@@ -98,9 +98,13 @@ def explain(prompts: int, gens: int, micro: int, procs: int, accum: int | None, 
                 + str(ok_procs)
                 + " (cluster.generation_devices = devices - that)"
             )
-    lines.append(f"Values that work with {procs} training process{'es' if procs != 1 else ''}: " + "; or ".join(fix) + ".")
+    plural = "es" if procs != 1 else ""
+    lines.append(f"Values that work with {procs} training process{plural}: " + "; or ".join(fix) + ".")
     if not ok_gens and prompts % procs:
-        lines.append("No rollout.num_generations alone fixes it: processes split the batch by prompt, so every group stays on one process.")
+        lines.append(
+            "No rollout.num_generations alone fixes it: "
+            "processes split the batch by prompt, so every group stays on one process."
+        )
     lines.append("Or set train.auto_batch=true to let plait pick the nearest fitting values.")
     return " ".join(lines)
 
@@ -128,9 +132,13 @@ def plan_batch(
     new_micro = max(m for m in range(1, min(micro, per) + 1) if per % m == 0)
     notes = []
     if new_prompts != prompts:
-        notes.append(f"auto_batch: rollout.prompts_per_step {prompts} -> {new_prompts} (a multiple of {procs} processes)")
+        notes.append(
+            f"auto_batch: rollout.prompts_per_step {prompts} -> {new_prompts} (a multiple of {procs} processes)"
+        )
     if new_micro != micro:
-        notes.append(f"auto_batch: train.micro_batch_size {micro} -> {new_micro} (divides {per} completions per process)")
+        notes.append(
+            f"auto_batch: train.micro_batch_size {micro} -> {new_micro} (divides {per} completions per process)"
+        )
     if accum is not None and accum != per // new_micro:
         notes.append(f"auto_batch: train.gradient_accumulation_steps {accum} -> {per // new_micro}")
     return BatchPlan(procs, new_prompts, gens, new_micro, per // new_micro, tuple(notes))

@@ -22,7 +22,7 @@ from plait.telemetry.advice import suggestion  # noqa: E402
 from plait.train.metrics import phase_summary  # noqa: E402
 
 PHASE_COLORS = {
-    "generate": "#4c72b0", "weight_sync": "#64b5cd", "score": "#55a868", "reference": "#8172b3",
+    "generate": "#4c72b0", "weight_sync": "#64b5cd", "score": "#55a868", "logprobs": "#8172b3",
     "train": "#c44e52", "optimizer": "#dd8452", "checkpoint": "#937860", "eval": "#da8bc3", "idle": "#bbbbbb",
 }
 
@@ -88,14 +88,18 @@ def fig_rewards(history, evals, metric: str) -> bytes | None:
     _, std = series(history, "reward/total/std")
     ax.plot(x, mean, color="black", label="total (weighted)")
     if len(std) == len(mean):
-        ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], color="black", alpha=0.1)
-    names = sorted({k.split("/")[1] for m in history for k in m if k.startswith("reward/") and k.endswith("/mean")} - {"total"})
+        low, high = [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)]
+        ax.fill_between(x, low, high, color="black", alpha=0.1)
+    names = {k.split("/")[1] for m in history for k in m if k.startswith("reward/") and k.endswith("/mean")}
+    names = sorted(names - {"total"})
     _lines(ax, history, [(f"reward/{n}/mean", n) for n in names], "reward")
     ax.set_title("reward per step (mean, band = ±1 std of total)")
     _lines(ax2, history, [("accuracy", f"{metric} on training samples")], "accuracy")
     ev = [(e["step"], e[metric]) for e in evals if metric in e]
     if ev:
-        ax2.plot([s for s, _ in ev], [v for _, v in ev], "D", color="C3", ms=7, label=f"held-out eval ({metric}, greedy)")
+        ax2.plot(
+            [s for s, _ in ev], [v for _, v in ev], "D", color="C3", ms=7, label=f"held-out eval ({metric}, greedy)"
+        )
         ax2.legend(fontsize=8)
     ax2.set_ylim(-0.02, 1.02)
     ax2.set_title("accuracy")
@@ -122,9 +126,11 @@ def fig_policy(history) -> bytes | None:
     if not series(history, "clip/fraction")[0]:
         return None
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.4))
-    _lines(ax, history, [("clip/fraction", "clipped"), ("clip/low", "clipped low"), ("clip/high", "clipped high")], "share of tokens")
+    clips = [("clip/fraction", "clipped"), ("clip/low", "clipped low"), ("clip/high", "clipped high")]
+    _lines(ax, history, clips, "share of tokens")
     ax.set_title("clip fraction")
-    drawn = _lines(ax2, history, [("kl", "KL to reference"), ("entropy", "entropy"), ("logprob_gap", "|engine - trainer| log-prob")], "nats / token")
+    per_token = [("kl", "KL to reference"), ("entropy", "entropy"), ("logprob_gap", "|engine - trainer| log-prob")]
+    drawn = _lines(ax2, history, per_token, "nats / token")
     ax2.set_title("KL, entropy, engine mismatch" if drawn else "KL (beta = 0: no reference)")
     return _png(fig)
 
@@ -154,13 +160,17 @@ def fig_throughput(history) -> bytes | None:
     if not series(history, "tokens/s_generate")[0]:
         return None
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.4))
-    _lines(ax, history, [("tokens/s_generate", "generated tokens/s"), ("tokens/s_train", "trained tokens/s (prompt + completion)")], "tokens / s")
+    rates = [("tokens/s_generate", "generated tokens/s"), ("tokens/s_train", "trained tokens/s (prompt + completion)")]
+    _lines(ax, history, rates, "tokens / s")
     ax.set_title("throughput")
     mfus = sorted({k for m in history for k in m if k.startswith("mfu/")})
     if _lines(ax2, history, [(k, k[4:]) for k in mfus], "MFU"):
         ax2.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     else:
-        ax2.text(0.5, 0.5, "no MFU recorded\n(unknown device peak: set log.peak_flops)", ha="center", va="center", transform=ax2.transAxes)
+        ax2.text(
+            0.5, 0.5, "no MFU recorded\n(unknown device peak: set log.peak_flops)",
+            ha="center", va="center", transform=ax2.transAxes,
+        )
     ax2.set_title("model FLOPs utilization")
     return _png(fig)
 
@@ -190,9 +200,11 @@ def make_figures(history: list[dict], evals: list[dict], metric: str) -> list[Fi
 # ---------------------------------------------------------------- the page
 
 CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1180px;color:#222;padding:0 1em}
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;
+margin:2em auto;max-width:1180px;color:#222;padding:0 1em}
 h1{margin-bottom:.2em} h2{margin-top:1.6em;border-bottom:1px solid #ddd;padding-bottom:.2em}
-table{border-collapse:collapse;font-size:.9em} td,th{border:1px solid #ddd;padding:4px 8px;vertical-align:top;text-align:left}
+table{border-collapse:collapse;font-size:.9em}
+td,th{border:1px solid #ddd;padding:4px 8px;vertical-align:top;text-align:left}
 th{background:#f5f5f5} .num{text-align:right;font-variant-numeric:tabular-nums}
 img{max-width:100%} pre{background:#f7f7f7;padding:.8em;overflow:auto;font-size:.85em}
 .tip{background:#fff6d6;border-left:4px solid #e0b000;padding:.5em .8em} .muted{color:#777}
@@ -212,15 +224,21 @@ def _fmt(v) -> str:
 
 def summary_rows(history: list[dict], evals: list[dict], metric: str) -> list[tuple[str, str]]:
     total, shares = phase_summary(history)
-    rows = [("steps", str(len(history))), ("step time, total", f"{total:.0f} s ({total / max(1, len(history)):.1f} s per step)")]
+    rows = [
+        ("steps", str(len(history))),
+        ("step time, total", f"{total:.0f} s ({total / max(1, len(history)):.1f} s per step)"),
+    ]
     rows.append(("time per phase", ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1]))))
     before = [e[metric] for e in evals if e.get("tag") == "before" and metric in e]
     after = [e[metric] for e in evals if e.get("tag") == "after" and metric in e]
     if before or after:
-        rows.append((f"held-out {metric}", f"{before[-1] if before else '-'} before -> {after[-1] if after else '-'} after"))
+        first, final = before[-1] if before else "-", after[-1] if after else "-"
+        rows.append((f"held-out {metric}", f"{first} before -> {final} after"))
     last = history[-5:]
-    for key, label in [("reward/total/mean", "reward (mean of last 5 steps)"), ("mfu/train", "MFU, train (last 5)"),
-                       ("tokens/s_generate", "generated tokens/s (last 5)"), ("memory/peak_rss_gb", "peak host RSS, GiB")]:
+    for key, label in [
+        ("reward/total/mean", "reward (mean of last 5 steps)"), ("mfu/train", "MFU, train (last 5)"),
+        ("tokens/s_generate", "generated tokens/s (last 5)"), ("memory/peak_rss_gb", "peak host RSS, GiB"),
+    ]:
         vals = [m[key] for m in last if isinstance(m.get(key), (int, float))]
         if vals:
             v = max(vals) if key.startswith("memory/") else sum(vals) / len(vals)
@@ -228,36 +246,54 @@ def summary_rows(history: list[dict], evals: list[dict], metric: str) -> list[tu
     return rows
 
 
-def render(run_dir: Path, figures: list[Figure], history, evals, samples, config_text: str, cluster, tip, metric) -> str:
-    parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>plait report: {_esc(run_dir.name)}</title>",
-             f"<style>{CSS}</style></head><body>",
-             f"<h1>plait run report</h1><p class='muted'>{_esc(run_dir.resolve())}</p>", "<h2>Summary</h2><table id='summary'>"]
+def render(
+    run_dir: Path, figures: list[Figure], history, evals, samples, config_text: str, cluster, tip, metric
+) -> str:
+    parts = [
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+        f"<title>plait report: {_esc(run_dir.name)}</title>",
+        f"<style>{CSS}</style></head><body>",
+        f"<h1>plait run report</h1><p class='muted'>{_esc(run_dir.resolve())}</p>",
+        "<h2>Summary</h2><table id='summary'>",
+    ]
     parts += [f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in summary_rows(history, evals, metric)]
     parts.append("</table>")
     if tip:
         parts.append(f"<p class='tip' id='suggestion'><b>Suggestion:</b> {_esc(tip)}</p>")
     for f in figures:
         data = base64.b64encode(f.png).decode()
-        parts.append(f"<h2>{_esc(f.title)}</h2><img class='figure' id='fig-{f.name}' alt='{_esc(f.title)}' src='data:image/png;base64,{data}'>")
+        parts.append(
+            f"<h2>{_esc(f.title)}</h2><img class='figure' id='fig-{f.name}' alt='{_esc(f.title)}' "
+            f"src='data:image/png;base64,{data}'>"
+        )
     if evals:
         parts.append("<h2>Evaluations</h2><table id='evals'><tr><th>when</th><th>step</th>"
                      f"<th>{_esc(metric)}</th><th>prompts</th></tr>")
-        parts += [f"<tr><td>{_esc(e.get('tag'))}</td><td class='num'>{_esc(e.get('step'))}</td><td class='num'>{_fmt(e.get(metric, '-'))}</td>"
-                  f"<td class='num'>{_esc(e.get('n', '-'))}</td></tr>" for e in evals]
+        parts += [
+            f"<tr><td>{_esc(e.get('tag'))}</td><td class='num'>{_esc(e.get('step'))}</td>"
+            f"<td class='num'>{_fmt(e.get(metric, '-'))}</td><td class='num'>{_esc(e.get('n', '-'))}</td></tr>"
+            for e in evals
+        ]
         parts.append("</table>")
-    parts.append(f"<h2>Sample completions</h2><p class='muted'>{len(samples)} logged (every log.sample_every_steps steps); the last 60 shown.</p>")
+    parts.append(
+        f"<h2>Sample completions</h2><p class='muted'>{len(samples)} logged "
+        "(every log.sample_every_steps steps); the last 60 shown.</p>"
+    )
     if samples:
         names = sorted({k for s in samples for k in s.get("rewards", {})})
         parts.append("<table id='samples'><tr><th>step</th><th>prompt</th><th>completion</th><th>answer</th>"
                      + "".join(f"<th>{_esc(n)}</th>" for n in names) + "</tr>")
         for s in samples[-60:]:
             cells = "".join(f"<td class='num'>{_fmt(s['rewards'].get(n, '-'))}</td>" for n in names)
-            parts.append(f"<tr><td class='num'>{_esc(s.get('step'))}</td><td class='text'>{_esc(s.get('prompt', ''))}</td>"
-                         f"<td class='text'>{_esc(s.get('completion', ''))}</td><td>{_esc(s.get('answer'))}</td>{cells}</tr>")
+            parts.append(
+                f"<tr><td class='num'>{_esc(s.get('step'))}</td><td class='text'>{_esc(s.get('prompt', ''))}</td>"
+                f"<td class='text'>{_esc(s.get('completion', ''))}</td><td>{_esc(s.get('answer'))}</td>{cells}</tr>"
+            )
         parts.append("</table>")
     if cluster:
         keys = sorted({k for p in cluster for k in p})
-        parts.append("<h2>Processes</h2><table id='processes'><tr>" + "".join(f"<th>{_esc(k)}</th>" for k in keys) + "</tr>")
+        head = "".join(f"<th>{_esc(k)}</th>" for k in keys)
+        parts.append(f"<h2>Processes</h2><table id='processes'><tr>{head}</tr>")
         parts += ["<tr>" + "".join(f"<td>{_fmt(p.get(k, ''))}</td>" for k in keys) + "</tr>" for p in cluster]
         parts.append("</table>")
     parts.append(f"<h2>Configuration</h2><pre id='config'>{_esc(config_text)}</pre></body></html>")
@@ -269,7 +305,9 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     run_dir = Path(run_dir)
     history = read_jsonl(run_dir / "metrics.jsonl")
     if not history:
-        raise ReportError(f"{run_dir} has no metrics.jsonl with a finished step: is it a plait run directory (runs/NAME-TIME)?")
+        raise ReportError(
+            f"{run_dir} has no metrics.jsonl with a finished step: is it a plait run directory (runs/NAME-TIME)?"
+        )
     config_text = (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").exists() else ""
     cfg = None
     if config_text:

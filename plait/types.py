@@ -7,8 +7,8 @@ hand-made inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -97,30 +97,35 @@ class Batch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    # which tensors run along the sequence [B, T], the completion [B, C] or one value per row [B]
+    SEQUENCE_FIELDS: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask")
+    COMPLETION_FIELDS: ClassVar[tuple[str, ...]] = (
+        "completion_mask", "old_logprobs", "ref_logprobs", "sampling_logprobs"
+    )
+    ROW_FIELDS: ClassVar[tuple[str, ...]] = ("advantages",)
+
+    def map(
+        self,
+        seq: Callable[[torch.Tensor], torch.Tensor],
+        completion: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        row: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        prompt_len: int | None = None,
+    ) -> "Batch":
+        """A new Batch with `seq` applied to the [B, T] tensors, `completion` to the [B, C] ones
+        and `row` to the [B] ones (both default to `seq`). None tensors stay None; prompt_len is
+        kept unless given."""
+        fns = {
+            **dict.fromkeys(self.SEQUENCE_FIELDS, seq),
+            **dict.fromkeys(self.COMPLETION_FIELDS, completion or seq),
+            **dict.fromkeys(self.ROW_FIELDS, row or seq),
+        }
+        tensors = {name: None if (t := getattr(self, name)) is None else fn(t) for name, fn in fns.items()}
+        return replace(self, **tensors, prompt_len=self.prompt_len if prompt_len is None else prompt_len)
+
     def to(self, device) -> "Batch":
         """The same batch with every tensor on `device`."""
-
-        def mv(t):
-            return None if t is None else t.to(device)
-
-        return Batch(
-            mv(self.input_ids), mv(self.attention_mask), mv(self.completion_mask), mv(self.advantages),
-            self.prompt_len, mv(self.old_logprobs), mv(self.ref_logprobs), mv(self.sampling_logprobs),
-        )
+        return self.map(lambda t: t.to(device))
 
     def slice(self, start: int, stop: int) -> "Batch":
         """Rows [start, stop) as a new Batch (a micro-batch)."""
-
-        def cut(t):
-            return None if t is None else t[start:stop]
-
-        return Batch(
-            input_ids=self.input_ids[start:stop],
-            attention_mask=self.attention_mask[start:stop],
-            completion_mask=self.completion_mask[start:stop],
-            advantages=self.advantages[start:stop],
-            prompt_len=self.prompt_len,
-            old_logprobs=cut(self.old_logprobs),
-            ref_logprobs=cut(self.ref_logprobs),
-            sampling_logprobs=cut(self.sampling_logprobs),
-        )
+        return self.map(lambda t: t[start:stop])

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 EPS = 1e-4
+SCALES = ("group", "batch", "none")  # what the centred rewards are divided by (group_advantages)
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # how several rewards combine (combine_rewards)
 
 
 def _nanstd(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
@@ -32,8 +34,8 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = E
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [groups, num_generations], got shape {tuple(rewards.shape)}")
-    if scale not in ("group", "batch", "none"):
-        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     centred = rewards - torch.nanmean(rewards, dim=1, keepdim=True)
     if scale == "group":
         centred = centred / (_nanstd(rewards, dim=1, keepdim=True) + eps)
@@ -55,7 +57,7 @@ def combine_rewards(
     if mode == "sum_then_normalize":
         total = (torch.nan_to_num(per_reward, nan=0.0) * weights[:, None, None]).sum(0)
         return group_advantages(total, scale)
-    if mode != "normalize_then_sum":
-        raise ValueError(f"mode must be 'sum_then_normalize' or 'normalize_then_sum', got {mode!r}")
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"mode must be one of {AGGREGATIONS}, got {mode!r}")
     summed = sum(w * group_advantages(r, scale) for w, r in zip(weights, per_reward))
     return summed / (summed.std() + EPS) if summed.numel() > 1 else summed

@@ -15,6 +15,19 @@ def _logps(lg: torch.Tensor, tokens: torch.Tensor, with_entropy: bool):
     return logp, (lse - (torch.softmax(lg, -1) * lg).sum(-1)) if with_entropy else None
 
 
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits divided by the sampling temperature (unchanged for 0 or 1), so log-probs match
+    the distribution the completions were drawn from."""
+    if temperature and temperature != 1.0:
+        return logits / temperature
+    return logits
+
+
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count only real tokens, so left padding does not shift them."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def selective_log_softmax(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 8, with_entropy: bool = False):
     """log softmax(logits)[tokens] (and the entropy of each position), `chunk` rows of the
     first dimension at a time in fp32.
@@ -27,7 +40,9 @@ def selective_log_softmax(logits: torch.Tensor, tokens: torch.Tensor, chunk: int
     return (logps, torch.cat([e for _, e in parts])) if with_entropy else logps
 
 
-def completion_logprobs(model, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0, with_entropy: bool = False):
+def completion_logprobs(
+    model, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0, with_entropy: bool = False
+):
     """[B, C] log-probs of the completion tokens (positions >= prompt_len) under `model`
     (and their entropies when asked).
 
@@ -36,17 +51,14 @@ def completion_logprobs(model, input_ids, attention_mask, prompt_len: int, tempe
     temperature so the numbers match the distribution the completions were drawn from.
     """
     completion_len = input_ids.shape[1] - prompt_len
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=position_ids,
+        position_ids=positions(attention_mask),
         use_cache=False,
         logits_to_keep=completion_len + 1,
     )
-    logits = out.logits[:, :-1]
-    if temperature and temperature != 1.0:
-        logits = logits / temperature
+    logits = scale_logits(out.logits[:, :-1], temperature)
     return selective_log_softmax(logits, input_ids[:, prompt_len:], with_entropy=with_entropy)
 
 
@@ -55,8 +67,11 @@ def prompt_runs(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_le
     completions sit next to each other, so a micro-batch of G whole groups gives G runs."""
     runs: list[int] = []
     for i in range(input_ids.shape[0]):
-        same = i > 0 and torch.equal(input_ids[i, :prompt_len], input_ids[i - 1, :prompt_len]) and torch.equal(
-            attention_mask[i, :prompt_len], attention_mask[i - 1, :prompt_len])
+        same = (
+            i > 0
+            and torch.equal(input_ids[i, :prompt_len], input_ids[i - 1, :prompt_len])
+            and torch.equal(attention_mask[i, :prompt_len], attention_mask[i - 1, :prompt_len])
+        )
         if same:
             runs[-1] += 1
         else:
@@ -64,8 +79,10 @@ def prompt_runs(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_le
     return runs
 
 
-def shared_prompt_logprobs(model, input_ids, attention_mask, prompt_len: int, runs: list[int], temperature: float = 1.0,
-                           with_entropy: bool = False):
+def shared_prompt_logprobs(
+    model, input_ids, attention_mask, prompt_len: int, runs: list[int], temperature: float = 1.0,
+    with_entropy: bool = False,
+):
     """completion_logprobs, with each distinct prompt run through the model once: its KV cache
     is handed to the rows that share it (gradients flow back through the shared cache into
     the one prompt pass). A group of n completions then costs one prompt + n completions
@@ -78,19 +95,18 @@ def shared_prompt_logprobs(model, input_ids, attention_mask, prompt_len: int, ru
     from transformers import DynamicCache
 
     first = torch.tensor([sum(runs[:g]) for g in range(len(runs))], device=input_ids.device)
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    pos = positions(attention_mask)
     cache, cut = DynamicCache(), prompt_len - 1
     no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
-    model(input_ids=input_ids[first, :cut], attention_mask=attention_mask[first, :cut], position_ids=positions[first, :cut],
+    model(input_ids=input_ids[first, :cut], attention_mask=attention_mask[first, :cut], position_ids=pos[first, :cut],
           past_key_values=cache, use_cache=True, logits_to_keep=no_logits)
     for layer in cache.layers:  # every row gets its prompt's keys/values
         layer.keys, layer.values = _spread(layer.keys, runs), _spread(layer.values, runs)
     completion_len = input_ids.shape[1] - prompt_len
     predicting = torch.arange(completion_len, device=input_ids.device)  # the last token predicts nothing
-    logits = model(input_ids=input_ids[:, cut:], attention_mask=attention_mask, position_ids=positions[:, cut:],
+    logits = model(input_ids=input_ids[:, cut:], attention_mask=attention_mask, position_ids=pos[:, cut:],
                    past_key_values=cache, use_cache=True, logits_to_keep=predicting).logits
-    if temperature and temperature != 1.0:
-        logits = logits / temperature
+    logits = scale_logits(logits, temperature)
     return selective_log_softmax(logits, input_ids[:, prompt_len:], with_entropy=with_entropy)
 
 
@@ -109,7 +125,9 @@ class PackedGroups:
     cols: torch.Tensor  # [N]
 
 
-def pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, runs: list[int]) -> PackedGroups:
+def pack_groups(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, runs: list[int]
+) -> PackedGroups:
     """Lay a micro-batch of whole groups (rows [B, prompt_len + C]: left-padded prompts,
     right-padded completions; `runs` rows per group) out as one packed row per group. Rows
     shorter than the longest are filled with token 0, which only padding attends to."""
@@ -119,7 +137,9 @@ def pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_le
     for g, n in enumerate(runs):
         prompt = [t for t, m in zip(ids[start][:prompt_len], mask[start][:prompt_len]) if m]
         if not prompt:
-            raise ValueError(f"row {start} has an empty prompt: a completion needs at least one prompt token to be predicted from")
+            raise ValueError(
+                f"row {start} has an empty prompt: a completion needs at least one prompt token to be predicted from"
+            )
         seq, seg, pos = list(prompt), [0] * len(prompt), list(range(len(prompt)))
         for i, r in enumerate(range(start, start + n)):
             completion = [t for t, m in zip(ids[r][prompt_len:], mask[r][prompt_len:]) if m]
@@ -137,13 +157,18 @@ def pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_le
         start += n
     width = max(len(s) for s in seqs)
     dev = input_ids.device
-    pad = lambda xs, v: torch.tensor([x + [v] * (width - len(x)) for x in xs], dtype=torch.long, device=dev)  # noqa: E731
+
+    def pad(xs, v):
+        return torch.tensor([x + [v] * (width - len(x)) for x in xs], dtype=torch.long, device=dev)
+
     seg = pad(segs, -1)  # -1: padding, which sees only padding (so no row of the mask is empty)
     causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
     allowed = causal & ((seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None]))
     flat = torch.tensor([g * width + p for g, p in source], dtype=torch.long, device=dev)
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
-    return PackedGroups(pad(seqs, 0), pad(poss, 0), allowed[:, None], flat, as_tensor(targets), as_tensor(rows), as_tensor(cols))
+    return PackedGroups(
+        pad(seqs, 0), pad(poss, 0), allowed[:, None], flat, as_tensor(targets), as_tensor(rows), as_tensor(cols)
+    )
 
 
 def can_pack(model) -> bool:
@@ -157,25 +182,28 @@ def can_pack(model) -> bool:
         return False
 
 
-def packed_group_logprobs(model, input_ids, attention_mask, prompt_len: int, runs: list[int], temperature: float = 1.0,
-                          with_entropy: bool = False):
+def packed_group_logprobs(
+    model, input_ids, attention_mask, prompt_len: int, runs: list[int], temperature: float = 1.0,
+    with_entropy: bool = False,
+):
     """completion_logprobs with each group packed into one row (pack_groups): a group's prompt
     goes through the model once and no padding goes through it at all, forward and backward;
     the output head runs only where a completion token is predicted. [B, C] out, zeros at
     padding (as the masked loss ignores them)."""
     packed = pack_groups(input_ids, attention_mask, prompt_len, runs)
     dtype = next(model.parameters()).dtype
-    bias = torch.zeros(packed.allowed.shape, dtype=dtype, device=input_ids.device).masked_fill(~packed.allowed, torch.finfo(dtype).min)
+    bias = torch.zeros(packed.allowed.shape, dtype=dtype, device=input_ids.device)
+    bias = bias.masked_fill(~packed.allowed, torch.finfo(dtype).min)
     hidden = model.get_decoder()(input_ids=packed.input_ids, attention_mask=bias, position_ids=packed.position_ids,
                                  use_cache=False).last_hidden_state
     logits = model.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1])[packed.source])
-    if temperature and temperature != 1.0:
-        logits = logits / temperature
+    logits = scale_logits(logits, temperature)
     out = selective_log_softmax(logits, packed.targets, chunk=512, with_entropy=with_entropy)
     shape = (input_ids.shape[0], input_ids.shape[1] - prompt_len)
 
     def place(values: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(shape, dtype=values.dtype, device=values.device).index_put((packed.rows, packed.cols), values)
+        zeros = torch.zeros(shape, dtype=values.dtype, device=values.device)
+        return zeros.index_put((packed.rows, packed.cols), values)
 
     return (place(out[0]), place(out[1])) if with_entropy else place(out)
 

@@ -43,6 +43,20 @@ class LossSettings:
     kl_estimator: str = "k3"
     entropy_coeff: float = 0.0
 
+    @classmethod
+    def from_algo(cls, algo) -> "LossSettings":
+        """The settings of a config's `algo` section (any object with its attributes)."""
+        return cls(
+            loss_type=algo.loss_type,
+            epsilon=algo.epsilon,
+            epsilon_high=algo.epsilon_high,
+            delta=algo.delta,
+            importance_sampling_level=algo.importance_sampling_level,
+            beta=0.0 if algo.kl_in_reward else algo.beta,
+            kl_estimator=algo.kl_estimator,
+            entropy_coeff=algo.entropy_coeff,
+        )
+
     @property
     def eps_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
@@ -80,6 +94,8 @@ AGGREGATIONS: dict[str, Aggregation] = {"grpo": _grpo, "bnpo": _bnpo, "dapo": _t
 
 # ---------------------------------------------------------------- importance ratios
 
+IS_LEVELS = ("token", "sequence")  # where the importance ratio is taken (importance_log_ratio)
+
 
 def importance_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     """log(pi / pi_old) per token ("token", GRPO), or the length-normalised sequence ratio
@@ -88,8 +104,8 @@ def importance_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch
     log_ratio = logp - old_logp
     if level == "token":
         return log_ratio
-    if level != "sequence":
-        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}")
+    if level not in IS_LEVELS:
+        raise ValueError(f"importance_sampling_level must be one of {IS_LEVELS}, got {level!r}")
     seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
     return seq.expand_as(log_ratio)
 

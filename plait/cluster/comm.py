@@ -53,7 +53,9 @@ def init_from_env(device: torch.device, timeout_s: float = 1800, single_process_
     if device.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timedelta(seconds=timeout_s), **explicit)
+        dist.init_process_group(
+            "nccl", device_id=torch.device("cuda", local), timeout=timedelta(seconds=timeout_s), **explicit
+        )
     else:
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s), **explicit)
     return True
@@ -108,7 +110,9 @@ def barrier() -> None:
 
 def _comm_device() -> torch.device:
     """Where collective tensors live: NCCL only moves GPU tensors."""
-    return torch.device("cuda", torch.cuda.current_device()) if active() and dist.get_backend() == "nccl" else torch.device("cpu")
+    if active() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @_timed

@@ -229,11 +229,13 @@ def render_memory(m: MemoryEstimate, backend: str, n_train: int, tp: int) -> lis
              + ("" if m.train_total <= m.device_gb * GiB else "  ** more than the device holds **")]
     if m.generation:
         kv = m.generation["kv cache"]
-        lines.append(f"  generation (tp {tp}): weights {gb(m.generation['weights'])} GiB + KV cache {gb(max(kv, 0))} GiB"
-                     + ("" if kv > 0 else "  ** the weights don't fit in the engine's share: raise gpu_memory_utilization or tp **"))
+        too_big = "  ** the weights don't fit in the engine's share: raise gpu_memory_utilization or tp **"
+        lines.append(f"  generation (tp {tp}): weights {gb(m.generation['weights'])} GiB "
+                     f"+ KV cache {gb(max(kv, 0))} GiB" + ("" if kv > 0 else too_big))
     if m.train_total > m.device_gb * GiB:
         lines.append("  to fit: train.backend=fsdp2 or deepspeed (shard), model.gradient_checkpointing=true, a smaller "
-                     "train.micro_batch_size, model.lora, or offloading (train.fsdp.cpu_offload / train.deepspeed.offload_*)")
+                     "train.micro_batch_size, model.lora, "
+                     "or offloading (train.fsdp.cpu_offload / train.deepspeed.offload_*)")
     return lines
 
 
@@ -264,7 +266,10 @@ def try_place(cfg, nodes: list[Node]) -> Placement | list[str]:
 
     have = sum(n.devices for n in nodes)
     if cfg.cluster.devices and cfg.cluster.devices > have:
-        return [f"cluster.devices={cfg.cluster.devices}, but the cluster has {have} devices; use at most {have} (or null for all)"]
+        return [
+            f"cluster.devices={cfg.cluster.devices}, but the cluster has {have} devices; "
+            f"use at most {have} (or null for all)"
+        ]
     nodes = take_devices(nodes, cfg.cluster.devices)
     total = sum(n.devices for n in nodes)
     how, tp, dp = _generation(cfg)
@@ -305,7 +310,8 @@ def alternatives(cfg, nodes: list[Node], k: int = 4) -> list[Alternative]:
                     sets = [f"cluster.generation_devices={tp2 * dp2}", f"rollout.vllm.data_parallel_size={dp2}"]
                     if tp2 != tp:
                         sets.append(f"rollout.vllm.tensor_parallel_size={tp2}")
-                    out.append(Alternative(tuple(sets), f"{n_train} train + {tp2 * dp2} generate ({dp2} replica{'s' if dp2 > 1 else ''} x tp {tp2})",
+                    replicas = f"{dp2} replica{'s' if dp2 > 1 else ''} x tp {tp2}"
+                    out.append(Alternative(tuple(sets), f"{n_train} train + {tp2 * dp2} generate ({replicas})",
                                            (abs(tp2 * dp2 - want), abs(tp2 - tp), 0)))
         if ok(total, 0, 0, r.prompts_per_step, t.micro_batch_size):
             out.append(Alternative(("rollout.vllm.mode=colocate", "cluster.generation_devices=0"),
@@ -313,14 +319,16 @@ def alternatives(cfg, nodes: list[Node], k: int = 4) -> list[Alternative]:
     elif how in ("hf", "vllm colocate", "vllm external") and total > 1:
         for n_train in range(total - 1, 0, -1):  # fewer trainers (idle devices): the last resort
             if ok(n_train, 0, 0, r.prompts_per_step, t.micro_batch_size):
-                out.append(Alternative((f"cluster.devices={n_train}",), f"{n_train} train ({total - n_train} device(s) left idle)",
+                out.append(Alternative((f"cluster.devices={n_train}",),
+                                       f"{n_train} train ({total - n_train} device(s) left idle)",
                                        (total - n_train + want, 0, 2)))
                 break
     n_train = total - want
     split = f"{n_train} train + {want} generate" if want else f"{n_train} train"
     if n_train >= 1 and not isinstance(place(nodes, n_train, tp, dp), str):
         near = sorted((p for p in range(1, 4 * r.prompts_per_step + n_train + 1)
-                       if ok(n_train, tp, dp, p, t.micro_batch_size)), key=lambda p: (abs(p - r.prompts_per_step), p))[:2]
+                       if ok(n_train, tp, dp, p, t.micro_batch_size)),
+                      key=lambda p: (abs(p - r.prompts_per_step), p))[:2]
         for p in near:
             out.append(Alternative((f"rollout.prompts_per_step={p}",), f"{split}, {p} prompts x {r.num_generations} = "
                                    f"{p // n_train} prompt(s) per trainer", (0, 0, 0, abs(p - r.prompts_per_step))))
@@ -342,23 +350,29 @@ def auto_split(cfg, nodes: list[Node]) -> tuple[list[str], str]:
     total = sum(n.devices for n in nodes)
     r, t, v = cfg.rollout, cfg.train, cfg.rollout.vllm
     if r.engine != "vllm" or v.mode != "server":
-        return [], f"every one of the {total} devices trains ({r.engine}{' colocate' if r.engine == 'vllm' else ''} generation runs on them)"
+        engine = f"{r.engine}{' colocate' if r.engine == 'vllm' else ''}"
+        return [], f"every one of the {total} devices trains ({engine} generation runs on them)"
     tp = v.tensor_parallel_size
     target = cfg.cluster.generation_devices or max(tp, round(total / 4 / tp) * tp)
     options = [dp for dp in range(1, total // tp)
                if target / 2 <= tp * dp <= target * 2  # a split far from the target wastes more than a rounded batch
                and not isinstance(place(nodes, total - tp * dp, tp, dp), str)
-               and fits(r.prompts_per_step, r.num_generations, t.micro_batch_size, total - tp * dp, t.gradient_accumulation_steps)]
+               and fits(r.prompts_per_step, r.num_generations, t.micro_batch_size, total - tp * dp,
+                        t.gradient_accumulation_steps)]
     if options:
         dp = min(options, key=lambda d: (abs(tp * d - target), -d))
-        why = f"{total - tp * dp} train + {tp * dp} generate: the split nearest to {target} generation device(s) where the batch divides"
+        why = (f"{total - tp * dp} train + {tp * dp} generate: "
+               f"the split nearest to {target} generation device(s) where the batch divides")
         return [f"cluster.generation_devices={tp * dp}", f"rollout.vllm.data_parallel_size={dp}"], why
     dp = max(1, target // tp)
     return ([f"cluster.generation_devices={tp * dp}", f"rollout.vllm.data_parallel_size={dp}", "train.auto_batch=true"],
-            f"{total - tp * dp} train + {tp * dp} generate; no split near that divides the batch, so train.auto_batch=true rounds it")
+            f"{total - tp * dp} train + {tp * dp} generate; "
+            "no split near that divides the batch, so train.auto_batch=true rounds it")
 
 
-def plan_cluster(cfg, nodes: list[Node], device_gb: float | None = None, shape: ModelShape | None = None) -> Placement | tuple[list[str], list[Alternative]]:
+def plan_cluster(
+    cfg, nodes: list[Node], device_gb: float | None = None, shape: ModelShape | None = None
+) -> Placement | tuple[list[str], list[Alternative]]:
     """A Placement (with a memory estimate when the model's shape is known), or (problems, alternatives)."""
     placed = try_place(cfg, nodes)
     if isinstance(placed, list):
@@ -366,7 +380,9 @@ def plan_cluster(cfg, nodes: list[Node], device_gb: float | None = None, shape: 
     for note in placed.batch.notes:
         placed.notes.append(note)
     if shape is not None and device_gb:
-        placed.memory = estimate_memory(cfg, shape, len(placed.train), placed.tensor_parallel, placed.backend, device_gb)
+        placed.memory = estimate_memory(
+            cfg, shape, len(placed.train), placed.tensor_parallel, placed.backend, device_gb
+        )
     return placed
 
 
@@ -389,10 +405,12 @@ def render(p: Placement, cfg) -> list[str]:
     shard = {"fsdp2": f"fsdp2: parameters, gradients and optimizer sharded over {n_train}",
              "deepspeed": f"deepspeed ZeRO-{cfg.train.deepspeed.zero_stage} over {n_train}",
              "ddp": f"ddp: whole weights on each of {n_train}", "local": "local: one process"}[p.backend]
+    replicas = f"{len(p.replicas)} replica{'s' if len(p.replicas) > 1 else ''}"
     gen = {"hf": "generation in the training processes (hf)",
            "vllm colocate": "generation: one colocated vLLM engine per training process",
            "vllm external": f"generation: the rollout servers at {', '.join(cfg.rollout.vllm.servers)}",
-           "vllm server": f"{len(p.replicas) * tp} generate (vLLM: {len(p.replicas)} replica{'s' if len(p.replicas) > 1 else ''} x tp {tp})"}[p.generation]
+           "vllm server": f"{len(p.replicas) * tp} generate "
+                          f"(vLLM: {replicas} x tp {tp})"}[p.generation]
     lines = [f"placement: {n_train} train ({shard}) + {gen}"]
     width = max(len(n.name) for n in p.nodes)
     for i, n in enumerate(p.nodes):
@@ -411,7 +429,8 @@ def render(p: Placement, cfg) -> list[str]:
             row.append(f"{n.devices - used} idle")
         lines.append(f"  {n.name:<{width}}  " + ("; ".join(row) or "unused"))
     b = p.batch
-    lines.append(f"batch: {b.prompts_per_step} prompts x {b.num_generations} generations = {b.completions_per_step} completions "
+    lines.append(f"batch: {b.prompts_per_step} prompts x {b.num_generations} generations = "
+                 f"{b.completions_per_step} completions "
                  f"per step; each trainer: {b.prompts_per_process} prompt(s) = {b.completions_per_process} completions "
                  f"= {b.gradient_accumulation_steps} micro-batch(es) of {b.micro_batch_size}")
     lines += p.notes

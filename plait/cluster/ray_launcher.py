@@ -69,10 +69,13 @@ def connect(address: str) -> bool:
         if address == "local":
             ray.init(include_dashboard=False, runtime_env=runtime_env, logging_level="WARNING")
         else:
-            ray.init(address=address, runtime_env=runtime_env, logging_level="WARNING")  # auto: RAY_ADDRESS, else `ray start`'s
+            # "auto": RAY_ADDRESS, else the cluster `ray start` joined
+            ray.init(address=address, runtime_env=runtime_env, logging_level="WARNING")
     except ConnectionError as e:
-        raise ConfigError([f"cluster.ray.address={address!r}: no Ray cluster found ({e}). Start one with `ray start --head` "
-                           "(and `ray start --address HEAD:6379` on the other nodes), submit with `ray job submit -- plait train ...`, "
+        raise ConfigError([f"cluster.ray.address={address!r}: no Ray cluster found ({e}). "
+                           "Start one with `ray start --head` "
+                           "(and `ray start --address HEAD:6379` on the other nodes), "
+                           "submit with `ray job submit -- plait train ...`, "
                            "or set cluster.ray.address=local to start a one-machine Ray here"]) from None
     return True
 
@@ -96,14 +99,17 @@ def cluster_nodes(cfg: Config) -> tuple[list[Node], str]:
     kind = device_resource(cfg, totals)
     if kind not in totals:
         have = sorted(k for k in totals if not k.startswith(("node:", "memory", "object_store")))
-        raise ConfigError([f"cluster.ray.device_resource={kind!r}: no node of the cluster has it (it has: {', '.join(have)}); "
-                           "use GPU, CPU, or one of those"])
+        raise ConfigError([f"cluster.ray.device_resource={kind!r}: no node of the cluster has it "
+                           f"(it has: {', '.join(have)}); use GPU, CPU, or one of those"])
     cpus = cfg.cluster.ray.cpus_per_process
     alive.sort(key=lambda n: ("node:__internal_head__" not in n["Resources"], n["NodeManagerAddress"], n["NodeID"]))
     nodes = []
     for i, n in enumerate(alive):
         res = n["Resources"]
-        devices = int(res.get("CPU", 0) // cpus) if kind == "CPU" else int(min(res.get(kind, 0), res.get("CPU", 0) // cpus))
+        if kind == "CPU":
+            devices = int(res.get("CPU", 0) // cpus)
+        else:
+            devices = int(min(res.get(kind, 0), res.get("CPU", 0) // cpus))
         if devices:
             nodes.append(Node(f"node {i} ({n['NodeManagerAddress']})", devices, n["NodeID"], n["NodeManagerAddress"]))
     return nodes, kind
@@ -139,18 +145,23 @@ class Trainer:
 
     def __init__(self, rank: int, world: int):
         self.rank = rank
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # Ray shows each actor its one device
+        # Ray shows each actor only its one device
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
 
     def where(self) -> dict:
         import ray
 
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "address": ray.util.get_node_ip_address(), "pid": os.getpid(), "port": free_port("")}
+        return {
+            "node_id": ctx.get_node_id(), "address": ray.util.get_node_ip_address(), "pid": os.getpid(),
+            "port": free_port(""),
+        }
 
     def run(self, cfg_json: str, master: str, port: int, console: str | None) -> dict:
         import ray
 
-        os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), PLAIT_NODE_ID=ray.get_runtime_context().get_node_id())
+        node_id = ray.get_runtime_context().get_node_id()
+        os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), PLAIT_NODE_ID=node_id)
         from plait.config import Config
         from plait.train.loop import train
 
@@ -177,10 +188,15 @@ class GenerationServer:
         env = dict(os.environ)
         if not ray.get_gpu_ids():  # CPU: the replica's workers get this node's cores, as `plait rollout-server` does
             env.update(_cpu_threads(0, engine_kwargs.get("tensor_parallel_size", 1), 1))
-        cmd = [sys.executable, "-m", "plait.rollout.server", json.dumps(engine_kwargs), "0", "0.0.0.0", json.dumps([port])]
+        cmd = [
+            sys.executable, "-m", "plait.rollout.server", json.dumps(engine_kwargs), "0", "0.0.0.0", json.dumps([port])
+        ]
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         _wait_healthy([f"http://127.0.0.1:{port}"], [self.proc], timeout_s)
-        return {"url": f"http://{ray.util.get_node_ip_address()}:{port}", "node_id": ray.get_runtime_context().get_node_id()}
+        return {
+            "url": f"http://{ray.util.get_node_ip_address()}:{port}",
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
 
     def watch(self) -> int:
         """Returns only when the replica process ends (its exit code)."""
@@ -286,13 +302,16 @@ class Job:
             ray.get(self.pg.ready(), timeout=r.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"the cluster did not grant the placement ({len(bundles)} bundles: {bundles}) within "
-                               f"{r.start_timeout_s:.0f} s (cluster.ray.start_timeout_s): other jobs hold the devices?") from None
+                               f"{r.start_timeout_s:.0f} s (cluster.ray.start_timeout_s): "
+                               "other jobs hold the devices?") from None
         n = len(self.plan.train)
         tag = f"plait-{os.getpid()}-{time.time_ns() % 10**6}"
         if self.plan.replicas:
             self._start_servers(n, tag)
         trainer_cls = ray.remote(Trainer)
-        self.trainers = [trainer_cls.options(**self._options(i, 1, f"{tag}-trainer-{i}")).remote(i, n) for i in range(n)]
+        self.trainers = [
+            trainer_cls.options(**self._options(i, 1, f"{tag}-trainer-{i}")).remote(i, n) for i in range(n)
+        ]
         self.where_trainers = ray.get([t.where.remote() for t in self.trainers])
         self.ran_on["trainers"] = [w["node_id"] for w in self.where_trainers]
         planned = {"trainers": [self.plan.nodes[s.node].node_id for s in self.plan.train],
@@ -315,8 +334,12 @@ class Job:
 
         tp = self.plan.tensor_parallel
         server_cls = ray.remote(GenerationServer)
-        self.servers = [server_cls.options(max_concurrency=2, **self._options(first_bundle + j, tp, f"{tag}-generation-{j}")).remote(j)
-                        for j in range(len(self.plan.replicas))]
+        self.servers = [
+            server_cls.options(
+                max_concurrency=2, **self._options(first_bundle + j, tp, f"{tag}-generation-{j}")
+            ).remote(j)
+            for j in range(len(self.plan.replicas))
+        ]
         device = resolve_device("cuda" if self.plan.device_kind == "GPU" else "cpu")
         kwargs = engine_kwargs(self.cfg, str(resolve_model_path(self.cfg.model.name_or_path)), device, tp)
         started = ray.get([s.start.remote(kwargs, self.cfg.cluster.ray.start_timeout_s) for s in self.servers])
@@ -334,7 +357,10 @@ class Job:
 
         master, port = self.where_trainers[0]["address"], self.where_trainers[0]["port"]
         cfg_json = self.cfg.model_dump_json()
-        pending = {t.run.remote(cfg_json, master, port, console if i == 0 else "none"): ("trainer", i) for i, t in enumerate(self.trainers)}
+        pending = {
+            t.run.remote(cfg_json, master, port, console if i == 0 else "none"): ("trainer", i)
+            for i, t in enumerate(self.trainers)
+        }
         pending |= {s.watch.remote(): ("generation", j) for j, s in enumerate(self.servers)}
         trainers_left = len(self.trainers)
         while trainers_left:
@@ -404,8 +430,10 @@ def _raise_on_sigterm() -> None:
 def _fixed_run_dir(cfg: Config) -> Config:
     """One absolute run directory for every attempt and every node (rank 0's clock would
     otherwise name a new one per restart)."""
+    from plait.train.rundir import default_run_dir
+
     cfg = cfg.model_copy(deep=True)
-    cfg.output_dir = str(Path(cfg.output_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve())
+    cfg.output_dir = str(default_run_dir(cfg).resolve())
     from plait.models import DEFAULT_MODEL
 
     if cfg.model.name_or_path != DEFAULT_MODEL and Path(cfg.model.name_or_path).exists():

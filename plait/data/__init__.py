@@ -92,7 +92,9 @@ def build_prompts(rows: list[dict], tokenizer, data_cfg, log=print) -> list[Prom
     key = data_cfg.messages_field or data_cfg.prompt_field
     for i, row in enumerate(rows):
         if key not in row:
-            raise DataError(f"row {i} has no field '{key}' (fields: {sorted(row)}); set data.prompt_field or data.messages_field")
+            raise DataError(
+                f"row {i} has no field '{key}' (fields: {sorted(row)}); set data.prompt_field or data.messages_field"
+            )
         if data_cfg.messages_field:
             messages = list(row[key])
         else:

@@ -22,6 +22,7 @@ from plait.rewards.math import accuracy, boxed_accuracy
 from plait.rewards.model import reward_model
 from plait.rewards.repetition import repetition_penalty
 
+
 RewardFn = Callable[..., list]
 
 BUILTIN: dict[str, RewardFn] = {

@@ -7,8 +7,10 @@ Dataset columns (one row per problem; see docs/rewards.md "Code tasks"):
                used when the completion does not define `entry_point` itself
   entry_point  optional name of the function under test
 
-The code runs only inside `plait.rewards.sandbox` (never in this process). An execution
-the sandbox could not carry out is None ("not applicable"), not a wrong answer.
+The code runs only inside `plait.rewards.sandbox` (never in this process), through a
+`Sandbox`: a training run builds one from its config's `sandbox:` section and hands it to the
+rewards (`sandbox=`); called without one, they use `default_sandbox()` (default settings). An
+execution the sandbox could not carry out is None ("not applicable"), not a wrong answer.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from plait.rewards import sandbox
 from plait.rewards.sandbox import ExecResult, Limits
 
+
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
@@ -34,30 +37,6 @@ class SandboxSettings:
     min_tier: str = "namespaces"
     workers: int = 2
     python: str | None = None
-
-
-@dataclass
-class SandboxStats:
-    """Running totals, read (and reset) by the training loop once per step."""
-
-    executions: int = 0
-    seconds: float = 0.0
-    invalid: int = 0
-    cached: int = 0
-
-    def take(self) -> dict[str, float]:
-        out = {"sandbox/executions": float(self.executions), "sandbox/seconds": self.seconds,
-               "sandbox/invalid": float(self.invalid), "sandbox/cached": float(self.cached)}
-        self.executions, self.seconds, self.invalid, self.cached = 0, 0.0, 0, 0
-        return out
-
-
-SETTINGS = SandboxSettings()
-STATS = SandboxStats()
-_TIER: str | None = None  # set once the minimum tier has been checked
-_LOCK = threading.Lock()
-_CACHE: OrderedDict[str, ExecResult] = OrderedDict()  # identical program + tests: run once
-_CACHE_SIZE = 4096
 
 
 def sandbox_settings(cfg) -> SandboxSettings:
@@ -75,13 +54,86 @@ def uses_sandbox(cfg) -> bool:
     return any(getattr(resolve_reward(name), "needs_sandbox", False) for name in names)
 
 
-def configure(settings: SandboxSettings) -> str:
-    """Set the limits and check the tier before training starts; returns the active tier
-    (raises sandbox.SandboxUnavailable below `settings.min_tier`)."""
-    global SETTINGS, _TIER
-    SETTINGS = settings
-    _TIER = sandbox.require(settings.min_tier)
-    return _TIER
+class Sandbox:
+    """Where a run's code rewards execute: its settings, the isolation tier, a cache of results
+    (identical program and tests run once) and running counts of the work done.
+
+    Building one checks the tier: below `settings.min_tier` it raises sandbox.SandboxUnavailable,
+    so nothing runs before the minimum is confirmed (fail closed). Thread-safe: the rewards of a
+    step, and the executions of one reward, run on several threads."""
+
+    CACHE_SIZE = 4096
+
+    def __init__(self, settings: SandboxSettings | None = None):
+        self.settings = settings or SandboxSettings()
+        self.tier: str = sandbox.require(self.settings.min_tier)
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, ExecResult] = OrderedDict()
+        self._counts = {"executions": 0, "seconds": 0.0, "invalid": 0, "cached": 0}
+
+    @classmethod
+    def from_config(cls, cfg) -> Sandbox:
+        """From the config's `sandbox:` section."""
+        return cls(sandbox_settings(cfg))
+
+    def counts(self) -> dict[str, float]:
+        """Totals so far: executions, their seconds (the whole cost: supervisor, namespaces,
+        program), invalid runs (the sandbox failed) and cached results reused. The counts of one
+        call are the difference of two snapshots."""
+        with self._lock:
+            return dict(self._counts)
+
+    def execute(self, code: str, tests: list[str], setup: str = "") -> ExecResult:
+        """One sandboxed run, with identical (program, tests) reused from a small cache."""
+        key = _key(code, tests, setup)
+        with self._lock:
+            if key in self._cache:
+                self._counts["cached"] += 1
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        started = time.monotonic()
+        res = sandbox.run_tests(code, tests, setup, self.settings.limits, tier=self.tier, python=self.settings.python)
+        with self._lock:
+            self._counts["executions"] += 1
+            self._counts["seconds"] += time.monotonic() - started
+            if not res.valid:
+                self._counts["invalid"] += 1
+            else:  # never cache an infrastructure failure
+                self._cache[key] = res
+                if len(self._cache) > self.CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        return res
+
+    def run_all(self, completions: list[str], tests: list, setup: list | None = None, code_prefix: list | None = None,
+                entry_point: list | None = None) -> list[ExecResult | None]:
+        """Every completion against its row's tests, `settings.workers` sandboxes at a time;
+        None for rows without tests."""
+        n = len(completions)
+        setup, code_prefix, entry_point = (col or [None] * n for col in (setup, code_prefix, entry_point))
+
+        def one(i: int) -> ExecResult | None:
+            t = split_tests(tests[i])
+            if not t:
+                return None
+            return self.execute(build_program(completions[i], code_prefix[i], entry_point[i]), t, setup[i] or "")
+
+        with ThreadPoolExecutor(max_workers=max(1, self.settings.workers)) as pool:
+            return list(pool.map(one, range(n)))
+
+
+_DEFAULT: Sandbox | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_sandbox() -> Sandbox:
+    """The sandbox code rewards use when called without one (a user calling code_pass
+    directly): default settings, built (and its tier checked) on first use. A training run
+    passes its own, built from the config's `sandbox:` section."""
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = Sandbox()
+        return _DEFAULT
 
 
 def extract_code(text: str) -> str:
@@ -145,59 +197,19 @@ def _key(code: str, tests: list[str], setup: str) -> str:
     return hashlib.sha256("\0".join([code, setup, *tests]).encode()).hexdigest()
 
 
-def execute(code: str, tests: list[str], setup: str = "") -> ExecResult:
-    """One sandboxed run, with identical (program, tests) reused from a small cache."""
-    key = _key(code, tests, setup)
-    with _LOCK:
-        if key in _CACHE:
-            STATS.cached += 1
-            _CACHE.move_to_end(key)
-            return _CACHE[key]
-    started = time.monotonic()
-    res = sandbox.run_tests(code, tests, setup, SETTINGS.limits, tier=_TIER, python=SETTINGS.python)
-    with _LOCK:
-        STATS.executions += 1
-        STATS.seconds += time.monotonic() - started  # the whole cost: supervisor, namespaces, program
-        if not res.valid:
-            STATS.invalid += 1
-        else:  # never cache an infrastructure failure
-            _CACHE[key] = res
-            if len(_CACHE) > _CACHE_SIZE:
-                _CACHE.popitem(last=False)
-    return res
-
-
-def run_all(completions: list[str], tests: list, setup: list | None, code_prefix: list | None, entry_point: list | None) -> list[ExecResult | None]:
-    """Every completion against its row's tests, `SETTINGS.workers` sandboxes at a time;
-    None for rows without tests."""
-    if _TIER is None:  # fail closed: nothing runs before the minimum tier is confirmed
-        configure(SETTINGS)
-    n = len(completions)
-    setup, code_prefix, entry_point = (col or [None] * n for col in (setup, code_prefix, entry_point))
-
-    def one(i: int) -> ExecResult | None:
-        t = split_tests(tests[i])
-        if not t:
-            return None
-        return execute(build_program(completions[i], code_prefix[i], entry_point[i]), t, setup[i] or "")
-
-    with ThreadPoolExecutor(max_workers=max(1, SETTINGS.workers)) as pool:
-        return list(pool.map(one, range(n)))
-
-
 def code_pass(completions: list[str], tests: list, setup: list | None = None, code_prefix: list | None = None,
-              entry_point: list | None = None, **_) -> list[float | None]:
+              entry_point: list | None = None, sandbox: Sandbox | None = None, **_) -> list[float | None]:
     """1.0 if the code passes every test (and the harness ran to the end), else 0.0; None
     where the row has no tests or the sandbox failed (excluded, not scored as wrong)."""
-    results = run_all(completions, tests, setup, code_prefix, entry_point)
+    results = (sandbox or default_sandbox()).run_all(completions, tests, setup, code_prefix, entry_point)
     return [None if r is None or not r.valid else float(r.all_passed) for r in results]
 
 
 def code_tests_passed(completions: list[str], tests: list, setup: list | None = None, code_prefix: list | None = None,
-                      entry_point: list | None = None, **_) -> list[float | None]:
+                      entry_point: list | None = None, sandbox: Sandbox | None = None, **_) -> list[float | None]:
     """The fraction of the row's tests the code passes (a denser signal than pass/fail);
     None as for code_pass."""
-    results = run_all(completions, tests, setup, code_prefix, entry_point)
+    results = (sandbox or default_sandbox()).run_all(completions, tests, setup, code_prefix, entry_point)
     return [None if r is None or not r.valid else r.fraction for r in results]
 
 

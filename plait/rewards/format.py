@@ -7,6 +7,7 @@ import re
 from plait.rewards._checks import require_int
 from plait.rewards.math import last_boxed
 
+
 _THINK = re.compile(r"^\s*<think>.+?</think>\s*<answer>.+?</answer>\s*$", re.DOTALL)
 
 

@@ -6,7 +6,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from plait.models import pad_id_of
 from plait.rewards._checks import require_int, require_number
+
 
 # (resolved folder, device) -> (model, tokenizer, pad id, lock serialising its use)
 _CACHE: dict[tuple[str, str], tuple[Any, Any, int, threading.Lock]] = {}
@@ -32,7 +34,7 @@ def _load(path: Path, device: str):
         text_config = model.config.get_text_config()
         pad_id = text_config.pad_token_id
         if pad_id is None:
-            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            pad_id = pad_id_of(tokenizer)
             if pad_id is None:
                 raise ValueError(f"reward_model: neither {path}'s config nor its tokenizer defines a pad or eos token")
             text_config.pad_token_id = pad_id

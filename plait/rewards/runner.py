@@ -3,6 +3,12 @@
 A reward that raises, returns the wrong number of values, or returns NaN/inf stops the run
 with a RewardError that names the function and the offending sample, before the policy is
 updated (so no checkpoint ever holds weights trained on a broken reward).
+
+Scoring returns its cost with its values (a RewardReport: seconds and timeouts per reward,
+the sandbox's executions), so the caller decides which calls count towards a training step.
+User reward functions are called as TRL calls them, `fn(completions=..., prompts=..., **columns,
+**kwargs)`; only a function marked `needs_sandbox` (the code rewards) also gets `sandbox=`,
+the run's Sandbox.
 """
 
 from __future__ import annotations
@@ -12,23 +18,56 @@ import inspect
 import logging
 import math
 import time
-from collections import Counter
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from plait.types import Group
 
 
+if TYPE_CHECKING:
+    from plait.rewards.code import Sandbox
+
+
 log = logging.getLogger("plait.rewards")
+
+SANDBOX_COUNTS = ("executions", "seconds", "invalid", "cached")
 
 
 class RewardError(RuntimeError):
     pass
 
 
-TIMEOUTS: Counter = Counter()  # reward name -> calls that ran past timeout_s (read per step)
-SECONDS: Counter = Counter()  # reward name -> seconds its calls took (they run side by side; read per step)
+def _add(a: dict, b: dict) -> dict:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in {**a, **b}}
+
+
+@dataclass
+class RewardReport:
+    """What scoring cost: seconds each reward's calls took (they run side by side), calls that
+    ran past their timeout_s, and the sandbox's counts (executions, seconds, invalid, cached;
+    empty when no sandbox was involved)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    timeouts: dict[str, int] = field(default_factory=dict)
+    sandbox: dict[str, float] = field(default_factory=dict)
+
+    def merge(self, other: RewardReport) -> RewardReport:
+        """Both reports' costs summed (several scoring rounds of one step)."""
+        return RewardReport(_add(self.seconds, other.seconds), _add(self.timeouts, other.timeouts),
+                            _add(self.sandbox, other.sandbox))
+
+    def metrics(self, names: list[str], sandboxed: bool) -> dict[str, float]:
+        """reward/<name>/timeouts and reward/<name>/seconds for every configured reward (0 when it
+        was not called), and sandbox/* when the run uses the sandbox: the same keys in every
+        process, so they can be summed across processes. Calls of other functions (the eval
+        metric) are not a reward's cost and are left out."""
+        out = {f"reward/{name}/timeouts": float(self.timeouts.get(name, 0)) for name in names}
+        out.update({f"reward/{name}/seconds": float(self.seconds.get(name, 0.0)) for name in names})
+        if sandboxed:
+            out.update({f"sandbox/{k}": float(self.sandbox.get(k, 0)) for k in SANDBOX_COUNTS})
+        return out
 
 
 @dataclass
@@ -38,17 +77,32 @@ class BoundReward:
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
     timeout_s: float | None = None
+    sandbox: Sandbox | None = None  # given to a function that needs_sandbox (None: its default one)
 
     @property
     def needs_sandbox(self) -> bool:
         return getattr(self.fn, "needs_sandbox", False)
 
 
-def bind_rewards(specs) -> list[BoundReward]:
-    """Config RewardSpecs -> callables (raises KeyError naming any that can't be found)."""
+def bind_rewards(specs, sandbox: Sandbox | None = None) -> list[BoundReward]:
+    """Config RewardSpecs -> callables (raises KeyError naming any that can't be found); the
+    code rewards among them execute in `sandbox`."""
     from plait.rewards import resolve_reward
 
-    return [BoundReward(s.name, resolve_reward(s.name), s.weight, dict(s.kwargs), s.timeout_s) for s in specs]
+    out = []
+    for s in specs:
+        fn = resolve_reward(s.name)
+        box = sandbox if getattr(fn, "needs_sandbox", False) else None
+        out.append(BoundReward(s.name, fn, s.weight, dict(s.kwargs), s.timeout_s, box))
+    return out
+
+
+def bind_metric(name: str, sandbox: Sandbox | None = None) -> BoundReward:
+    """The eval metric (a reward function by name, weight 1); a code metric executes in `sandbox`."""
+    from plait.rewards import resolve_reward
+
+    fn = resolve_reward(name)
+    return BoundReward(name, fn, 1.0, sandbox=sandbox if getattr(fn, "needs_sandbox", False) else None)
 
 
 def reward_inputs(groups: list[Group]) -> tuple[list[str], dict[str, list]]:
@@ -75,9 +129,15 @@ def _sample(texts: list[str], i: int) -> str:
 
 def call_reward(reward: BoundReward, texts: list[str], kwargs: dict[str, list]) -> list[float | None]:
     """One reward over all completions, checked: len == len(texts), finite floats or None."""
+    return _timed_call(reward, texts, kwargs)[0]
+
+
+def _timed_call(reward: BoundReward, texts: list[str], kwargs: dict[str, list]) -> tuple[list[float | None], float]:
+    """call_reward, and the seconds it took."""
+    extra = {"sandbox": reward.sandbox} if reward.needs_sandbox and reward.sandbox is not None else {}
     t0 = time.perf_counter()
     try:
-        values = reward.fn(completions=texts, **kwargs, **reward.kwargs)
+        values = reward.fn(completions=texts, **kwargs, **reward.kwargs, **extra)
         if inspect.isawaitable(values):  # an async reward: run it to completion on this thread
             values = asyncio.run(_awaited(values))
     except Exception as err:
@@ -85,12 +145,17 @@ def call_reward(reward: BoundReward, texts: list[str], kwargs: dict[str, list]) 
             f"reward '{reward.name}' raised {type(err).__name__}: {err} "
             f"(on a batch of {len(texts)} completions; the first was {_sample(texts, 0) if texts else '-'})"
         ) from err
-    finally:
-        SECONDS[reward.name] += time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    return _checked(reward, texts, values), seconds
+
+
+def _checked(reward: BoundReward, texts: list[str], values) -> list[float | None]:
     try:
         values = list(values)
     except TypeError:
-        raise RewardError(f"reward '{reward.name}' returned {type(values).__name__}, expected a list of floats") from None
+        raise RewardError(
+            f"reward '{reward.name}' returned {type(values).__name__}, expected a list of floats"
+        ) from None
     if len(values) != len(texts):
         raise RewardError(
             f"reward '{reward.name}' returned {len(values)} values for {len(texts)} completions "
@@ -104,9 +169,13 @@ def call_reward(reward: BoundReward, texts: list[str], kwargs: dict[str, list]) 
         try:
             f = float(v)
         except (TypeError, ValueError):
-            raise RewardError(f"reward '{reward.name}' returned {v!r} for completion {i} {_sample(texts, i)}: not a number") from None
+            raise RewardError(
+                f"reward '{reward.name}' returned {v!r} for completion {i} {_sample(texts, i)}: not a number"
+            ) from None
         if not math.isfinite(f):
-            raise RewardError(f"reward '{reward.name}' returned {f} for completion {i} {_sample(texts, i)}: rewards must be finite")
+            raise RewardError(
+                f"reward '{reward.name}' returned {f} for completion {i} {_sample(texts, i)}: rewards must be finite"
+            )
         out.append(f)
     return out
 
@@ -115,21 +184,46 @@ async def _awaited(awaitable):
     return await awaitable
 
 
-def call_rewards(rewards: list[BoundReward], texts: list[str], kwargs: dict[str, list]) -> dict[str, list[float | None]]:
+def call_rewards(
+    rewards: list[BoundReward], texts: list[str], kwargs: dict[str, list], sandbox: Sandbox | None = None
+) -> tuple[dict[str, list[float | None]], RewardReport]:
     """Every reward over the same completions, all at once (one thread each, so a slow judge
-    or sandbox doesn't hold up the rest). A call past its timeout_s gives None for that step
-    (excluded, not 0), a warning and a count in TIMEOUTS; the thread is left to finish."""
+    or sandbox doesn't hold up the rest), and what that cost. A call past its timeout_s gives
+    None for that step (excluded, not 0), a warning and a count in the report's timeouts (its
+    seconds are those waited for it); the thread is left to finish. The report's sandbox counts
+    are `sandbox`'s executions during this call (default: those of the sandbox the rewards
+    are bound to)."""
+    if sandbox is not None:
+        boxes = [sandbox]
+    else:
+        boxes = list({id(r.sandbox): r.sandbox for r in rewards if r.sandbox is not None}.values())
+    before = [box.counts() for box in boxes]
+    report = RewardReport()
     if len(rewards) == 1 and rewards[0].timeout_s is None:
-        return {rewards[0].name: call_reward(rewards[0], texts, kwargs)}
+        values, seconds = _timed_call(rewards[0], texts, kwargs)
+        out = {rewards[0].name: values}
+        report.seconds[rewards[0].name] = seconds
+    else:
+        out = _call_in_parallel(rewards, texts, kwargs, report)
+    for box, counts in zip(boxes, before):
+        now = box.counts()
+        report.sandbox = _add(report.sandbox, {k: now[k] - counts[k] for k in SANDBOX_COUNTS})
+    return out, report
+
+
+def _call_in_parallel(rewards: list[BoundReward], texts: list[str], kwargs: dict[str, list],
+                      report: RewardReport) -> dict[str, list[float | None]]:
     pool = ThreadPoolExecutor(max_workers=len(rewards), thread_name_prefix="plait-reward")
     try:
-        futures = {r.name: pool.submit(call_reward, r, texts, kwargs) for r in rewards}
+        t0 = time.perf_counter()
+        futures = {r.name: pool.submit(_timed_call, r, texts, kwargs) for r in rewards}
         out = {}
         for r in rewards:
             try:
-                out[r.name] = futures[r.name].result(timeout=r.timeout_s)
+                out[r.name], report.seconds[r.name] = futures[r.name].result(timeout=r.timeout_s)
             except FutureTimeout:
-                TIMEOUTS[r.name] += 1
+                report.timeouts[r.name] = report.timeouts.get(r.name, 0) + 1
+                report.seconds[r.name] = time.perf_counter() - t0
                 log.warning("reward '%s' took longer than %ss on %d completions: scored None (excluded) this step",
                             r.name, r.timeout_s, len(texts))
                 out[r.name] = [None] * len(texts)
@@ -138,14 +232,15 @@ def call_rewards(rewards: list[BoundReward], texts: list[str], kwargs: dict[str,
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def score_groups(groups: list[Group], rewards: list[BoundReward]) -> None:
-    """Fill each group's per-reward scores and weighted total in place.
+def score_groups(groups: list[Group], rewards: list[BoundReward], sandbox: Sandbox | None = None) -> RewardReport:
+    """Fill each group's per-reward scores and weighted total in place; return what scoring
+    cost (see call_rewards).
 
     None means "not applicable": it adds nothing to the total (and is left out of that
     reward's logged mean).
     """
     texts, kwargs = reward_inputs(groups)
-    per_reward = call_rewards(rewards, texts, kwargs)
+    per_reward, report = call_rewards(rewards, texts, kwargs, sandbox)
     i = 0
     for g in groups:
         n = len(g.completions)
@@ -154,3 +249,4 @@ def score_groups(groups: list[Group], rewards: list[BoundReward]) -> None:
             sum(r.weight * g.rewards[r.name][j] for r in rewards if g.rewards[r.name][j] is not None) for j in range(n)
         ]
         i += n
+    return report

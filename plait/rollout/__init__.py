@@ -5,6 +5,7 @@ import contextlib
 from plait.rollout.base import RolloutEngine
 from plait.rollout.hf import HFEngine
 
+
 __all__ = ["RolloutEngine", "HFEngine", "make_engine"]
 
 

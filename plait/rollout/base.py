@@ -8,11 +8,6 @@ from typing import ContextManager, Protocol
 from plait.types import Completion, Prompt, SamplingParams
 
 
-def pad_id_of(tokenizer) -> int:
-    """The id completions are padded with: the tokenizer's pad token, else its EOS."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
 class RolloutEngine(Protocol):
     pad_id: int
 
@@ -24,6 +19,11 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompts: list[Prompt], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
         """`n` completions for each prompt, in prompt order; deterministic for a given params.seed."""
+
+    def stats(self) -> dict[str, float]:
+        """Metrics of the weight sync done by the last `weights_for_step` call (e.g.
+        weight_sync/gb, weight_sync/seconds_per_gb), to log with the step; {} when it copied
+        nothing or the engine measures nothing."""
 
     def close(self) -> None:
         """Free the engine's resources."""

@@ -12,6 +12,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from plait.models import autocast, pad_id_of
 from plait.rollout.packed import packed_linears
 from plait.types import Completion, Prompt, SamplingParams
 
@@ -73,8 +74,8 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, gens: list[torch.G
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One draw per row from `probs` [B, V] given uniforms `u` [B] in [0, 1): the first token
     whose cumulative probability exceeds u (a zero-probability token never is). One random
-    number per row: torch.multinomial draws an exponential per vocabulary entry, ~3 ms a row
-    group for a 49k vocabulary on CPU, a tenth of a decode step."""
+    number per row: torch.multinomial draws an exponential per vocabulary entry, a sizeable
+    share of a CPU decode step for a large vocabulary."""
     cdf = probs.double().cumsum(-1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
     return idx.clamp(max=probs.shape[-1] - 1)  # rounding can't pick past the last token
@@ -95,20 +96,19 @@ class HFEngine:
         eos = model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_ids = sorted({e for e in [*eos, tokenizer.eos_token_id] if e is not None})
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.pad_id = pad_id_of(tokenizer, self.eos_ids)
 
     def weights_for_step(self, version: int):
         """It samples from the trainer's own module: gather the weights (sharded backends) for
         the step's sampling, once, instead of per generate call."""
         return self.view()
 
+    def stats(self) -> dict[str, float]:
+        """Nothing to report: it samples from the trainer's module, no weights are copied."""
+        return {}
+
     def close(self) -> None:
         pass
-
-    def _autocast(self):
-        if self.precision == "bf16":
-            return torch.autocast(device_type=self._device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     def _packed(self, model):
         """fp32 on CPU: decode through oneDNN-packed weight copies (see rollout/packed.py)."""
@@ -150,7 +150,7 @@ class HFEngine:
         reason = ["length"] * rows
         active = torch.arange(rows, device=dev)  # original row of each row still decoding
         cache = DynamicCache()
-        with self._autocast():
+        with autocast(self._device, self.precision):
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[:, -1].repeat_interleave(n, 0)
             if n > 1:

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import torch
 
 from plait.cluster import comm
-from plait.rollout.base import pad_id_of
+from plait.models import pad_id_of
 from plait.rollout.vllm_engine import sampling_dict, to_completion
 from plait.rollout.weights import full_weights, metas_of, plan_buckets, send_buckets, weight_group
 from plait.types import Completion, Prompt, SamplingParams
@@ -55,7 +55,7 @@ class RemoteEngine:
         self.instances: dict[str, str] = {}  # replica -> instance id it had when it last got the weights
         self.group = None
         self.pool = ThreadPoolExecutor(max(2, len(self.urls)))
-        self.sync_stats: dict[str, float] = {}
+        self._last_sync: dict[str, float] = {}  # metrics of the last weights_for_step: stats()
 
     # -------------------------------------------------------------- HTTP
 
@@ -110,7 +110,7 @@ class RemoteEngine:
         healths = [self._call("GET", u, "/health") for u in self.urls] if comm.is_main() else []
         restarted = [h for u, h in zip(self.urls, healths) if self.instances.get(u) != h["instance"]]
         needed = comm.broadcast_object(self.version != version or bool(restarted))
-        self.sync_stats = {}
+        self._last_sync = {}
         if needed:
             t0 = time.perf_counter()
             with self.view() as model:
@@ -122,9 +122,15 @@ class RemoteEngine:
             comm.barrier()  # nobody generates before the servers hold the new weights
             if comm.is_main():
                 secs = time.perf_counter() - t0
-                self.sync_stats = {"weight_sync/gb": nbytes / 1e9, "weight_sync/seconds_per_gb": secs / max(1e-9, nbytes / 1e9)}
+                gb = nbytes / 1e9
+                self._last_sync = {"weight_sync/gb": gb, "weight_sync/seconds_per_gb": secs / max(1e-9, gb)}
         self.version = version
         return contextlib.nullcontext()
+
+    def stats(self) -> dict[str, float]:
+        """The last weights_for_step's broadcast: gigabytes sent and seconds per gigabyte (on
+        training rank 0, which sends them; {} elsewhere and when the servers were up to date)."""
+        return dict(self._last_sync)
 
     def _local_address(self) -> str:
         """This machine's address as the first server sees it (where it can reach our store)."""

@@ -67,8 +67,8 @@ def build_app(engine_kwargs: dict, replica: int, ports: list[int]):
     """The FastAPI app of one replica (the engine starts with the app)."""
     from fastapi import FastAPI, HTTPException
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from plait.rollout.vllm_engine import output_dicts

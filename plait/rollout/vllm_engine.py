@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from plait.rollout.base import pad_id_of
+from plait.models import pad_id_of
 from plait.rollout.hf import group_seed
 from plait.rollout.weights import TensorMeta, full_weights, receive_buckets, weight_group
 from plait.types import Completion, Prompt, SamplingParams
@@ -209,6 +209,10 @@ class VLLMEngine:
             self.llm.sleep(level=1)  # weights to CPU, KV cache freed: training gets the memory
             self.asleep = True
         return [[to_completion(p, o, self.version) for o in output_dicts(ro)] for p, ro in zip(prompts, outs)]
+
+    def stats(self) -> dict[str, float]:
+        """No weight-sync metrics: the weights are handed over in-process."""
+        return {}
 
     def _wake(self) -> None:
         if self.asleep:

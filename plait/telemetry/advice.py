@@ -18,7 +18,8 @@ def _generate(cfg) -> str:
 def _train(cfg) -> str:
     t = cfg.train
     tips = []
-    if t.precision == "fp32" and t.device != "cpu":  # on CPUs bf16 autocast cost the demo its learning (config.fast_precision)
+    # not suggested for CPUs: bf16 autocast there costs learning (config.fast_precision)
+    if t.precision == "fp32" and t.device != "cpu":
         tips.append("train.precision=bf16 on a GPU with bf16")
     if cfg.model.gradient_checkpointing:
         tips.append("model.gradient_checkpointing=false if memory allows (it recomputes the forward)")
@@ -32,10 +33,23 @@ def _train(cfg) -> str:
 SUGGESTIONS = {
     "generate": _generate,
     "train": _train,
-    "optimizer": lambda cfg: "the optimizer step: shard it over more processes (train.backend=fsdp2 or deepspeed), or train LoRA adapters (model.lora)",
-    "score": lambda cfg: "the reward functions: make slow ones async (judges), give them a timeout_s, or cheapen them (reward/NAME/seconds shows which)",
-    "reference": lambda cfg: "reference log-probs: algo.beta=0 skips them; with LoRA the reference is the base model (no second copy)",
-    "weight_sync": lambda cfg: "copying weights to the generation engine: larger rollout.vllm.sync_bucket_mb, or fewer updates per generation (algo.steps_per_generation)",
+    "optimizer": lambda cfg: (
+        "the optimizer step: shard it over more processes (train.backend=fsdp2 or deepspeed), "
+        "or train LoRA adapters (model.lora)"
+    ),
+    "score": lambda cfg: (
+        "the reward functions: make slow ones async (judges), give them a timeout_s, "
+        "or cheapen them (reward/NAME/seconds shows which)"
+    ),
+    "logprobs": lambda cfg: (
+        "the log-prob pre-pass (old-policy and reference log-probs): algo.beta=0 skips the reference, "
+        "algo.num_iterations=1 and algo.steps_per_generation=1 skip the old log-probs; "
+        "with LoRA the reference is the base model (no second copy)"
+    ),
+    "weight_sync": lambda cfg: (
+        "copying weights to the generation engine: larger rollout.vllm.sync_bucket_mb, "
+        "or fewer updates per generation (algo.steps_per_generation)"
+    ),
     "checkpoint": lambda cfg: "checkpointing: checkpoint.async_save=true, or a larger checkpoint.save_steps",
     "eval": lambda cfg: "evaluation: a larger eval.every_steps, or fewer eval prompts (data.num_eval)",
     "idle": lambda cfg: "time outside every phase: processes waiting for each other (uneven work), or logging",

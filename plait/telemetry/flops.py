@@ -45,7 +45,9 @@ class ModelCost:
         """Forward attention FLOPs of groups whose prompt is computed once: the prompt's tokens
         over the prompt, each completion's tokens over its whole sequence."""
         per = 4 * self.layers * self.attn_width
-        return float(sum(per * p * p + sum(per * c * (p + c) for c in cs) for p, cs in zip(prompt_lengths, completion_lengths)))
+        return float(
+            sum(per * p * p + sum(per * c * (p + c) for c in cs) for p, cs in zip(prompt_lengths, completion_lengths))
+        )
 
     def _group_tokens(self, prompt_lengths: list[int], completion_lengths: list[list[int]]) -> tuple[int, int]:
         """(tokens through the body, tokens through the output head): the head only where a
@@ -57,14 +59,16 @@ class ModelCost:
         """A forward pass over groups (prompt once + its completions): the useful work of a
         log-prob pass, whether or not the prompt is shared in practice."""
         body, head = self._group_tokens(prompt_lengths, completion_lengths)
-        return 2.0 * (body * (self.matmul_params - self.head_params) + head * self.head_params) + self._group_attention(prompt_lengths, completion_lengths)
+        weights = body * (self.matmul_params - self.head_params) + head * self.head_params
+        return 2.0 * weights + self._group_attention(prompt_lengths, completion_lengths)
 
     def train_groups(self, prompt_lengths: list[int], completion_lengths: list[list[int]]) -> float:
         """Forward + backward over groups (prompt once + its completions)."""
         body, head = self._group_tokens(prompt_lengths, completion_lengths)
         frozen_share = 1.0 - self.trainable / max(1, self.matmul_params)  # weight gradients only for trainable weights
         per_weight = 6.0 - 2.0 * frozen_share
-        return per_weight * (body * (self.matmul_params - self.head_params) + head * self.head_params) + 3 * self._group_attention(prompt_lengths, completion_lengths)
+        weights = body * (self.matmul_params - self.head_params) + head * self.head_params
+        return per_weight * weights + 3 * self._group_attention(prompt_lengths, completion_lengths)
 
     def generate(self, prompt_lengths: list[int], completion_lengths: list[list[int]]) -> float:
         """Sampling groups: each prompt prefilled once (the output head only at its last

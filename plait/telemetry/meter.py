@@ -33,7 +33,7 @@ class StepMeter:
         completions = [[len(c.token_ids) for c in g.completions] for g in groups]
         out = {
             "train": iterations * self.cost.train_groups(prompts, completions),
-            "reference": prepass_forwards * self.cost.forward_groups(prompts, completions),
+            "logprobs": prepass_forwards * self.cost.forward_groups(prompts, completions),
         }
         if self.local_generation:
             out["generate"] = self.cost.generate(prompts, completions)

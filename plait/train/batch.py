@@ -50,8 +50,9 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
     for start in range(0, len(batch), size):
         mb = batch.slice(start, start + size)
         used = mb.attention_mask.any(0)
-        first_prompt = int(used[: mb.prompt_len].float().argmax()) if used[: mb.prompt_len].any() else mb.prompt_len
-        last = mb.prompt_len + int(used[mb.prompt_len :].nonzero().max()) + 1 if used[mb.prompt_len :].any() else mb.prompt_len + 1
+        prompt_used, completion_used = used[: mb.prompt_len], used[mb.prompt_len :]
+        first_prompt = int(prompt_used.float().argmax()) if prompt_used.any() else mb.prompt_len
+        last = mb.prompt_len + (int(completion_used.nonzero().max()) + 1 if completion_used.any() else 1)
         out.append(_cut(mb, first_prompt, last))
     return out
 
@@ -59,17 +60,6 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
 def _cut(mb: Batch, first: int, last: int) -> Batch:
     """Keep columns [first, last) of the sequence (completion tensors: [.., last - prompt_len))."""
     c_end = last - mb.prompt_len
-
-    def cc(t):
-        return None if t is None else t[:, :c_end]
-
-    return Batch(
-        input_ids=mb.input_ids[:, first:last],
-        attention_mask=mb.attention_mask[:, first:last],
-        completion_mask=mb.completion_mask[:, :c_end],
-        advantages=mb.advantages,
-        prompt_len=mb.prompt_len - first,
-        old_logprobs=cc(mb.old_logprobs),
-        ref_logprobs=cc(mb.ref_logprobs),
-        sampling_logprobs=cc(mb.sampling_logprobs),
+    return mb.map(
+        lambda t: t[:, first:last], completion=lambda t: t[:, :c_end], row=lambda t: t, prompt_len=mb.prompt_len - first
     )

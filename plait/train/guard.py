@@ -33,7 +33,9 @@ class Preempted(Exception):
 
     def __init__(self, run_dir, step: int, signame: str):
         self.run_dir, self.step, self.signame = run_dir, step, signame
-        super().__init__(f"{signame}: stopped after step {step} with a checkpoint; continue with `plait train --resume {run_dir}`")
+        super().__init__(
+            f"{signame}: stopped after step {step} with a checkpoint; continue with `plait train --resume {run_dir}`"
+        )
 
 
 class NonFiniteGuard:
@@ -51,9 +53,10 @@ class NonFiniteGuard:
         self.skipped += 1
         if self.streak > self.limit:
             raise TrainingDiverged(
-                f"step {step}: {self.streak} optimizer steps in a row had a non-finite gradient norm ({grad_norm}); each was "
-                f"skipped (weights and optimizer untouched) and train.max_nonfinite_steps={self.limit} allows no more. The newest "
-                "checkpoint predates them and is intact. Try a lower train.learning_rate, train.max_grad_norm, "
+                f"step {step}: {self.streak} optimizer steps in a row had a non-finite gradient norm ({grad_norm}); "
+                f"each was skipped (weights and optimizer untouched) and train.max_nonfinite_steps={self.limit} "
+                "allows no more. The newest checkpoint predates them and is intact. "
+                "Try a lower train.learning_rate, train.max_grad_norm, "
                 "train.precision=fp32, or check the rewards for inf/NaN.")
         return False
 

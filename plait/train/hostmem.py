@@ -2,11 +2,10 @@
 
 glibc serves every block over 32 MiB with its own mmap and unmaps it on free, and trims the
 heap's free top beyond a threshold. A training step allocates and frees the same big tensors
-every micro-batch (a tied 49k x 576 embedding's gradient, logits, activations), so each one is
-page-faulted in and zeroed by the kernel again, page by page: measured on 2 CPU cores, a
-SmolLM2-135M forward + backward spent ~0.9 of 3.4 s in page faults (the `fill_` and `add`
-that first touch fresh gradient buffers). With big blocks served from the heap and no trimming,
-a freed block is reused as it is: the same step took 2.5 s.
+every micro-batch (embedding gradients, logits, activations), so each one is page-faulted in
+and zeroed by the kernel again, page by page, which on a CPU is a sizeable share of a training
+step (the `fill_` and `add` that first touch fresh gradient buffers). With big blocks served
+from the heap and no trimming, a freed block is reused as it is.
 
 The cost: the process's RSS stays at its peak instead of shrinking between phases (the peak
 itself does not grow). The settings are process-wide; `retained_host_memory` puts glibc's

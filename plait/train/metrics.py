@@ -71,7 +71,10 @@ def phase_summary(history: list[dict]) -> tuple[float, dict[str, float]]:
 
 def step_rollout_metrics(groups: list[Group], accuracy: list[float] | None) -> dict[str, float]:
     """rollout_metrics over every process's groups (gathered without their log-probs)."""
-    light = [Group(g.prompt, [dataclasses.replace(c, logprobs=[]) for c in g.completions], g.rewards, g.total) for g in groups]
+    light = [
+        Group(g.prompt, [dataclasses.replace(c, logprobs=[]) for c in g.completions], g.rewards, g.total)
+        for g in groups
+    ]
     parts = comm.all_gather_objects((light, accuracy))
     everyone = [g for gs, _ in parts for g in gs]
     acc = None if accuracy is None else [v for _, a in parts for v in a]
@@ -90,13 +93,14 @@ def across_processes(*parts: dict[str, float]) -> dict[str, float]:
 
 def describe_processes(backend, run_dir: Path, say, final: bool = False) -> None:
     """Which process holds what (parameters, peak memory): the log and RUN_DIR/cluster.json."""
+    import os
     import resource
     import socket
 
-    import os
-
-    mine = {"rank": comm.rank(), "host": socket.gethostname(), "node_id": os.environ.get("PLAIT_NODE_ID"), **backend.describe(),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    mine = {
+        "rank": comm.rank(), "host": socket.gethostname(), "node_id": os.environ.get("PLAIT_NODE_ID"),
+        **backend.describe(), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
     if torch.cuda.is_available():
         mine["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
     everyone = comm.all_gather_objects(mine)

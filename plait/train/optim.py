@@ -20,18 +20,23 @@ def lr_factor(step: int, warmup: int, total: int, kind: str) -> float:
 
 
 def can_fuse(params: list[torch.Tensor]) -> bool:
-    """torch's fused AdamW: one kernel over all tensors instead of a Python loop of small ops
-    (a SmolLM2-135M step on 2 CPU cores: 0.17 s instead of 1.3 s). Plain floating tensors on
-    CPU or CUDA only; sharded (DTensor) and DeepSpeed's flat partitions keep the default."""
+    """torch's fused AdamW: one kernel over all tensors instead of a Python loop of small ops.
+    Plain floating tensors on CPU or CUDA only; sharded (DTensor) and DeepSpeed's flat
+    partitions keep the default."""
     from torch.distributed.tensor import DTensor
 
     return bool(params) and all(
-        type(p) is torch.nn.Parameter and not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.is_floating_point()
+        type(p) is torch.nn.Parameter
+        and not isinstance(p, DTensor)
+        and p.device.type in ("cpu", "cuda")
+        and p.is_floating_point()
         for p in params
     )
 
 
-def make_optimizer(model, cfg, fused: bool = True) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(
+    model, cfg, fused: bool = True
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     t = cfg.train
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(

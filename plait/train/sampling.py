@@ -3,19 +3,24 @@
 Two ways to spend less on prompts that teach nothing:
 - DAPO's dynamic sampling: generate whole groups, drop those whose rewards are all equal,
   refill with new prompts for a bounded number of rounds;
-- two-stage generation (seed 001, for expensive verifiers): sample a few candidates per
-  prompt, and generate (and verify) the rest of the group only for prompts that pass a rule.
+- two-stage generation (for expensive verifiers): sample a few candidates per prompt, and
+  generate (and verify) the rest of the group only for prompts that pass a rule.
+
+What scoring cost over all rounds (reward seconds, timeouts, sandbox executions) comes back
+on the stats as one RewardReport.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
-from plait.rewards.code import STATS as SANDBOX_STATS
-from plait.rewards.runner import BoundReward, score_groups
+from plait.rewards.runner import BoundReward, RewardReport, score_groups
 from plait.train.metrics import informative
 from plait.types import Group, Prompt, SamplingParams
+
+if TYPE_CHECKING:
+    from plait.rewards.code import Sandbox
 
 
 def sampling_params(cfg, step: int, round_: int = 0) -> SamplingParams:
@@ -35,6 +40,7 @@ class SamplingStats:
     prompts_skipped: int = 0
     generations_saved: int = 0
     sandbox_seconds_saved: float = 0.0
+    rewards: RewardReport = field(default_factory=RewardReport)  # the cost of every scoring round
 
     def metrics(self) -> dict[str, float]:
         out = {
@@ -73,13 +79,15 @@ def collect_groups(
     step: int,
     rewards: list[BoundReward],
     timer,
+    sandbox: Sandbox | None = None,
 ) -> tuple[list[Group], SamplingStats]:
     """`n_prompts` scored groups. Without dynamic sampling: one generation round. With it:
     rounds of fresh prompts until n_prompts informative groups are found or
     `max_sampling_rounds` is reached; the shortfall is then filled with uninformative groups
-    (they contribute zero advantage) and the stats say so."""
+    (they contribute zero advantage) and the stats say so. `sandbox`: the run's, whose
+    executions the stats' RewardReport counts (default: the one the rewards are bound to)."""
     if cfg.rollout.two_stage is not None:
-        return collect_two_stage(engine, take, n_prompts, cfg, step, rewards, timer)
+        return collect_two_stage(engine, take, n_prompts, cfg, step, rewards, timer, sandbox)
     a = cfg.algo
     stats = SamplingStats()
     kept: list[Group] = []
@@ -90,7 +98,8 @@ def collect_groups(
             outs = engine.generate(prompts, sampling_params(cfg, step, stats.rounds), n=cfg.rollout.num_generations)
         groups = [Group(p, cs) for p, cs in zip(prompts, outs)]
         with timer("score"):
-            score_groups(groups, rewards)  # raises RewardError naming the function and sample
+            report = score_groups(groups, rewards, sandbox)  # RewardError names the function and sample
+        stats.rewards = stats.rewards.merge(report)
         stats.rounds += 1
         stats.generated_groups += len(groups)
         if not a.dynamic_sampling:
@@ -111,7 +120,8 @@ def _extend(group: Group, more: Group) -> Group:
     )
 
 
-def collect_two_stage(engine, take, n_prompts: int, cfg, step: int, rewards: list[BoundReward], timer) -> tuple[list[Group], SamplingStats]:
+def collect_two_stage(engine, take, n_prompts: int, cfg, step: int, rewards: list[BoundReward], timer,
+                      sandbox: Sandbox | None = None) -> tuple[list[Group], SamplingStats]:
     """Stage 1: `first_generations` candidates per prompt, scored. Stage 2: the other
     num_generations - first for the prompts `keep_for_second_stage` selects. Rounds of new
     prompts continue until n_prompts groups are kept or max_sampling_rounds is reached; the
@@ -124,31 +134,31 @@ def collect_two_stage(engine, take, n_prompts: int, cfg, step: int, rewards: lis
     first_seconds = 0.0
     first_count = 0
 
-    def stage(groups_prompts: list[Prompt], k: int, round_: int) -> list[Group]:
+    def stage(groups_prompts: list[Prompt], k: int, round_: int) -> tuple[list[Group], RewardReport]:
         with timer("generate"):
             outs = engine.generate(groups_prompts, sampling_params(cfg, step, round_), n=k)
         groups = [Group(p, cs) for p, cs in zip(groups_prompts, outs)]
         with timer("score"):
-            score_groups(groups, rewards)
-        return groups
+            report = score_groups(groups, rewards, sandbox)
+        stats.rewards = stats.rewards.merge(report)
+        return groups, report
 
     while len(kept) < n_prompts and stats.rounds < cfg.algo.max_sampling_rounds:
-        before = SANDBOX_STATS.seconds
-        first = stage(take(n_prompts - len(kept)), ts.first_generations, 2 * stats.rounds)
-        first_seconds += SANDBOX_STATS.seconds - before
+        first, report = stage(take(n_prompts - len(kept)), ts.first_generations, 2 * stats.rounds)
+        first_seconds += report.sandbox.get("seconds", 0.0)
         first_count += len(first) * ts.first_generations
         passes = [keep_for_second_stage(g.rewards[judge], ts.keep, ts.threshold) for g in first]
         go = [g for g, ok in zip(first, passes) if ok]
         skipped += [g for g, ok in zip(first, passes) if not ok]
         if go:
-            rest = stage([g.prompt for g in go], n - ts.first_generations, 2 * stats.rounds + 1)
+            rest, _ = stage([g.prompt for g in go], n - ts.first_generations, 2 * stats.rounds + 1)
             kept += [_extend(g, r) for g, r in zip(go, rest)]
         stats.rounds += 1
         stats.generated_groups += len(first)
     if len(kept) < n_prompts:  # not enough prompts passed the rule: complete skipped ones
         fill = skipped[: n_prompts - len(kept)]
         skipped = skipped[len(fill):]
-        rest = stage([g.prompt for g in fill], n - ts.first_generations, 2 * stats.rounds + 1) if fill else []
+        rest = stage([g.prompt for g in fill], n - ts.first_generations, 2 * stats.rounds + 1)[0] if fill else []
         kept += [_extend(g, r) for g, r in zip(fill, rest)]
     stats.kept_informative = sum(1 for g in kept[:n_prompts] if informative(g))
     stats.prompts_skipped = len(skipped)

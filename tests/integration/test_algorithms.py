@@ -4,13 +4,14 @@ that make them trustworthy (micro-batch split, ratio exactly 1 on a first pass).
 import pytest
 import torch
 
-from plait.algo.losses import LOSS_TYPES, StepCounts
+from plait.algo.losses import LOSS_TYPES, LossSettings, StepCounts
 from plait.config import load_config
 from plait.models import load_model, load_tokenizer
 from plait.rollout.hf import HFEngine
 from plait.train.backends import LocalBackend
 from plait.train.batch import collate, micro_batches
-from plait.train.loop import loss_settings, train, train_micro_batch
+from plait.train.loop import train
+from plait.train.update import train_micro_batch
 from plait.types import Group, Prompt, SamplingParams
 
 from test_train import tiny_overrides
@@ -98,7 +99,7 @@ def test_dapo_gradient_does_not_depend_on_micro_batching(tiny_model_path):
             mbs = micro_batches(batch, size)
             counts = StepCounts(8, int(batch.completion_mask.sum()), len(mbs), 10)
             for mb in mbs:
-                train_micro_batch(model, mb, counts, cfg, loss_settings(cfg), backend)
+                train_micro_batch(model, mb, counts, cfg, LossSettings.from_algo(cfg.algo), backend)
             grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         assert grads[0].abs().max() > 0
         for g in grads[1:]:

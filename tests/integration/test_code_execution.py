@@ -9,9 +9,8 @@ import pytest
 import plait_test_rewards
 from plait.config import load_config
 from plait.data.tasks import humaneval, humaneval_capacity
-from plait.rewards import code as code_rewards
-from plait.rewards.code import SandboxSettings, code_pass, code_tests_passed
-from plait.rewards.runner import TIMEOUTS, BoundReward, RewardError, score_groups
+from plait.rewards.code import Sandbox, SandboxSettings, code_pass, code_tests_passed
+from plait.rewards.runner import BoundReward, RewardError, score_groups
 from plait.rewards.sandbox import Limits
 from plait.train.loop import train
 from plait.types import Completion, Group, Prompt
@@ -24,11 +23,11 @@ def _columns(rows):
 def test_every_humaneval_canonical_solution_scores_one():
     """The check that the sandbox scores correct code 1.0: all 164 problems."""
     rows = humaneval("train", humaneval_capacity("train")) + humaneval("eval", humaneval_capacity("eval"))
-    code_rewards.STATS.take()
-    scores = code_pass([r["canonical_solution"] for r in rows], **_columns(rows))
+    box = Sandbox()
+    scores = code_pass([r["canonical_solution"] for r in rows], **_columns(rows), sandbox=box)
     assert scores == [1.0] * 164
-    stats = code_rewards.STATS.take()
-    assert stats["sandbox/invalid"] == 0 and stats["sandbox/executions"] + stats["sandbox/cached"] == 164
+    stats = box.counts()
+    assert stats["invalid"] == 0 and stats["executions"] + stats["cached"] == 164
 
 
 def test_wrong_partial_and_hostile_code_scores():
@@ -53,11 +52,10 @@ def test_fraction_counts_each_test():
     assert code_pass(["anything"], tests=[None]) == [None]  # a row without tests: not applicable
 
 
-def test_sandbox_failure_is_excluded_not_scored_wrong(monkeypatch):
-    monkeypatch.setattr(code_rewards, "SETTINGS", SandboxSettings(Limits(), "process", 1, "/nonexistent/python3"))
-    code_rewards.STATS.take()
-    assert code_pass(["def f():\n    return 1\n"], tests=[["assert f() == 1"]]) == [None]
-    assert code_rewards.STATS.take()["sandbox/invalid"] == 1
+def test_sandbox_failure_is_excluded_not_scored_wrong():
+    box = Sandbox(SandboxSettings(Limits(), "process", 1, "/nonexistent/python3"))
+    assert code_pass(["def f():\n    return 1\n"], tests=[["assert f() == 1"]], sandbox=box) == [None]
+    assert box.counts()["invalid"] == 1
 
 
 def _groups(n_prompts=2, n=3):
@@ -90,14 +88,13 @@ def test_a_reward_past_its_time_limit_is_excluded_with_a_count():
         return [1.0] * len(completions)
 
     groups = _groups()
-    TIMEOUTS.clear()
     try:
-        score_groups(groups, [BoundReward("hangs", hangs, timeout_s=0.5), BoundReward("ok", lambda completions, **_: [0.5] * len(completions), timeout_s=60)])
+        report = score_groups(groups, [BoundReward("hangs", hangs, timeout_s=0.5), BoundReward("ok", lambda completions, **_: [0.5] * len(completions), timeout_s=60)])
     finally:
         release.set()
     assert groups[0].rewards["hangs"] == [None] * 3 and groups[0].rewards["ok"] == [0.5] * 3
     assert groups[0].total == [0.5] * 3  # the None adds nothing
-    assert TIMEOUTS["hangs"] == 1
+    assert report.timeouts["hangs"] == 1
 
 
 def test_async_reward_errors_are_still_reward_errors():

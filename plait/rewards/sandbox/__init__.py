@@ -30,6 +30,7 @@ from pathlib import Path
 
 from plait.rewards.sandbox.supervisor import SAFE_PATH, TIERS, find_bwrap, sweep_uid
 
+
 HERE = Path(__file__).parent
 HARNESS = (HERE / "harness.py").read_text()  # sent with every execution: read once
 

@@ -35,6 +35,7 @@ import time
 
 import psutil
 
+
 TIERS = ("process", "namespaces", "seccomp")
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 # Syscalls a test program never needs and a hostile one would love: debugging other

@@ -1,14 +1,8 @@
 """Training backends: how the processes of one job hold the model and share the work.
 
-Every backend offers the same small surface to the loop (see `LocalBackend`):
-
-    load(cfg)                 model (+ reference) + optimizer + LR schedule, wrapped as needed
-    accumulate(last) / backward(loss) / step(max_norm)      one optimizer step over micro-batches
-    for_generation()          a context yielding a module with full weights to sample from
-    save_state(dir) / load_state(dir) / export(dir, tokenizer)   checkpoints and the HF export
-
-and attributes `model` (forward with gradients), `module` (the plain HF model, for no-grad
-forwards), `ref_model`, `optimizer`, `scheduler`. The loop never asks which one it has.
+local (one process), ddp (replicated weights, all-reduced gradients), fsdp2 (sharded weights,
+gradients and optimizer state), deepspeed (ZeRO 2/3). Each implements the `Backend` protocol
+of base.py; the loop reads only that protocol and its capability attributes.
 """
 
 from __future__ import annotations
@@ -17,6 +11,7 @@ import os
 
 import torch
 
+from plait.train.backends.base import Backend, StepOutcome
 from plait.train.backends.local import DDPBackend, LocalBackend
 
 
@@ -30,7 +25,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_backend(name: str, cfg, device: torch.device):
+def make_backend(name: str, cfg, device: torch.device) -> Backend:
     """The backend called `name` (already resolved from 'auto'); joins the process group."""
     from plait.cluster import comm
 
@@ -51,4 +46,4 @@ def make_backend(name: str, cfg, device: torch.device):
     raise ValueError(f"unknown backend {name!r}")
 
 
-__all__ = ["LocalBackend", "DDPBackend", "make_backend", "resolve_device"]
+__all__ = ["Backend", "StepOutcome", "LocalBackend", "DDPBackend", "make_backend", "resolve_device"]

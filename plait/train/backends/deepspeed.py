@@ -15,6 +15,7 @@ import torch
 
 from plait.cluster import comm
 from plait.models import save_model
+from plait.train.backends.base import StepOutcome
 from plait.train.backends.local import LocalBackend
 from plait.train.optim import make_optimizer
 
@@ -52,7 +53,8 @@ def _merge(base: dict, extra: dict) -> dict:
 
 class DeepSpeedBackend(LocalBackend):
     name = "deepspeed"
-    save_state_async = None  # DeepSpeed writes its ZeRO partitions itself, synchronously
+    shares_prompt_pass = False  # the engine hooks one forward to one backward
+    async_save = False  # DeepSpeed writes its ZeRO partitions itself, synchronously
 
     def load(self, cfg) -> None:
         import deepspeed
@@ -92,19 +94,26 @@ class DeepSpeedBackend(LocalBackend):
         total = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.module.parameters())
         return {"backend": self.name, "zero_stage": self.stage, "params_local": local, "params_total": total}
 
+    def accumulate(self, last: bool):
+        # plait says where an update ends (its micro-batch count per update may differ from
+        # the JSON's gradient_accumulation_steps); gradients are reduced at that boundary
+        self.model.set_gradient_accumulation_boundary(last)
+        return contextlib.nullcontext()
+
     def backward(self, loss: torch.Tensor) -> None:
-        # the loss is normalized over the whole step already: no division by accumulation
+        # the loss is normalized over the whole update already: no division by accumulation
         # steps, and x world size because DeepSpeed averages gradients over processes
         self.model.backward(loss * comm.world_size(), scale_wrt_gas=False)
-        self.model.step()  # only steps (clip, update, zero) at the accumulation boundary
 
-    def step(self, max_norm: float | None) -> float:
-        # the engine stepped after the last micro-batch; DeepSpeed clips by its config, and
-        # ZeRO skips a step whose gradients hold inf/NaN (checked over all processes)
+    def step(self, max_norm: float | None) -> StepOutcome:
+        # DeepSpeed clips by its config (gradient_clipping = max_norm), and ZeRO skips an
+        # update whose gradients hold inf/NaN (checked over all processes)
+        lr = self.scheduler.get_last_lr()[0]
+        self.model.step()  # clip, update, zero the gradients
         if not self.model.was_step_applied():
-            return float("inf")
+            return StepOutcome(False, float("inf"), lr)
         norm = self.model.get_global_grad_norm()
-        return float(norm) if norm is not None else 0.0
+        return StepOutcome(True, float(norm) if norm is not None else 0.0, lr, self._after_update())
 
     @contextlib.contextmanager
     def _gather_for_generation(self):

@@ -35,6 +35,7 @@ def shard_units(model) -> list[torch.nn.Module]:
 
 class FSDP2Backend(LocalBackend):
     name = "fsdp2"
+    shares_prompt_pass = False  # FSDP2 gathers each layer for one forward and its backward
     _save_group = None  # gloo group for background checkpoint writes (made at the first async save)
 
     def _policies(self) -> dict:
@@ -108,6 +109,12 @@ class FSDP2Backend(LocalBackend):
         # reduce-scatter gradients once per optimizer step, not after every micro-batch
         self.module.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
+
+    def _clip(self, max_norm: float | None) -> float:
+        """The norm of sharded gradients is a DTensor: take its full value (the same in every process)."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     @contextlib.contextmanager
     def _gather_for_generation(self):

@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from plait.algo.kl import mix_reference
 from plait.cluster import comm
-from plait.models import load_model, save_model
+from plait.models import autocast, load_model, save_model
+from plait.train.backends.base import StepOutcome
 from plait.train.optim import make_optimizer
 
 
@@ -66,12 +68,15 @@ class LocalBackend:
     """The whole model, its gradients and optimizer state in this one process."""
 
     name = "local"
+    shares_prompt_pass = True  # one process: nothing hooks a forward to a backward
+    async_save = True
 
     def __init__(self, cfg, device: torch.device):
         self.cfg = cfg
         self.precision = cfg.train.precision
         self.device = torch.device(device)
         self.model = self.module = self.ref_model = self.optimizer = self.scheduler = None
+        self.ref_sync_steps, self.ref_mixup_alpha = cfg.algo.ref_model_sync_steps, cfg.algo.ref_model_mixup_alpha
 
     @classmethod
     def wrap(cls, model, optimizer=None, scheduler=None, ref_model=None, precision: str = "fp32"):
@@ -81,6 +86,7 @@ class LocalBackend:
         self.device = next(model.parameters()).device
         self.model = self.module = model
         self.ref_model, self.optimizer, self.scheduler = ref_model, optimizer, scheduler
+        self.ref_sync_steps, self.ref_mixup_alpha = 0, 1.0
         return self
 
     # ------------------------------------------------------------ setup
@@ -106,10 +112,8 @@ class LocalBackend:
     # ------------------------------------------------------------ one optimizer step
 
     def autocast(self):
-        """Mixed precision for forward passes (bf16 on CPU uses AMX where the CPU has it)."""
-        if self.precision == "bf16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        """Mixed precision for forward passes (train.precision)."""
+        return autocast(self.device, self.precision)
 
     def accumulate(self, last: bool):
         """Context around one micro-batch's forward and backward; `last` ends the step."""
@@ -120,17 +124,31 @@ class LocalBackend:
         # gradient we want is the sum over processes; DDP and FSDP average, hence x world size
         (loss * comm.world_size()).backward()
 
-    def step(self, max_norm: float | None) -> float:
-        """Clip the gradient norm, take the optimizer step, and return the pre-clip norm. A
-        non-finite norm skips the step (weights and AdamW moments untouched); the norm is
-        the same in every process (gradients are reduced first), so all of them skip."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
-        if math.isfinite(norm):
+    def step(self, max_norm: float | None) -> StepOutcome:
+        """Clip the gradient norm and take the optimizer step. A non-finite norm skips it
+        (weights, AdamW moments and LR schedule untouched); the norm is the same in every
+        process (gradients are reduced first), so all of them skip together."""
+        lr = self.scheduler.get_last_lr()[0]
+        norm = self._clip(max_norm)
+        applied = math.isfinite(norm)
+        if applied:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return StepOutcome(applied, norm, lr, applied and self._after_update())
+
+    def _clip(self, max_norm: float | None) -> float:
+        """Clip the gradients to `max_norm` (None: measure only); the pre-clip total norm."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf")))
+
+    def _after_update(self) -> bool:
+        """Advance the LR schedule; every `ref_model_sync_steps` updates mix the policy into
+        the reference. Returns whether the reference was synced."""
+        self.scheduler.step()
+        due = self.ref_sync_steps and self.scheduler.last_epoch % self.ref_sync_steps == 0
+        if due:
+            mix_reference(self.ref_model, self.module, self.ref_mixup_alpha)
+        return bool(due)
 
     @contextlib.contextmanager
     def for_generation(self):
@@ -196,6 +214,7 @@ class DDPBackend(LocalBackend):
     optimizer step: earlier micro-batches skip the sync)."""
 
     name = "ddp"
+    shares_prompt_pass = False  # DDP hooks one forward to one backward
 
     def _wrap(self, module):
         from torch.nn.parallel import DistributedDataParallel as DDP

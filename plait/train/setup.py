@@ -1,0 +1,193 @@
+"""Everything a run builds before its first round, held in one `Run`.
+
+open_run: run directory and metric sinks -> rewards (+ sandbox) -> tokenizer and prompts ->
+model, reference and optimizer (the backend) -> generation engine -> resume from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from plait.checkpoint import load_checkpoint, resume_position, trim_logs
+from plait.cluster import comm
+from plait.config import Config
+from plait.data import PromptOrder, build_prompts, load_rows
+from plait.models import load_tokenizer
+from plait.plan import BatchPlan
+from plait.rewards.code import Sandbox, uses_sandbox
+from plait.rewards.runner import BoundReward, bind_metric, bind_rewards
+from plait.rollout import RolloutEngine, make_engine
+from plait.telemetry import MetricsSink, PhaseTimer
+from plait.telemetry.flops import device_peak, model_cost
+from plait.telemetry.memory import MemoryMeter
+from plait.telemetry.meter import StepMeter
+from plait.train.backends.base import Backend
+from plait.train.guard import NonFiniteGuard
+from plait.train.metrics import describe_processes
+from plait.train.rundir import prepare_run_dir
+from plait.types import Prompt
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    eval_before: float | None = None
+    eval_after: float | None = None
+    history: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """What setup builds, and every round reads. `start` is the last round already done
+    (0 for a fresh run, the checkpoint's round when resuming)."""
+
+    cfg: Config
+    plan: BatchPlan
+    backend: Backend
+    sink: MetricsSink
+    run_dir: Path
+    tokenizer: Any
+    rewards: list[BoundReward]
+    metric: BoundReward  # eval.metric: accuracy of each round's completions, and the evaluations
+    sandbox: Sandbox | None  # where model-written code runs (None: no reward executes code)
+    prompts: list[Prompt]
+    eval_prompts: list[Prompt]
+    order: PromptOrder  # which prompts this process takes next
+    engine: RolloutEngine | None = None
+    meter: StepMeter | None = None
+    start: int = 0
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    guard: NonFiniteGuard | None = None
+    result: TrainResult | None = None
+
+    @property
+    def say(self):
+        return self.sink.print
+
+    @property
+    def prompts_per_round(self) -> int:
+        """Prompts this process generates for in one round (every update of the round)."""
+        return self.plan.prompts_per_process * self.cfg.algo.steps_per_generation
+
+    def take_prompts(self, n: int) -> list[Prompt]:
+        return [self.prompts[i] for i in self.order.take(n)]
+
+
+@contextmanager
+def open_run(cfg: Config, plan: BatchPlan, backend: Backend, console: str | None = None) -> Iterator[Run]:
+    """The run, set up and (when a checkpoint is due) resumed; its sinks are flushed on exit."""
+    main = comm.is_main()
+    run_dir, resume_from = prepare_run_dir(cfg)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    sink = MetricsSink(None, cfg.train.max_steps, (console or cfg.log.console) if main else "none",
+                       every=cfg.log.every_steps)
+    cfg = resolved_config(cfg, plan, backend, sink.print)
+    if main:
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        sink.open(run_dir, cfg.log, cfg.model_dump(mode="json"))
+    try:
+        run = build_run(cfg, plan, backend, sink, run_dir)
+        if resume_from is not None:
+            resume(run, resume_from)
+        yield run
+    finally:
+        sink.finish()
+
+
+def resolved_config(cfg: Config, plan: BatchPlan, backend: Backend, say) -> Config:
+    """The config as this run uses it: values the batch plan or `auto` chose are written in,
+    and said, so nothing changes silently."""
+    for note in plan.notes:
+        say(f"[yellow]{note}")
+    cfg = cfg.model_copy(deep=True)
+    cfg.rollout.prompts_per_step = plan.prompts_per_step
+    cfg.train.micro_batch_size = plan.micro_batch_size
+    cfg.train.gradient_accumulation_steps = plan.gradient_accumulation_steps
+    if cfg.train.backend == "auto":
+        cfg.train.backend = backend.name
+        n = plan.training_processes
+        say(f"train.backend=auto -> {backend.name} ({n} training process{'es' if n > 1 else ''})")
+    return cfg
+
+
+def build_run(cfg: Config, plan: BatchPlan, backend: Backend, sink: MetricsSink, run_dir: Path) -> Run:
+    """Rewards, data, model, optimizer and engine, in the order that fails cheapest first."""
+    say = sink.print
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    seed_everything(cfg.seed)
+    say(f"[bold]plait[/] run dir {run_dir}  |  {plan.prompts_per_step} prompts x {plan.num_generations} generations "
+        f"over {plan.training_processes} process(es) ({backend.name}, {cfg.train.precision}), "
+        f"micro-batch {plan.micro_batch_size} x {plan.gradient_accumulation_steps} accumulation")
+    sandbox = None
+    if uses_sandbox(cfg):  # refuses (SandboxUnavailable) below sandbox.min_tier, before any model loads
+        sandbox = Sandbox.from_config(cfg.sandbox)
+        say(f"sandbox: model-written code runs under isolation tier '{sandbox.tier}' (minimum "
+            f"'{cfg.sandbox.min_tier}'; `plait sandbox` shows why)")
+    rewards, metric = bind_rewards(cfg.rewards, sandbox), bind_metric(cfg.eval.metric, sandbox)
+    tokenizer = load_tokenizer(cfg.model.name_or_path)
+    prompts = build_prompts(load_rows(cfg.data, "train", cfg.seed), tokenizer, cfg.data, log=say)
+    evaluating = cfg.eval.before or cfg.eval.after or cfg.eval.every_steps
+    eval_prompts = build_prompts(load_rows(cfg.data, "eval", cfg.seed), tokenizer, cfg.data, log=say) if evaluating else []
+    backend.load(cfg)  # model (+ reference) + optimizer, sharded as the backend does it
+    describe_processes(backend, run_dir, say)
+    order = PromptOrder(len(prompts), cfg.seed, cfg.data.shuffle, rank=comm.rank(), stride=comm.world_size())
+    run = Run(cfg, plan, backend, sink, run_dir, tokenizer, rewards, metric, sandbox, prompts, eval_prompts, order)
+    run.meter = make_meter(cfg, backend, say)
+    run.engine = make_engine(cfg, backend.module, tokenizer, view=backend.for_generation, device=backend.device)
+    run.guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
+    run.result = TrainResult(run_dir)
+    return run
+
+
+def resume(run: Run, checkpoint: Path) -> None:
+    """Weights, optimizer, schedule, RNG and data position from `checkpoint`; the logs are
+    cut back to it (the rounds after it run again and log again)."""
+    state = load_checkpoint(checkpoint, run.backend)
+    run.start = state["step"]
+    run.order.consumed = resume_position(state, comm.rank(), comm.world_size(), run.say)
+    run.result.eval_before = state.get("eval_before")
+    dropped = trim_logs(run.run_dir, run.start) if comm.is_main() else 0
+    run.say(f"resumed from {checkpoint} (step {run.start})"
+            + (f"; {dropped} log line(s) after it dropped (those steps run again)" if dropped else ""))
+    if run.sink.progress is not None:
+        run.sink.progress.update(run.sink.task, completed=run.start)
+
+
+def trainer_state(run: Run) -> dict:
+    """What a checkpoint needs besides the backend's state: every process's data position."""
+    per_rank = [int(c) for c in comm.all_gather_objects(run.order.consumed)]
+    return {"prompts_consumed": sum(per_rank), "prompts_consumed_per_rank": per_rank,
+            "eval_before": run.result.eval_before}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def make_meter(cfg: Config, backend: Backend, say) -> StepMeter:
+    """Throughput/MFU/memory per round: the model's FLOPs per token and one device's peak."""
+    hf_config = getattr(backend.module, "config", None)
+    described = backend.describe()
+    if cfg.model.lora:
+        trainable = sum(p.numel() for p in backend.module.parameters() if p.requires_grad)
+    else:
+        trainable = described["params_total"]
+    cost = model_cost(hf_config, described["params_total"], trainable) if hf_config is not None else None
+    peak, source = (None, "")
+    if comm.is_main():  # one measurement (on CPU), while the others wait: they would compete for the cores
+        peak, source = device_peak(backend.device, cfg.train.precision, cfg.log.peak_flops)
+    peak, source = comm.broadcast_object((peak, source))
+    say(f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({source})" if peak else f"no MFU: {source}")
+    local = not (cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "server")
+    return StepMeter(cost, peak, MemoryMeter(backend.device), local)

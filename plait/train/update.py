@@ -1,0 +1,215 @@
+"""The policy update of one round: log-prob prepass, advantages, and the clipped update.
+
+    batch (collated groups) -> logprob_prepass  (old and reference log-probs, no gradients)
+                            -> step_advantages  (group-relative, over every process's groups)
+                            -> policy_update    (num_iterations x steps_per_generation updates)
+
+The arithmetic lives in plait.algo (pure tensor functions); this module feeds it micro-batches
+and hands gradients to the backend.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import nullcontext
+
+import torch
+
+from plait.algo.advantages import combine_rewards
+from plait.algo.kl import sequence_kl
+from plait.algo.logprobs import can_pack, completion_logprobs, packed_group_logprobs, prompt_runs, shared_prompt_logprobs
+from plait.algo.losses import LossSettings, StepCounts, engine_mismatch_weights, high_entropy_mask, policy_loss
+from plait.cluster import comm
+from plait.telemetry import PhaseTimer
+from plait.train.backends.base import Backend, StepOutcome
+from plait.train.batch import micro_batches
+from plait.train.guard import NonFiniteGuard
+from plait.types import Batch, Group
+
+
+def shares_prompts(cfg, backend: Backend) -> bool:
+    """Whether a group's prompt goes through the model once for all its completions: the
+    backend must allow it, and activation checkpointing must be off (it recomputes without a
+    KV cache)."""
+    return cfg.train.shared_prompt_pass and backend.shares_prompt_pass and not cfg.model.gradient_checkpointing
+
+
+def sequence_logprobs(model, mb: Batch, temperature: float, with_entropy: bool = False, shared: bool = False):
+    """[B, C] completion log-probs (and entropies) of a micro-batch; with `shared`, rows with
+    the same prompt share one prompt pass, and (where the model allows) each group is packed
+    into one row without padding (same numbers to float rounding, fewer FLOPs)."""
+    if shared:
+        runs = prompt_runs(mb.input_ids, mb.attention_mask, mb.prompt_len)
+        if can_pack(model):  # one row per group, no padding at all
+            return packed_group_logprobs(
+                model, mb.input_ids, mb.attention_mask, mb.prompt_len, runs, temperature, with_entropy
+            )
+        if len(runs) < len(mb) and mb.prompt_len > 1:  # a 1-token prompt has nothing to share
+            return shared_prompt_logprobs(
+                model, mb.input_ids, mb.attention_mask, mb.prompt_len, runs, temperature, with_entropy
+            )
+    return completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature, with_entropy)
+
+
+def reference_logprobs(model, ref_model, mb: Batch, temperature: float, shared: bool = False) -> torch.Tensor:
+    """log-probs under the reference: a separate copy, or the base model under LoRA."""
+    ctx = model.disable_adapter() if ref_model is None else nullcontext()
+    with ctx:
+        return sequence_logprobs(ref_model or model, mb, temperature, shared=shared)
+
+
+@torch.no_grad()
+def logprob_prepass(batch: Batch, cfg, backend: Backend) -> int:
+    """Fill batch.old_logprobs (needed when the policy moves before a row is trained on, or
+    for the KL reward) and batch.ref_logprobs (beta > 0), micro-batch by micro-batch.
+    Returns the number of forward passes made over the batch."""
+    a = cfg.algo
+    need_old = a.num_iterations > 1 or a.steps_per_generation > 1 or a.kl_in_reward
+    if not need_old and a.beta == 0:
+        return 0
+    model, ref_model = backend.module, backend.ref_model
+    temperature = cfg.rollout.temperature or 1.0
+    old = torch.zeros_like(batch.completion_mask, dtype=torch.float32)
+    ref = torch.zeros_like(old)
+    shared = shares_prompts(cfg, backend)
+    size = cfg.train.micro_batch_size
+    for start, mb in zip(range(0, len(batch), size), micro_batches(batch, size)):
+        mb = mb.to(backend.device)
+        rows, cols = slice(start, start + len(mb)), slice(0, mb.completion_mask.shape[1])
+        with backend.autocast():
+            if need_old:
+                old[rows, cols] = sequence_logprobs(model, mb, temperature, shared=shared).float().cpu()
+            if a.beta > 0:
+                ref[rows, cols] = reference_logprobs(model, ref_model, mb, temperature, shared).float().cpu()
+    batch.old_logprobs = old if need_old else None
+    batch.ref_logprobs = ref if a.beta > 0 else None
+    return int(need_old) + int(a.beta > 0)
+
+
+def step_advantages(groups: list[Group], batch: Batch, cfg, reward_names: list[str], weights: list[float]) -> torch.Tensor:
+    """[B] advantages of this process's rows from every reward (None -> NaN), with the KL
+    penalty as one more reward (weight beta) when `kl_in_reward`. Rewards of every process's
+    groups are gathered first, so batch-level statistics (scale_rewards=batch) see the whole
+    round, exactly as in one process."""
+    nan = float("nan")
+    per_reward = torch.tensor(
+        [[[nan if v is None else v for v in g.rewards[name]] for g in groups] for name in reward_names],
+        dtype=torch.float32,
+    )
+    w = torch.tensor(weights, dtype=torch.float32)
+    a = cfg.algo
+    if a.kl_in_reward:
+        seq_kl = sequence_kl(batch.old_logprobs, batch.ref_logprobs, batch.completion_mask, a.kl_estimator)
+        per_reward = torch.cat([per_reward, -seq_kl.reshape(1, len(groups), -1)])
+        w = torch.cat([w, torch.tensor([a.beta])])
+    everyone = comm.all_gather_rows(per_reward, dim=1)  # [R, groups of all processes, n]
+    adv = combine_rewards(everyone, w, a.reward_aggregation, a.scale_rewards)
+    mine = slice(comm.rank() * len(groups), (comm.rank() + 1) * len(groups))
+    return adv[mine].reshape(-1)
+
+
+def train_micro_batch(model, mb: Batch, counts: StepCounts, cfg, settings: LossSettings, backend: Backend) -> dict[str, float]:
+    """Forward, loss and backward for one micro-batch; returns its summed statistics."""
+    a = cfg.algo
+    with_entropy = a.top_entropy_quantile < 1 or a.entropy_coeff > 0
+    with backend.autocast():
+        out = sequence_logprobs(model, mb, cfg.rollout.temperature or 1.0, with_entropy, shares_prompts(cfg, backend))
+    logp, entropy = (out[0].float(), out[1].float()) if with_entropy else (out.float(), None)
+    old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()  # one pass: ratio is exactly 1
+    if entropy is not None:
+        mask = high_entropy_mask(entropy.detach(), mb.completion_mask, a.top_entropy_quantile)
+    else:
+        mask = mb.completion_mask
+    weights = engine_mismatch_weights(old, mb.sampling_logprobs, a.engine_is_cap) if a.engine_is_correction else None
+    loss, parts = policy_loss(logp, old, mb.advantages, mask, counts, settings, mb.ref_logprobs, entropy, weights)
+    backend.backward(loss)
+    real = mb.completion_mask.float()
+    extra = {
+        "logprob_gap_tokens": ((logp.detach() - mb.sampling_logprobs).abs() * real).sum(),
+        "trained_tokens": mask.float().sum(),
+    }
+    if entropy is not None:
+        extra["entropy_tokens"] = (entropy.detach() * real).sum()
+    named = {"loss": loss.detach(), **parts, **extra}
+    return dict(zip(named, torch.stack(list(named.values())).tolist()))  # one device->host sync
+
+
+def accumulate_gradients(chunk: Batch, cfg, settings: LossSettings, backend: Backend, timer: PhaseTimer,
+                         sums: dict[str, float]) -> None:
+    """Forward and backward over `chunk`'s micro-batches: the gradient of one update. The
+    loss is normalized by the update's counts over all processes, so gradients sum over them."""
+    mbs = [mb.to(backend.device) for mb in micro_batches(chunk, cfg.train.micro_batch_size)]
+    seqs, toks, n_mbs = comm.all_sum([len(chunk), float(chunk.completion_mask.sum()), len(mbs)])
+    counts = StepCounts(int(seqs), int(toks), int(n_mbs), cfg.rollout.max_completion_length)
+    with timer("train"):
+        for i, mb in enumerate(mbs):
+            with backend.accumulate(last=i == len(mbs) - 1):
+                for k, v in train_micro_batch(backend.model, mb, counts, cfg, settings, backend).items():
+                    sums[k] += v
+    sums["real_tokens"] += toks
+    sums["processed_tokens"] += float(chunk.attention_mask.sum())  # this process's, prompts included
+
+
+def count_outcome(outcome: StepOutcome, guard: NonFiniteGuard, round_: int, sums: dict[str, float]) -> None:
+    """Add one update's outcome to the round's sums; the guard stops a run that keeps skipping."""
+    sums["lr"] += outcome.lr
+    if not guard.check(outcome.grad_norm, round_):
+        sums["nonfinite_steps"] += 1
+        return
+    sums["grad_norm"] += outcome.grad_norm
+    sums["applied_steps"] += 1
+    sums["ref_syncs"] += float(outcome.reference_synced)
+
+
+def policy_update(batch: Batch, cfg, backend: Backend, guard: NonFiniteGuard | None = None, step: int = 0,
+                  timer: PhaseTimer | None = None) -> dict[str, float]:
+    """num_iterations passes over the round's batch, each split into steps_per_generation
+    optimizer updates. An update with a non-finite gradient is skipped by the backend; `guard`
+    counts it. Timed as `train` (forward + backward) and `optimizer` (clip + update)."""
+    a = cfg.algo
+    guard = guard or NonFiniteGuard(cfg.train.max_nonfinite_steps)
+    timer = timer or PhaseTimer()
+    settings = LossSettings.from_algo(a)
+    rows = len(batch) // a.steps_per_generation
+    sums: dict[str, float] = defaultdict(float)
+    for _ in range(a.num_iterations):
+        for part in range(a.steps_per_generation):
+            accumulate_gradients(batch.slice(part * rows, (part + 1) * rows), cfg, settings, backend, timer, sums)
+            with timer("optimizer"):
+                outcome = backend.step(cfg.train.max_grad_norm)
+            count_outcome(outcome, guard, step, sums)
+    return update_metrics(sums, cfg)
+
+
+# per-process sums of policy_update that add up over processes (the rest are global already)
+_PER_PROCESS = ("loss", "clip_low_tokens", "clip_high_tokens", "ratio_tokens", "logprob_gap_tokens", "trained_tokens",
+                "entropy_tokens", "kl_tokens")
+
+
+def update_metrics(sums: dict[str, float], cfg) -> dict[str, float]:
+    """The round's update metrics from its sums: per-update means and per-token shares."""
+    a = cfg.algo
+    keys = [k for k in _PER_PROCESS if k in sums]
+    sums.update(zip(keys, comm.all_sum([sums[k] for k in keys])))
+    updates = a.num_iterations * a.steps_per_generation
+    tokens = max(1.0, sums["real_tokens"])
+    out = {
+        "loss": sums["loss"] / updates,
+        "grad_norm": sums["grad_norm"] / max(1.0, sums["applied_steps"]),
+        "lr": sums["lr"] / updates,
+    }
+    out["nonfinite_steps"] = sums["nonfinite_steps"]
+    out["tokens/processed"] = sums["processed_tokens"]
+    out["clip/low"] = sums["clip_low_tokens"] / tokens
+    out["clip/high"] = sums["clip_high_tokens"] / tokens
+    out["clip/fraction"] = out["clip/low"] + out["clip/high"]
+    out["ratio/mean"] = sums["ratio_tokens"] / tokens
+    out["logprob_gap"] = sums["logprob_gap_tokens"] / tokens  # engine vs trainer, mean |diff|
+    out["tokens/trained_share"] = sums["trained_tokens"] / tokens
+    if "entropy_tokens" in sums:
+        out["entropy"] = sums["entropy_tokens"] / tokens
+    if "kl_tokens" in sums:
+        out["kl"] = sums["kl_tokens"] / tokens
+    if a.ref_model_sync_steps:
+        out["ref_syncs"] = sums["ref_syncs"]
+    return out
