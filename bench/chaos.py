@@ -40,9 +40,10 @@ from safetensors.torch import load_file
 
 from plait.telemetry.meter import is_measurement
 
-REWARD = '''def vowel_share(completions, **_):
+
+REWARD = """def vowel_share(completions, **_):
     return [sum(ch in "aeiouAEIOU" for ch in t) / max(1, len(t)) for t in completions]
-'''
+"""
 MOMENTS = ("startup", "step", "save")
 
 
@@ -63,8 +64,13 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return (self.corrupt_loads == 0 and self.checkpoints_differing == 0 and not self.metrics_differing
-                and self.max_weight_diff == 0.0 and self.optimizer_identical)
+        return (
+            self.corrupt_loads == 0
+            and self.checkpoints_differing == 0
+            and not self.metrics_differing
+            and self.max_weight_diff == 0.0
+            and self.optimizer_identical
+        )
 
 
 def setup(work: Path) -> tuple[Path, Path]:
@@ -81,12 +87,28 @@ def setup(work: Path) -> tuple[Path, Path]:
 
 def overrides(model: Path, data: Path, out: Path, steps: int, seed: int) -> list[str]:
     return [
-        f"model.name_or_path={model}", "data.task=null", f"data.path={data}", "data.prompt_field=question",
-        "rollout.prompts_per_step=2", "rollout.num_generations=4", "rollout.max_completion_length=12",
-        "train.micro_batch_size=4", f"train.max_steps={steps}", "train.learning_rate=1e-3", "train.warmup_steps=2",
-        "train.precision=fp32", "train.threads=1", "rewards=[{name: 'chaos_rewards:vowel_share'}]",
-        "eval.before=false", "eval.after=false", "checkpoint.save_steps=1", "checkpoint.keep_last=1000",
-        "log.console=plain", f"output_dir={out}", f"seed={seed}", "resume=auto",
+        f"model.name_or_path={model}",
+        "data.task=null",
+        f"data.path={data}",
+        "data.prompt_field=question",
+        "rollout.prompts_per_step=2",
+        "rollout.num_generations=4",
+        "rollout.max_completion_length=12",
+        "train.micro_batch_size=4",
+        f"train.max_steps={steps}",
+        "train.learning_rate=1e-3",
+        "train.warmup_steps=2",
+        "train.precision=fp32",
+        "train.threads=1",
+        "rewards=[{name: 'chaos_rewards:vowel_share'}]",
+        "eval.before=false",
+        "eval.after=false",
+        "checkpoint.save_steps=1",
+        "checkpoint.keep_last=1000",
+        "log.console=plain",
+        f"output_dir={out}",
+        f"seed={seed}",
+        "resume=auto",
     ]
 
 
@@ -94,8 +116,19 @@ def command(nproc: int, sets: list[str]) -> list[str]:
     flags = sum((["--set", s] for s in sets), [])
     if nproc == 1:
         return [sys.executable, "-m", "plait", "train", *flags]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-            str(random.Random().randint(20000, 40000)), "-m", "plait", "train", *flags]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(random.Random().randint(20000, 40000)),
+        "-m",
+        "plait",
+        "train",
+        *flags,
+    ]
 
 
 def trainers(proc: subprocess.Popen, nproc: int) -> list[psutil.Process]:
@@ -192,8 +225,10 @@ def chaos_run(
                             victim.send_signal(signal.SIGKILL)
                             done_kills += 1
                             report.kills[moment] += 1
-                            say(f"kill {done_kills}/{kills}: SIGKILL pid {victim.pid} at {moment} "
-                                f"(committed checkpoints: {committed(out)[-3:]})")
+                            say(
+                                f"kill {done_kills}/{kills}: SIGKILL pid {victim.pid} at {moment} "
+                                f"(committed checkpoints: {committed(out)[-3:]})"
+                            )
                         except psutil.Error:
                             pass
             code = proc.wait()
@@ -245,8 +280,9 @@ def compare(ref: Path, out: Path, work: Path, report: Report) -> None:
         report.resumes += 1
         loaded, step = Path(m.group(1)), int(m.group(2))
         twin = ref / "checkpoints" / f"step_{step:08d}"
-        if not (loaded / "COMMITTED").is_file() or not same_tree(load_file(str(loaded / "model.safetensors")),
-                                                                  load_file(str(twin / "model.safetensors"))):
+        if not (loaded / "COMMITTED").is_file() or not same_tree(
+            load_file(str(loaded / "model.safetensors")), load_file(str(twin / "model.safetensors"))
+        ):
             report.corrupt_loads += 1
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     refs = {r["step"]: r for r in (json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines())}
@@ -279,19 +315,36 @@ def main(argv=None) -> int:
         run_to_end(command(args.nproc, overrides(model, data, ref, args.steps, 0)), work, work / "reference.log")
         say(f"reference run done ({time.monotonic() - t0:.0f}s)")
         report = Report()
-        chaos_run(command(args.nproc, overrides(model, data, out, args.steps, 0)), work, out, args.kills, args.steps,
-                  random.Random(args.seed), args.nproc, report, say)
+        chaos_run(
+            command(args.nproc, overrides(model, data, out, args.steps, 0)),
+            work,
+            out,
+            args.kills,
+            args.steps,
+            random.Random(args.seed),
+            args.nproc,
+            report,
+            say,
+        )
         compare(ref, out, work, report)
         report.seconds = round(time.monotonic() - t0, 1)
-        say(f"kills: {sum(report.kills.values())} ({', '.join(f'{k} {v}' for k, v in report.kills.items())}); "
-            f"launches {report.launches}; resumes {report.resumes}")
-        say(f"corrupt checkpoints loaded: {report.corrupt_loads}; incomplete checkpoints left by kills (never loaded): "
-            f"{report.incomplete_checkpoints_seen}")
-        say(f"checkpoints compared with the reference: {report.checkpoints_compared}, "
-            f"differing: {report.checkpoints_differing}")
-        say(f"final weights max |diff|: {report.max_weight_diff}; "
+        say(
+            f"kills: {sum(report.kills.values())} ({', '.join(f'{k} {v}' for k, v in report.kills.items())}); "
+            f"launches {report.launches}; resumes {report.resumes}"
+        )
+        say(
+            f"corrupt checkpoints loaded: {report.corrupt_loads}; incomplete checkpoints left by kills (never loaded): "
+            f"{report.incomplete_checkpoints_seen}"
+        )
+        say(
+            f"checkpoints compared with the reference: {report.checkpoints_compared}, "
+            f"differing: {report.checkpoints_differing}"
+        )
+        say(
+            f"final weights max |diff|: {report.max_weight_diff}; "
             f"optimizer state identical: {report.optimizer_identical}; "
-            f"metrics differing: {report.metrics_differing or 'none'}")
+            f"metrics differing: {report.metrics_differing or 'none'}"
+        )
         say(f"chaos: {'PASS' if report.ok else 'FAIL'} in {report.seconds}s")
         if args.json:
             Path(args.json).write_text(json.dumps({**asdict(report), "ok": report.ok}, indent=1))

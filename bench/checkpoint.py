@@ -20,10 +20,20 @@ from pathlib import Path
 
 
 def run(out: Path, steps: int, model: str, async_save: bool) -> list[dict]:
-    sets = [f"train.max_steps={steps}", "checkpoint.save_steps=1", f"checkpoint.async_save={str(async_save).lower()}",
-            "rollout.prompts_per_step=2", "rollout.num_generations=4", "rollout.max_completion_length=32",
-            "train.micro_batch_size=8", "eval.before=false", "eval.after=false", "log.console=none",
-            "checkpoint.save_final_model=false", f"output_dir={out}"]
+    sets = [
+        f"train.max_steps={steps}",
+        "checkpoint.save_steps=1",
+        f"checkpoint.async_save={str(async_save).lower()}",
+        "rollout.prompts_per_step=2",
+        "rollout.num_generations=4",
+        "rollout.max_completion_length=32",
+        "train.micro_batch_size=8",
+        "eval.before=false",
+        "eval.after=false",
+        "log.console=none",
+        "checkpoint.save_final_model=false",
+        f"output_dir={out}",
+    ]
     if model != "smollm2":
         sets.append(f"model.name_or_path={model}")
     cmd = [sys.executable, "-m", "plait", "train", *sum((["--set", s] for s in sets), [])]
@@ -50,9 +60,11 @@ def main() -> None:
             checkpoints = out / "checkpoints"
             total = sum(f.stat().st_size for f in checkpoints.rglob("*") if f.is_file())
             size = total / len(list(checkpoints.iterdir()))
-            print(f"| {'async' if async_save else 'sync'} | "
-                  f"{statistics.median(r['time/checkpoint'] for r in rows):.2f} | "
-                  f"{statistics.median(r['time/step'] for r in rows):.2f} | {size / 2**20:.0f} MiB |")
+            print(
+                f"| {'async' if async_save else 'sync'} | "
+                f"{statistics.median(r['time/checkpoint'] for r in rows):.2f} | "
+                f"{statistics.median(r['time/step'] for r in rows):.2f} | {size / 2**20:.0f} MiB |"
+            )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from plait.cluster.comm import free_port
 
+
 BACKENDS = {
     "local": [],
     "ddp": ["train.backend=ddp"],
@@ -36,14 +37,25 @@ BACKENDS = {
 def run(name: str, extra: list[str], args, root: Path) -> dict:
     out = root / name
     opts = [
-        f"model.name_or_path={args.model}", f"train.max_steps={args.steps}", "rollout.prompts_per_step=4",
-        "rollout.num_generations=4", "rollout.max_completion_length=32", "train.micro_batch_size=4",
-        "train.precision=bf16", "eval.before=false", "eval.after=false", "checkpoint.save_final_model=false",
-        "log.console=none", f"output_dir={out}", *extra,
+        f"model.name_or_path={args.model}",
+        f"train.max_steps={args.steps}",
+        "rollout.prompts_per_step=4",
+        "rollout.num_generations=4",
+        "rollout.max_completion_length=32",
+        "train.micro_batch_size=4",
+        "train.precision=bf16",
+        "eval.before=false",
+        "eval.after=false",
+        "checkpoint.save_final_model=false",
+        "log.console=none",
+        f"output_dir={out}",
+        *extra,
     ]
-    launcher = [] if name == "local" else [
-        "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port", str(free_port())
-    ]
+    launcher = (
+        []
+        if name == "local"
+        else ["-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port", str(free_port())]
+    )
     cmd = [sys.executable, *launcher, "-m", "plait", "train", *sum((["--set", o] for o in opts), [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     if proc.returncode != 0:
@@ -81,8 +93,10 @@ def main() -> None:
     print(f"\n| backend | processes | step s | train s | generate s | params/process (M) | {label} |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['backend']} | {r['processes']} | {r['step_s']:.1f} | {r['train_s']:.1f} | {r['generate_s']:.1f} | "
-              f"{r['params_per_process_M']:.1f} | {r['peak_mb_per_process']:.0f} |")
+        print(
+            f"| {r['backend']} | {r['processes']} | {r['step_s']:.1f} | {r['train_s']:.1f} | {r['generate_s']:.1f} | "
+            f"{r['params_per_process_M']:.1f} | {r['peak_mb_per_process']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

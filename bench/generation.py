@@ -54,8 +54,13 @@ def sync_per_gb(engine, model, reps) -> tuple[float, float]:
         t0 = time.perf_counter()
         engine.weights_for_step(v)
         secs = time.perf_counter() - t0
-        gb = engine.stats().get("weight_sync/gb") or sum(  # parameters(): tied ones once
-            p.numel() * p.element_size() for p in model.parameters()) / 1e9
+        gb = (
+            engine.stats().get("weight_sync/gb")
+            or sum(  # parameters(): tied ones once
+                p.numel() * p.element_size() for p in model.parameters()
+            )
+            / 1e9
+        )
         if v > 1:  # the first one pays for joining the weight group
             per_gb.append(secs / gb)
     return statistics.median(per_gb), gb
@@ -75,14 +80,24 @@ def main() -> None:
 
     path = str(resolve_model_path(args.model))
     base = [
-        f"model.name_or_path={path}", f"train.precision={args.precision}", f"rollout.batch_size={args.prompts * args.n}"
+        f"model.name_or_path={path}",
+        f"train.precision={args.precision}",
+        f"rollout.batch_size={args.prompts * args.n}",
     ]
     tok = load_tokenizer(path)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(path, "float32").to(device)
     prompts = [
-        Prompt(i, "", tok.apply_chat_template([{"role": "user", "content": f"What is {i} + {7 * i}? Explain."}],
-                                              add_generation_prompt=True, tokenize=True, return_dict=False))
+        Prompt(
+            i,
+            "",
+            tok.apply_chat_template(
+                [{"role": "user", "content": f"What is {i} + {7 * i}? Explain."}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            ),
+        )
         for i in range(args.prompts)
     ]
     params = SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=1)
@@ -104,15 +119,35 @@ def main() -> None:
     if not args.no_server:
         port = free_port()
         server = subprocess.Popen(
-            [sys.executable, "-m", "plait", "rollout-server", "--set", f"model.name_or_path={path}",
-             "--set", f"train.precision={args.precision}", "--port", str(port), "--host", "127.0.0.1"],
-            start_new_session=True, stdout=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "plait",
+                "rollout-server",
+                "--set",
+                f"model.name_or_path={path}",
+                "--set",
+                f"train.precision={args.precision}",
+                "--port",
+                str(port),
+                "--host",
+                "127.0.0.1",
+            ],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
             stderr=open(os.devnull if args.quiet_server else "/dev/stderr", "w"),
         )
         try:
-            cfg = load_config(None, [*base, "rollout.engine=vllm", "rollout.vllm.mode=server",
-                                     f"rollout.vllm.servers=[http://127.0.0.1:{port}]",
-                                     "rollout.vllm.connect_timeout_s=600"])
+            cfg = load_config(
+                None,
+                [
+                    *base,
+                    "rollout.engine=vllm",
+                    "rollout.vllm.mode=server",
+                    f"rollout.vllm.servers=[http://127.0.0.1:{port}]",
+                    "rollout.vllm.connect_timeout_s=600",
+                ],
+            )
             remote = make_engine(cfg, model, tok, device=device)
             remote.weights_for_step(0)
             secs, tps = throughput(remote, prompts, params, args.n, args.reps)
@@ -124,8 +159,10 @@ def main() -> None:
             server.wait(60)
 
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"\n{args.model}, {args.prompts} prompts x {args.n} completions x <= {args.tokens} tokens, "
-          f"{args.precision}, {where}\n")
+    print(
+        f"\n{args.model}, {args.prompts} prompts x {args.n} completions x <= {args.tokens} tokens, "
+        f"{args.precision}, {where}\n"
+    )
     print("| engine | s per batch | tokens/s | weight sync |\n|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")

@@ -10,6 +10,7 @@ import sys
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+
 if __name__ == "__main__":
     src, dst = sys.argv[1], sys.argv[2]
     shutil.copytree(src, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.gguf"))

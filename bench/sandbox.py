@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from plait.rewards import sandbox
 
+
 PROGRAM = "def f(x):\n    return x + 1\n"
 TESTS = ["assert f(1) == 2"]
 
@@ -52,8 +53,11 @@ def main() -> None:
             with ThreadPoolExecutor(w) as pool:
                 list(pool.map(lambda _: one(tier), range(args.n)))
             rates.append(args.n / (time.perf_counter() - start))
-        print(f"| {tier} | {statistics.median(lat):.3f} | {pct(lat, 0.99):.3f} | "
-              + " | ".join(f"{r:.1f}" for r in rates) + " |")
+        print(
+            f"| {tier} | {statistics.median(lat):.3f} | {pct(lat, 0.99):.3f} | "
+            + " | ".join(f"{r:.1f}" for r in rates)
+            + " |"
+        )
 
 
 if __name__ == "__main__":

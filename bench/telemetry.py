@@ -24,6 +24,7 @@ from plait.telemetry import flops, meter, sinks
 from plait.train import loop
 from plait.train.loop import train
 
+
 SPENT: dict[str, list[float]] = defaultdict(list)
 
 
@@ -54,10 +55,21 @@ def main() -> None:
             from plait.models import tiny_model
 
             model = str(tiny_model(Path(tmp) / "tiny"))
-        sets = [f"model.name_or_path={model}", f"train.max_steps={args.steps}", "rollout.prompts_per_step=2",
-                "rollout.num_generations=4", "rollout.max_completion_length=32", "train.micro_batch_size=8",
-                "eval.before=false", "eval.after=false", "log.console=plain", "log.sample_every_steps=1",
-                "checkpoint.save_final_model=false", "checkpoint.save_steps=0", f"output_dir={tmp}/run"]
+        sets = [
+            f"model.name_or_path={model}",
+            f"train.max_steps={args.steps}",
+            "rollout.prompts_per_step=2",
+            "rollout.num_generations=4",
+            "rollout.max_completion_length=32",
+            "train.micro_batch_size=8",
+            "eval.before=false",
+            "eval.after=false",
+            "log.console=plain",
+            "log.sample_every_steps=1",
+            "checkpoint.save_final_model=false",
+            "checkpoint.save_steps=0",
+            f"output_dir={tmp}/run",
+        ]
         if args.wandb:
             sets.append("log.wandb={mode: offline, project: plait-bench}")
         stopwatch(meter.StepMeter, "measure", "per-step figures (MFU, memory, collectives)")

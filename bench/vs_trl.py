@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+
 SIZES = {  # prompts per step, generations per prompt, completion tokens, micro-batch
     "small": (2, 4, 32, 8),
     "large": (8, 8, 128, 16),
@@ -62,17 +63,35 @@ def run_plait(
     from plait.train.loop import train
 
     prompts, gens, length, micro = SIZES[size]
-    cfg = load_config(None, [
-        f"model.name_or_path={model}", f"seed={seed}", f"rollout.prompts_per_step={prompts}",
-        f"rollout.num_generations={gens}", f"rollout.max_completion_length={length}", f"train.micro_batch_size={micro}",
-        f"train.max_steps={steps}", f"train.learning_rate={LR}", "train.warmup_steps=0", "train.lr_scheduler=constant",
-        f"train.precision={precision}", f"train.device={device}",
-        "algo.loss_type=dapo", "algo.beta=0", "algo.scale_rewards=group",
-        f"rewards=[{{name: accuracy, weight: {REWARD_WEIGHTS[0]}}}, "
-        f"{{name: boxed_format, weight: {REWARD_WEIGHTS[1]}}}]",
-        "eval.before=false", "eval.after=false", "log.console=none", "log.tensorboard=false", "checkpoint.save_steps=0",
-        "checkpoint.save_final_model=false", f"output_dir={out / 'run'}",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"model.name_or_path={model}",
+            f"seed={seed}",
+            f"rollout.prompts_per_step={prompts}",
+            f"rollout.num_generations={gens}",
+            f"rollout.max_completion_length={length}",
+            f"train.micro_batch_size={micro}",
+            f"train.max_steps={steps}",
+            f"train.learning_rate={LR}",
+            "train.warmup_steps=0",
+            "train.lr_scheduler=constant",
+            f"train.precision={precision}",
+            f"train.device={device}",
+            "algo.loss_type=dapo",
+            "algo.beta=0",
+            "algo.scale_rewards=group",
+            f"rewards=[{{name: accuracy, weight: {REWARD_WEIGHTS[0]}}}, "
+            f"{{name: boxed_format, weight: {REWARD_WEIGHTS[1]}}}]",
+            "eval.before=false",
+            "eval.after=false",
+            "log.console=none",
+            "log.tensorboard=false",
+            "checkpoint.save_steps=0",
+            "checkpoint.save_final_model=false",
+            f"output_dir={out / 'run'}",
+        ],
+    )
     result = train(cfg)
     return {
         "step_s": [m["time/step"] for m in result.history],
@@ -82,7 +101,13 @@ def run_plait(
 
 
 def run_trl(
-    model_name: str, size: str, steps: int, seed: int, out: Path, gradient_checkpointing: bool, device: str = "cpu",
+    model_name: str,
+    size: str,
+    steps: int,
+    seed: int,
+    out: Path,
+    gradient_checkpointing: bool,
+    device: str = "cpu",
     precision: str = "fp32",
 ) -> dict:
     import torch
@@ -122,19 +147,45 @@ def run_trl(
 
     accumulation = max(1, n_prompts * gens // micro)
     args = GRPOConfig(
-        output_dir=str(out / "trl"), seed=seed, data_seed=seed, use_cpu=device == "cpu", bf16=precision == "bf16",
+        output_dir=str(out / "trl"),
+        seed=seed,
+        data_seed=seed,
+        use_cpu=device == "cpu",
+        bf16=precision == "bf16",
         fp16=False,
-        num_generations=gens, max_completion_length=length, per_device_train_batch_size=min(micro, n_prompts * gens),
-        gradient_accumulation_steps=accumulation, steps_per_generation=accumulation, num_iterations=1,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, loss_type="dapo", beta=0.0,
-        scale_rewards="group", temperature=1.0, top_p=1.0, reward_weights=list(REWARD_WEIGHTS),
-        gradient_checkpointing=gradient_checkpointing, logging_steps=1, report_to="none", save_strategy="no",
-        disable_tqdm=True, dataloader_num_workers=0,
+        num_generations=gens,
+        max_completion_length=length,
+        per_device_train_batch_size=min(micro, n_prompts * gens),
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation,
+        num_iterations=1,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_steps=steps,
+        loss_type="dapo",
+        beta=0.0,
+        scale_rewards="group",
+        temperature=1.0,
+        top_p=1.0,
+        reward_weights=list(REWARD_WEIGHTS),
+        gradient_checkpointing=gradient_checkpointing,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
     )
     model = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(model_name)), dtype=torch.float32)
     clock = Clock()
-    trainer = GRPOTrainer(model=model, reward_funcs=[accuracy_reward, format_reward], args=args, train_dataset=data,
-                          processing_class=tok, callbacks=[clock])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[accuracy_reward, format_reward],
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[clock],
+    )
     trainer.train()
     return {"step_s": clock.times, "reward": per_step["reward"], "completion_tokens": per_step["completion_tokens"]}
 
@@ -144,8 +195,16 @@ def worker(args) -> None:
     if args.worker == "plait":
         res = run_plait(args.model, args.size, args.steps + args.warmup, args.seed, out, args.device, args.precision)
     else:
-        res = run_trl(args.model, args.size, args.steps + args.warmup, args.seed, out, args.trl_gradient_checkpointing,
-                      args.device, args.precision)
+        res = run_trl(
+            args.model,
+            args.size,
+            args.steps + args.warmup,
+            args.seed,
+            out,
+            args.trl_gradient_checkpointing,
+            args.device,
+            args.precision,
+        )
     res["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     if args.device == "cuda":
         import torch
@@ -164,7 +223,7 @@ def permutation_p(a: list[float], b: list[float], rounds: int = 20000, seed: int
     pooled, hits = a + b, 0
     for _ in range(rounds):
         rng.shuffle(pooled)
-        if abs(statistics.fmean(pooled[: len(a)]) - statistics.fmean(pooled[len(a):])) >= observed - 1e-12:
+        if abs(statistics.fmean(pooled[: len(a)]) - statistics.fmean(pooled[len(a) :])) >= observed - 1e-12:
             hits += 1
     return (hits + 1) / (rounds + 1)
 
@@ -179,8 +238,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct", help="the bundled model, or a model folder")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off unless given")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both train and generate")
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                    help="both: fp32 weights, bf16 autocast when bf16")
+    ap.add_argument(
+        "--precision", choices=["fp32", "bf16"], default="fp32", help="both: fp32 weights, bf16 autocast when bf16"
+    )
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--worker", choices=["plait", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
@@ -194,9 +254,30 @@ def main() -> None:
         for who in ("plait", "trl"):
             with tempfile.TemporaryDirectory() as tmp:
                 result = Path(tmp) / "result.json"
-                cmd = [sys.executable, __file__, "--worker", who, "--model", args.model, "--size", args.size,
-                       "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed + r),
-                       "--tmp", tmp, "--result", str(result), "--device", args.device, "--precision", args.precision]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    who,
+                    "--model",
+                    args.model,
+                    "--size",
+                    args.size,
+                    "--steps",
+                    str(args.steps),
+                    "--warmup",
+                    str(args.warmup),
+                    "--seed",
+                    str(args.seed + r),
+                    "--tmp",
+                    tmp,
+                    "--result",
+                    str(result),
+                    "--device",
+                    args.device,
+                    "--precision",
+                    args.precision,
+                ]
                 if args.trl_gradient_checkpointing:
                     cmd.append("--trl-gradient-checkpointing")
                 t0 = time.perf_counter()
@@ -208,23 +289,39 @@ def main() -> None:
                 print(f"round {r + 1}: {who:<5} {time.perf_counter() - t0:6.0f} s wall", flush=True)
 
     prompts, gens, length, _ = SIZES[args.size]
-    summary = {"size": args.size, "device": args.device, "precision": args.precision, "prompts": prompts,
-               "generations": gens, "completion_tokens": length, "steps": args.steps,
-               "warmup": args.warmup, "rounds": args.rounds}
-    print(f"\n{args.size}: {prompts} prompts x {gens} generations x {length} tokens, "
-          f"{args.steps} timed steps x {args.rounds} round(s) each, {args.precision}, {args.device}")
+    summary = {
+        "size": args.size,
+        "device": args.device,
+        "precision": args.precision,
+        "prompts": prompts,
+        "generations": gens,
+        "completion_tokens": length,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+    }
+    print(
+        f"\n{args.size}: {prompts} prompts x {gens} generations x {length} tokens, "
+        f"{args.steps} timed steps x {args.rounds} round(s) each, {args.precision}, {args.device}"
+    )
     print(f"{'':<8}{'step s (median)':>16}{'completion tok/s':>18}{'peak RSS GiB':>14}{'mean reward':>13}")
     for who, rs in runs.items():
-        steps = [s for r in rs for s in r["step_s"][args.warmup:]]
-        toks = [t for r in rs for t in r["completion_tokens"][args.warmup:]]
+        steps = [s for r in rs for s in r["step_s"][args.warmup :]]
+        toks = [t for r in rs for t in r["completion_tokens"][args.warmup :]]
         rewards = [x for r in rs for x in r["reward"]]
-        summary[who] = {"step_s_median": statistics.median(steps), "step_s": steps,
-                        "tokens_per_s": sum(toks) / sum(steps),
-                        "peak_rss_gb": max(r["peak_rss_gb"] for r in rs), "reward_mean": statistics.fmean(rewards),
-                        "reward_per_step": [r["reward"] for r in rs]}
+        summary[who] = {
+            "step_s_median": statistics.median(steps),
+            "step_s": steps,
+            "tokens_per_s": sum(toks) / sum(steps),
+            "peak_rss_gb": max(r["peak_rss_gb"] for r in rs),
+            "reward_mean": statistics.fmean(rewards),
+            "reward_per_step": [r["reward"] for r in rs],
+        }
         s = summary[who]
-        print(f"{who:<8}{s['step_s_median']:>16.2f}{s['tokens_per_s']:>18.1f}"
-              f"{s['peak_rss_gb']:>14.2f}{s['reward_mean']:>13.3f}")
+        print(
+            f"{who:<8}{s['step_s_median']:>16.2f}{s['tokens_per_s']:>18.1f}"
+            f"{s['peak_rss_gb']:>14.2f}{s['reward_mean']:>13.3f}"
+        )
     ratio = summary["plait"]["step_s_median"] / summary["trl"]["step_s_median"]
     a = [x for r in runs["plait"] for x in r["reward"]]
     b = [x for r in runs["trl"] for x in r["reward"]]

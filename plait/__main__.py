@@ -4,4 +4,5 @@ import sys
 
 from plait.cli import main
 
+
 sys.exit(main())

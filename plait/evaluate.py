@@ -15,7 +15,9 @@ class EvalResult:
     samples: list[dict] = field(default_factory=list)
 
 
-def evaluate(engine, prompts: list[Prompt], metric: BoundReward, max_tokens: int, stop: list[str] | None = None) -> EvalResult:
+def evaluate(
+    engine, prompts: list[Prompt], metric: BoundReward, max_tokens: int, stop: list[str] | None = None
+) -> EvalResult:
     """Greedy-decode every prompt once and average `metric` over them."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=list(stop or []))
     outs = engine.generate(prompts, params, n=1)
@@ -23,8 +25,7 @@ def evaluate(engine, prompts: list[Prompt], metric: BoundReward, max_tokens: int
     texts, kwargs = reward_inputs(groups)
     scores = call_reward(metric, texts, kwargs)
     samples = [
-        {"prompt": p.text, "answer": p.answer, "completion": t, "score": s}
-        for p, t, s in zip(prompts, texts, scores)
+        {"prompt": p.text, "answer": p.answer, "completion": t, "score": s} for p, t, s in zip(prompts, texts, scores)
     ]
     valid = [s for s in scores if s is not None]  # None: not applicable / the sandbox failed
     return EvalResult(sum(valid) / max(1, len(valid)), len(valid), samples)

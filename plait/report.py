@@ -15,15 +15,24 @@ from pathlib import Path
 import matplotlib
 import matplotlib.ticker
 
+
 matplotlib.use("Agg")  # files only: no display, no GUI toolkit
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plait.telemetry.advice import suggestion  # noqa: E402
 from plait.train.metrics import phase_summary  # noqa: E402
 
+
 PHASE_COLORS = {
-    "generate": "#4c72b0", "weight_sync": "#64b5cd", "score": "#55a868", "logprobs": "#8172b3",
-    "train": "#c44e52", "optimizer": "#dd8452", "checkpoint": "#937860", "eval": "#da8bc3", "idle": "#bbbbbb",
+    "generate": "#4c72b0",
+    "weight_sync": "#64b5cd",
+    "score": "#55a868",
+    "logprobs": "#8172b3",
+    "train": "#c44e52",
+    "optimizer": "#dd8452",
+    "checkpoint": "#937860",
+    "eval": "#da8bc3",
+    "idle": "#bbbbbb",
 }
 
 
@@ -168,8 +177,12 @@ def fig_throughput(history) -> bytes | None:
         ax2.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     else:
         ax2.text(
-            0.5, 0.5, "no MFU recorded\n(unknown device peak: set log.peak_flops)",
-            ha="center", va="center", transform=ax2.transAxes,
+            0.5,
+            0.5,
+            "no MFU recorded\n(unknown device peak: set log.peak_flops)",
+            ha="center",
+            va="center",
+            transform=ax2.transAxes,
         )
     ax2.set_title("model FLOPs utilization")
     return _png(fig)
@@ -236,8 +249,10 @@ def summary_rows(history: list[dict], evals: list[dict], metric: str) -> list[tu
         rows.append((f"held-out {metric}", f"{first} before -> {final} after"))
     last = history[-5:]
     for key, label in [
-        ("reward/total/mean", "reward (mean of last 5 steps)"), ("mfu/train", "MFU, train (last 5)"),
-        ("tokens/s_generate", "generated tokens/s (last 5)"), ("memory/peak_rss_gb", "peak host RSS, GiB"),
+        ("reward/total/mean", "reward (mean of last 5 steps)"),
+        ("mfu/train", "MFU, train (last 5)"),
+        ("tokens/s_generate", "generated tokens/s (last 5)"),
+        ("memory/peak_rss_gb", "peak host RSS, GiB"),
     ]:
         vals = [m[key] for m in last if isinstance(m.get(key), (int, float))]
         if vals:
@@ -250,8 +265,7 @@ def render(
     run_dir: Path, figures: list[Figure], history, evals, samples, config_text: str, cluster, tip, metric
 ) -> str:
     parts = [
-        "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
-        f"<title>plait report: {_esc(run_dir.name)}</title>",
+        f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>plait report: {_esc(run_dir.name)}</title>",
         f"<style>{CSS}</style></head><body>",
         f"<h1>plait run report</h1><p class='muted'>{_esc(run_dir.resolve())}</p>",
         "<h2>Summary</h2><table id='summary'>",
@@ -267,8 +281,10 @@ def render(
             f"src='data:image/png;base64,{data}'>"
         )
     if evals:
-        parts.append("<h2>Evaluations</h2><table id='evals'><tr><th>when</th><th>step</th>"
-                     f"<th>{_esc(metric)}</th><th>prompts</th></tr>")
+        parts.append(
+            "<h2>Evaluations</h2><table id='evals'><tr><th>when</th><th>step</th>"
+            f"<th>{_esc(metric)}</th><th>prompts</th></tr>"
+        )
         parts += [
             f"<tr><td>{_esc(e.get('tag'))}</td><td class='num'>{_esc(e.get('step'))}</td>"
             f"<td class='num'>{_fmt(e.get(metric, '-'))}</td><td class='num'>{_esc(e.get('n', '-'))}</td></tr>"
@@ -281,8 +297,11 @@ def render(
     )
     if samples:
         names = sorted({k for s in samples for k in s.get("rewards", {})})
-        parts.append("<table id='samples'><tr><th>step</th><th>prompt</th><th>completion</th><th>answer</th>"
-                     + "".join(f"<th>{_esc(n)}</th>" for n in names) + "</tr>")
+        parts.append(
+            "<table id='samples'><tr><th>step</th><th>prompt</th><th>completion</th><th>answer</th>"
+            + "".join(f"<th>{_esc(n)}</th>" for n in names)
+            + "</tr>"
+        )
         for s in samples[-60:]:
             cells = "".join(f"<td class='num'>{_fmt(s['rewards'].get(n, '-'))}</td>" for n in names)
             parts.append(

@@ -100,7 +100,10 @@ class Batch:
     # which tensors run along the sequence [B, T], the completion [B, C] or one value per row [B]
     SEQUENCE_FIELDS: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask")
     COMPLETION_FIELDS: ClassVar[tuple[str, ...]] = (
-        "completion_mask", "old_logprobs", "ref_logprobs", "sampling_logprobs"
+        "completion_mask",
+        "old_logprobs",
+        "ref_logprobs",
+        "sampling_logprobs",
     )
     ROW_FIELDS: ClassVar[tuple[str, ...]] = ("advantages",)
 

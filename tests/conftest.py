@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE / "helpers"))  # reward functions importable as `plait_test_rewards:...`
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

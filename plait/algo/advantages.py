@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+
 EPS = 1e-4
 SCALES = ("group", "batch", "none")  # what the centred rewards are divided by (group_advantages)
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # how several rewards combine (combine_rewards)

@@ -80,7 +80,12 @@ def prompt_runs(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_le
 
 
 def shared_prompt_logprobs(
-    model, input_ids, attention_mask, prompt_len: int, runs: list[int], temperature: float = 1.0,
+    model,
+    input_ids,
+    attention_mask,
+    prompt_len: int,
+    runs: list[int],
+    temperature: float = 1.0,
     with_entropy: bool = False,
 ):
     """completion_logprobs, with each distinct prompt run through the model once: its KV cache
@@ -98,14 +103,26 @@ def shared_prompt_logprobs(
     pos = positions(attention_mask)
     cache, cut = DynamicCache(), prompt_len - 1
     no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
-    model(input_ids=input_ids[first, :cut], attention_mask=attention_mask[first, :cut], position_ids=pos[first, :cut],
-          past_key_values=cache, use_cache=True, logits_to_keep=no_logits)
+    model(
+        input_ids=input_ids[first, :cut],
+        attention_mask=attention_mask[first, :cut],
+        position_ids=pos[first, :cut],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=no_logits,
+    )
     for layer in cache.layers:  # every row gets its prompt's keys/values
         layer.keys, layer.values = _spread(layer.keys, runs), _spread(layer.values, runs)
     completion_len = input_ids.shape[1] - prompt_len
     predicting = torch.arange(completion_len, device=input_ids.device)  # the last token predicts nothing
-    logits = model(input_ids=input_ids[:, cut:], attention_mask=attention_mask, position_ids=pos[:, cut:],
-                   past_key_values=cache, use_cache=True, logits_to_keep=predicting).logits
+    logits = model(
+        input_ids=input_ids[:, cut:],
+        attention_mask=attention_mask,
+        position_ids=pos[:, cut:],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=predicting,
+    ).logits
     logits = scale_logits(logits, temperature)
     return selective_log_softmax(logits, input_ids[:, prompt_len:], with_entropy=with_entropy)
 
@@ -183,7 +200,12 @@ def can_pack(model) -> bool:
 
 
 def packed_group_logprobs(
-    model, input_ids, attention_mask, prompt_len: int, runs: list[int], temperature: float = 1.0,
+    model,
+    input_ids,
+    attention_mask,
+    prompt_len: int,
+    runs: list[int],
+    temperature: float = 1.0,
     with_entropy: bool = False,
 ):
     """completion_logprobs with each group packed into one row (pack_groups): a group's prompt
@@ -194,8 +216,9 @@ def packed_group_logprobs(
     dtype = next(model.parameters()).dtype
     bias = torch.zeros(packed.allowed.shape, dtype=dtype, device=input_ids.device)
     bias = bias.masked_fill(~packed.allowed, torch.finfo(dtype).min)
-    hidden = model.get_decoder()(input_ids=packed.input_ids, attention_mask=bias, position_ids=packed.position_ids,
-                                 use_cache=False).last_hidden_state
+    hidden = model.get_decoder()(
+        input_ids=packed.input_ids, attention_mask=bias, position_ids=packed.position_ids, use_cache=False
+    ).last_hidden_state
     logits = model.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1])[packed.source])
     logits = scale_logits(logits, temperature)
     out = selective_log_softmax(logits, packed.targets, chunk=512, with_entropy=with_entropy)

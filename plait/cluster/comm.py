@@ -87,6 +87,7 @@ def _timed(fn):
             return fn(*args, **kwargs)
         finally:
             SECONDS[0] += time.perf_counter() - t0
+
     return wrapper
 
 

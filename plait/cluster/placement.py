@@ -50,6 +50,7 @@ class Placement:
 
     def as_dict(self) -> dict:
         """What the launcher records in RUN_DIR/placement.json."""
+
         def slot(s: Slot) -> dict:
             n = self.nodes[s.node]
             return {"node": n.name, "node_id": n.node_id, "device": s.device}
@@ -86,10 +87,14 @@ def place(nodes: list[Node], n_train: int, tp: int, dp: int) -> tuple[list[Slot]
     if len(replicas) < dp:
         widest = max((n.devices for n in nodes), default=0)
         if tp > widest:
-            return (f"a generation replica needs tensor_parallel_size={tp} devices on one node, but the largest node "
-                    f"has {widest}; use rollout.vllm.tensor_parallel_size <= {widest}")
-        return (f"{dp} generation replicas x {tp} devices don't fit on whole nodes of "
-                f"{'/'.join(str(n.devices) for n in nodes)} devices")
+            return (
+                f"a generation replica needs tensor_parallel_size={tp} devices on one node, but the largest node "
+                f"has {widest}; use rollout.vllm.tensor_parallel_size <= {widest}"
+            )
+        return (
+            f"{dp} generation replicas x {tp} devices don't fit on whole nodes of "
+            f"{'/'.join(str(n.devices) for n in nodes)} devices"
+        )
     replicas.sort(key=lambda r: (r[0].node, r[0].device))
     train = [Slot(i, d) for i in range(len(nodes)) for d in free[i]][:n_train]
     if len(train) < n_train:
@@ -224,18 +229,24 @@ def render_memory(m: MemoryEstimate, backend: str, n_train: int, tp: int) -> lis
 
     parts = " + ".join(f"{k} {gb(v)}" for k, v in m.train.items())
     sharded = {"fsdp2": f" (sharded over {n_train})", "deepspeed": f" (ZeRO over {n_train})"}.get(backend, "")
-    lines = [f"memory per device (rough estimate; model {m.shape.label} parameters, {m.device_gb:g} GiB devices):",
-             f"  training{sharded}: {parts} = {gb(m.train_total)} GiB"
-             + ("" if m.train_total <= m.device_gb * GiB else "  ** more than the device holds **")]
+    lines = [
+        f"memory per device (rough estimate; model {m.shape.label} parameters, {m.device_gb:g} GiB devices):",
+        f"  training{sharded}: {parts} = {gb(m.train_total)} GiB"
+        + ("" if m.train_total <= m.device_gb * GiB else "  ** more than the device holds **"),
+    ]
     if m.generation:
         kv = m.generation["kv cache"]
         too_big = "  ** the weights don't fit in the engine's share: raise gpu_memory_utilization or tp **"
-        lines.append(f"  generation (tp {tp}): weights {gb(m.generation['weights'])} GiB "
-                     f"+ KV cache {gb(max(kv, 0))} GiB" + ("" if kv > 0 else too_big))
+        lines.append(
+            f"  generation (tp {tp}): weights {gb(m.generation['weights'])} GiB "
+            f"+ KV cache {gb(max(kv, 0))} GiB" + ("" if kv > 0 else too_big)
+        )
     if m.train_total > m.device_gb * GiB:
-        lines.append("  to fit: train.backend=fsdp2 or deepspeed (shard), model.gradient_checkpointing=true, a smaller "
-                     "train.micro_batch_size, model.lora, "
-                     "or offloading (train.fsdp.cpu_offload / train.deepspeed.offload_*)")
+        lines.append(
+            "  to fit: train.backend=fsdp2 or deepspeed (shard), model.gradient_checkpointing=true, a smaller "
+            "train.micro_batch_size, model.lora, "
+            "or offloading (train.fsdp.cpu_offload / train.deepspeed.offload_*)"
+        )
     return lines
 
 
@@ -256,8 +267,15 @@ def _generation(cfg) -> tuple[str, int, int]:
 
 def _batch(cfg, n_train: int) -> BatchPlan | str:
     r, t = cfg.rollout, cfg.train
-    return plan_batch(r.prompts_per_step, r.num_generations, t.micro_batch_size, t.gradient_accumulation_steps,
-                      n_train, 0, t.auto_batch)
+    return plan_batch(
+        r.prompts_per_step,
+        r.num_generations,
+        t.micro_batch_size,
+        t.gradient_accumulation_steps,
+        n_train,
+        0,
+        t.auto_batch,
+    )
 
 
 def try_place(cfg, nodes: list[Node]) -> Placement | list[str]:
@@ -298,8 +316,11 @@ def alternatives(cfg, nodes: list[Node], k: int = 4) -> list[Alternative]:
     out: list[Alternative] = []
 
     def ok(n_train: int, gen_tp: int, gen_dp: int, prompts: int, micro: int) -> bool:
-        return n_train >= 1 and not isinstance(place(nodes, n_train, gen_tp, gen_dp), str) and \
-            fits(prompts, r.num_generations, micro, n_train, t.gradient_accumulation_steps)
+        return (
+            n_train >= 1
+            and not isinstance(place(nodes, n_train, gen_tp, gen_dp), str)
+            and fits(prompts, r.num_generations, micro, n_train, t.gradient_accumulation_steps)
+        )
 
     want = tp * dp
     if how == "vllm server":
@@ -311,27 +332,47 @@ def alternatives(cfg, nodes: list[Node], k: int = 4) -> list[Alternative]:
                     if tp2 != tp:
                         sets.append(f"rollout.vllm.tensor_parallel_size={tp2}")
                     replicas = f"{dp2} replica{'s' if dp2 > 1 else ''} x tp {tp2}"
-                    out.append(Alternative(tuple(sets), f"{n_train} train + {tp2 * dp2} generate ({replicas})",
-                                           (abs(tp2 * dp2 - want), abs(tp2 - tp), 0)))
+                    out.append(
+                        Alternative(
+                            tuple(sets),
+                            f"{n_train} train + {tp2 * dp2} generate ({replicas})",
+                            (abs(tp2 * dp2 - want), abs(tp2 - tp), 0),
+                        )
+                    )
         if ok(total, 0, 0, r.prompts_per_step, t.micro_batch_size):
-            out.append(Alternative(("rollout.vllm.mode=colocate", "cluster.generation_devices=0"),
-                                   f"{total} train, each with its own colocated vLLM engine", (want, 0, 1)))
+            out.append(
+                Alternative(
+                    ("rollout.vllm.mode=colocate", "cluster.generation_devices=0"),
+                    f"{total} train, each with its own colocated vLLM engine",
+                    (want, 0, 1),
+                )
+            )
     elif how in ("hf", "vllm colocate", "vllm external") and total > 1:
         for n_train in range(total - 1, 0, -1):  # fewer trainers (idle devices): the last resort
             if ok(n_train, 0, 0, r.prompts_per_step, t.micro_batch_size):
-                out.append(Alternative((f"cluster.devices={n_train}",),
-                                       f"{n_train} train ({total - n_train} device(s) left idle)",
-                                       (total - n_train + want, 0, 2)))
+                out.append(
+                    Alternative(
+                        (f"cluster.devices={n_train}",),
+                        f"{n_train} train ({total - n_train} device(s) left idle)",
+                        (total - n_train + want, 0, 2),
+                    )
+                )
                 break
     n_train = total - want
     split = f"{n_train} train + {want} generate" if want else f"{n_train} train"
     if n_train >= 1 and not isinstance(place(nodes, n_train, tp, dp), str):
-        near = sorted((p for p in range(1, 4 * r.prompts_per_step + n_train + 1)
-                       if ok(n_train, tp, dp, p, t.micro_batch_size)),
-                      key=lambda p: (abs(p - r.prompts_per_step), p))[:2]
+        near = sorted(
+            (p for p in range(1, 4 * r.prompts_per_step + n_train + 1) if ok(n_train, tp, dp, p, t.micro_batch_size)),
+            key=lambda p: (abs(p - r.prompts_per_step), p),
+        )[:2]
         for p in near:
-            out.append(Alternative((f"rollout.prompts_per_step={p}",), f"{split}, {p} prompts x {r.num_generations} = "
-                                   f"{p // n_train} prompt(s) per trainer", (0, 0, 0, abs(p - r.prompts_per_step))))
+            out.append(
+                Alternative(
+                    (f"rollout.prompts_per_step={p}",),
+                    f"{split}, {p} prompts x {r.num_generations} = {p // n_train} prompt(s) per trainer",
+                    (0, 0, 0, abs(p - r.prompts_per_step)),
+                )
+            )
         micro = [m for m in range(t.micro_batch_size, 0, -1) if ok(n_train, tp, dp, r.prompts_per_step, m)][:1]
         for m in micro:
             out.append(Alternative((f"train.micro_batch_size={m}",), f"{split}, micro-batches of {m}", (0, 0, 0, 0)))
@@ -354,20 +395,28 @@ def auto_split(cfg, nodes: list[Node]) -> tuple[list[str], str]:
         return [], f"every one of the {total} devices trains ({engine} generation runs on them)"
     tp = v.tensor_parallel_size
     target = cfg.cluster.generation_devices or max(tp, round(total / 4 / tp) * tp)
-    options = [dp for dp in range(1, total // tp)
-               if target / 2 <= tp * dp <= target * 2  # a split far from the target wastes more than a rounded batch
-               and not isinstance(place(nodes, total - tp * dp, tp, dp), str)
-               and fits(r.prompts_per_step, r.num_generations, t.micro_batch_size, total - tp * dp,
-                        t.gradient_accumulation_steps)]
+    options = [
+        dp
+        for dp in range(1, total // tp)
+        if target / 2 <= tp * dp <= target * 2  # a split far from the target wastes more than a rounded batch
+        and not isinstance(place(nodes, total - tp * dp, tp, dp), str)
+        and fits(
+            r.prompts_per_step, r.num_generations, t.micro_batch_size, total - tp * dp, t.gradient_accumulation_steps
+        )
+    ]
     if options:
         dp = min(options, key=lambda d: (abs(tp * d - target), -d))
-        why = (f"{total - tp * dp} train + {tp * dp} generate: "
-               f"the split nearest to {target} generation device(s) where the batch divides")
+        why = (
+            f"{total - tp * dp} train + {tp * dp} generate: "
+            f"the split nearest to {target} generation device(s) where the batch divides"
+        )
         return [f"cluster.generation_devices={tp * dp}", f"rollout.vllm.data_parallel_size={dp}"], why
     dp = max(1, target // tp)
-    return ([f"cluster.generation_devices={tp * dp}", f"rollout.vllm.data_parallel_size={dp}", "train.auto_batch=true"],
-            f"{total - tp * dp} train + {tp * dp} generate; "
-            "no split near that divides the batch, so train.auto_batch=true rounds it")
+    return (
+        [f"cluster.generation_devices={tp * dp}", f"rollout.vllm.data_parallel_size={dp}", "train.auto_batch=true"],
+        f"{total - tp * dp} train + {tp * dp} generate; "
+        "no split near that divides the batch, so train.auto_batch=true rounds it",
+    )
 
 
 def plan_cluster(
@@ -402,15 +451,19 @@ def render(p: Placement, cfg) -> list[str]:
     """The placement as `plait plan` and the Ray launcher print it."""
     kind = p.device_kind
     n_train, tp = len(p.train), p.tensor_parallel
-    shard = {"fsdp2": f"fsdp2: parameters, gradients and optimizer sharded over {n_train}",
-             "deepspeed": f"deepspeed ZeRO-{cfg.train.deepspeed.zero_stage} over {n_train}",
-             "ddp": f"ddp: whole weights on each of {n_train}", "local": "local: one process"}[p.backend]
+    shard = {
+        "fsdp2": f"fsdp2: parameters, gradients and optimizer sharded over {n_train}",
+        "deepspeed": f"deepspeed ZeRO-{cfg.train.deepspeed.zero_stage} over {n_train}",
+        "ddp": f"ddp: whole weights on each of {n_train}",
+        "local": "local: one process",
+    }[p.backend]
     replicas = f"{len(p.replicas)} replica{'s' if len(p.replicas) > 1 else ''}"
-    gen = {"hf": "generation in the training processes (hf)",
-           "vllm colocate": "generation: one colocated vLLM engine per training process",
-           "vllm external": f"generation: the rollout servers at {', '.join(cfg.rollout.vllm.servers)}",
-           "vllm server": f"{len(p.replicas) * tp} generate "
-                          f"(vLLM: {replicas} x tp {tp})"}[p.generation]
+    gen = {
+        "hf": "generation in the training processes (hf)",
+        "vllm colocate": "generation: one colocated vLLM engine per training process",
+        "vllm external": f"generation: the rollout servers at {', '.join(cfg.rollout.vllm.servers)}",
+        "vllm server": f"{len(p.replicas) * tp} generate (vLLM: {replicas} x tp {tp})",
+    }[p.generation]
     lines = [f"placement: {n_train} train ({shard}) + {gen}"]
     width = max(len(n.name) for n in p.nodes)
     for i, n in enumerate(p.nodes):
@@ -422,17 +475,21 @@ def render(p: Placement, cfg) -> list[str]:
         here = [j for j, rep in enumerate(p.replicas) if rep[0].node == i]
         if here:
             devs = [s.device for j in here for s in p.replicas[j]]
-            row.append(f"{kind} {_ranges(devs)}: generation replica{'s' if len(here) > 1 else ''} {_ranges(here)}"
-                       + (f" ({tp} devices each)" if tp > 1 and len(here) > 1 else ""))
+            row.append(
+                f"{kind} {_ranges(devs)}: generation replica{'s' if len(here) > 1 else ''} {_ranges(here)}"
+                + (f" ({tp} devices each)" if tp > 1 and len(here) > 1 else "")
+            )
         used = len(ranks) + sum(len(rep) for rep in p.replicas if rep[0].node == i)
         if used < n.devices:
             row.append(f"{n.devices - used} idle")
         lines.append(f"  {n.name:<{width}}  " + ("; ".join(row) or "unused"))
     b = p.batch
-    lines.append(f"batch: {b.prompts_per_step} prompts x {b.num_generations} generations = "
-                 f"{b.completions_per_step} completions "
-                 f"per step; each trainer: {b.prompts_per_process} prompt(s) = {b.completions_per_process} completions "
-                 f"= {b.gradient_accumulation_steps} micro-batch(es) of {b.micro_batch_size}")
+    lines.append(
+        f"batch: {b.prompts_per_step} prompts x {b.num_generations} generations = "
+        f"{b.completions_per_step} completions "
+        f"per step; each trainer: {b.prompts_per_process} prompt(s) = {b.completions_per_process} completions "
+        f"= {b.gradient_accumulation_steps} micro-batch(es) of {b.micro_batch_size}"
+    )
     lines += p.notes
     if p.memory is not None:
         lines += render_memory(p.memory, p.backend, n_train, tp)

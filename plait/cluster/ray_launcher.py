@@ -32,9 +32,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from plait.cluster.placement import Node, Placement, model_shape, plan_cluster, render, render_failure
 from plait.cluster.comm import free_port
+from plait.cluster.placement import Node, Placement, model_shape, plan_cluster, render, render_failure
 from plait.config import Config, ConfigError
+
 
 # environment every actor gets from the driver (besides cluster.ray.env)
 FORWARDED = ("HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY", "HF_HOME", "PLAIT_HOME")
@@ -49,8 +50,10 @@ def ray_problems(cfg: Config) -> list[str]:
 
     have = version("ray")
     if tuple(int(x) for x in have.split(".")[:2] if x.isdigit()) < (2, 50):
-        return [f"cluster.launcher=ray needs Ray >= 2.50 (placement bundles pinned to nodes by label), this is {have}: "
-                "`pip install -U 'ray[default]>=2.50'` here and on the cluster"]
+        return [
+            f"cluster.launcher=ray needs Ray >= 2.50 (placement bundles pinned to nodes by label), this is {have}: "
+            "`pip install -U 'ray[default]>=2.50'` here and on the cluster"
+        ]
     return []
 
 
@@ -72,11 +75,15 @@ def connect(address: str) -> bool:
             # "auto": RAY_ADDRESS, else the cluster `ray start` joined
             ray.init(address=address, runtime_env=runtime_env, logging_level="WARNING")
     except ConnectionError as e:
-        raise ConfigError([f"cluster.ray.address={address!r}: no Ray cluster found ({e}). "
-                           "Start one with `ray start --head` "
-                           "(and `ray start --address HEAD:6379` on the other nodes), "
-                           "submit with `ray job submit -- plait train ...`, "
-                           "or set cluster.ray.address=local to start a one-machine Ray here"]) from None
+        raise ConfigError(
+            [
+                f"cluster.ray.address={address!r}: no Ray cluster found ({e}). "
+                "Start one with `ray start --head` "
+                "(and `ray start --address HEAD:6379` on the other nodes), "
+                "submit with `ray job submit -- plait train ...`, "
+                "or set cluster.ray.address=local to start a one-machine Ray here"
+            ]
+        ) from None
     return True
 
 
@@ -99,8 +106,12 @@ def cluster_nodes(cfg: Config) -> tuple[list[Node], str]:
     kind = device_resource(cfg, totals)
     if kind not in totals:
         have = sorted(k for k in totals if not k.startswith(("node:", "memory", "object_store")))
-        raise ConfigError([f"cluster.ray.device_resource={kind!r}: no node of the cluster has it "
-                           f"(it has: {', '.join(have)}); use GPU, CPU, or one of those"])
+        raise ConfigError(
+            [
+                f"cluster.ray.device_resource={kind!r}: no node of the cluster has it "
+                f"(it has: {', '.join(have)}); use GPU, CPU, or one of those"
+            ]
+        )
     cpus = cfg.cluster.ray.cpus_per_process
     alive.sort(key=lambda n: ("node:__internal_head__" not in n["Resources"], n["NodeManagerAddress"], n["NodeID"]))
     nodes = []
@@ -153,7 +164,9 @@ class Trainer:
 
         ctx = ray.get_runtime_context()
         return {
-            "node_id": ctx.get_node_id(), "address": ray.util.get_node_ip_address(), "pid": os.getpid(),
+            "node_id": ctx.get_node_id(),
+            "address": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
             "port": free_port(""),
         }
 
@@ -189,7 +202,13 @@ class GenerationServer:
         if not ray.get_gpu_ids():  # CPU: the replica's workers get this node's cores, as `plait rollout-server` does
             env.update(_cpu_threads(0, engine_kwargs.get("tensor_parallel_size", 1), 1))
         cmd = [
-            sys.executable, "-m", "plait.rollout.server", json.dumps(engine_kwargs), "0", "0.0.0.0", json.dumps([port])
+            sys.executable,
+            "-m",
+            "plait.rollout.server",
+            json.dumps(engine_kwargs),
+            "0",
+            "0.0.0.0",
+            json.dumps([port]),
         ]
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         _wait_healthy([f"http://127.0.0.1:{port}"], [self.proc], timeout_s)
@@ -227,7 +246,6 @@ class Failure:
         from plait.data import DataError
         from plait.rewards.runner import RewardError
         from plait.rewards.sandbox import SandboxUnavailable
-
         from plait.train.guard import TrainingDiverged
 
         # these would fail the same way again: a restart only repeats them
@@ -247,8 +265,10 @@ def _why(err: BaseException) -> str:
     if isinstance(err, getattr(rex, "NodeDiedError", ())) or "node has died" in text or "node was terminated" in text:
         return "its node died or left the cluster"
     if isinstance(err, rex.ActorDiedError) or "Worker unexpectedly exits" in text:
-        return ("its process died without a Python error (killed by a signal, the kernel's OOM killer, "
-                "or a native crash; see the node's dmesg and Ray's worker log)")
+        return (
+            "its process died without a Python error (killed by a signal, the kernel's OOM killer, "
+            "or a native crash; see the node's dmesg and Ray's worker log)"
+        )
     first = text.strip().splitlines()[0][:300] if text.strip() else ""
     return first or type(err).__name__
 
@@ -282,9 +302,13 @@ class Job:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         kind, cpus = self.plan.device_kind, self.cfg.cluster.ray.cpus_per_process
-        opts = {"num_cpus": cpus * n_devices if kind == "CPU" else cpus, "max_restarts": 0, "name": name,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
-                "runtime_env": {"env_vars": dict(self.cfg.cluster.ray.env)}}
+        opts = {
+            "num_cpus": cpus * n_devices if kind == "CPU" else cpus,
+            "max_restarts": 0,
+            "name": name,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
+            "runtime_env": {"env_vars": dict(self.cfg.cluster.ray.env)},
+        }
         if kind == "GPU":
             opts["num_gpus"] = n_devices
         elif kind != "CPU":
@@ -301,9 +325,11 @@ class Job:
         try:
             ray.get(self.pg.ready(), timeout=r.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"the cluster did not grant the placement ({len(bundles)} bundles: {bundles}) within "
-                               f"{r.start_timeout_s:.0f} s (cluster.ray.start_timeout_s): "
-                               "other jobs hold the devices?") from None
+            raise RuntimeError(
+                f"the cluster did not grant the placement ({len(bundles)} bundles: {bundles}) within "
+                f"{r.start_timeout_s:.0f} s (cluster.ray.start_timeout_s): "
+                "other jobs hold the devices?"
+            ) from None
         n = len(self.plan.train)
         tag = f"plait-{os.getpid()}-{time.time_ns() % 10**6}"
         if self.plan.replicas:
@@ -314,8 +340,10 @@ class Job:
         ]
         self.where_trainers = ray.get([t.where.remote() for t in self.trainers])
         self.ran_on["trainers"] = [w["node_id"] for w in self.where_trainers]
-        planned = {"trainers": [self.plan.nodes[s.node].node_id for s in self.plan.train],
-                   "generation_replicas": [self.plan.nodes[r[0].node].node_id for r in self.plan.replicas]}
+        planned = {
+            "trainers": [self.plan.nodes[s.node].node_id for s in self.plan.train],
+            "generation_replicas": [self.plan.nodes[r[0].node].node_id for r in self.plan.replicas],
+        }
         for role, ids in self.ran_on.items():  # the bundles' node labels guarantee it; say so if Ray ever disagrees
             for i, (want, got) in enumerate(zip(planned[role], ids)):
                 if want != got:
@@ -464,8 +492,10 @@ def launch(cfg: Config, console: str | None = None, auto: bool = False, say=prin
                 say(f"plait --auto: {why}" + (f" ({' '.join(sets)})" if sets else ""))
             plan = make_plan(cfg, nodes, kind)
             shape = model_shape(cfg.model.name_or_path)
-            say(f"ray cluster: {len(nodes)} node(s), {sum(n.devices for n in nodes)} {kind} device(s)"
-                + (f"; model {shape.label} parameters" if shape else ""))
+            say(
+                f"ray cluster: {len(nodes)} node(s), {sum(n.devices for n in nodes)} {kind} device(s)"
+                + (f"; model {shape.label} parameters" if shape else "")
+            )
             for line in render(plan, cfg):
                 say(line)
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
@@ -486,8 +516,10 @@ def launch(cfg: Config, console: str | None = None, auto: bool = False, say=prin
             if not failure.restartable:
                 raise failure.error
             if attempt >= cfg.cluster.max_restarts:
-                say(f"plait: giving up (cluster.max_restarts={cfg.cluster.max_restarts}); committed checkpoints in "
-                    f"{cfg.output_dir} resume with `plait train --ray --resume {cfg.output_dir}`")
+                say(
+                    f"plait: giving up (cluster.max_restarts={cfg.cluster.max_restarts}); committed checkpoints in "
+                    f"{cfg.output_dir} resume with `plait train --ray --resume {cfg.output_dir}`"
+                )
                 return 1
             attempt += 1
             cfg = cfg.model_copy(deep=True)

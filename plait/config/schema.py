@@ -21,6 +21,7 @@ from plait.algo.advantages import AGGREGATIONS, SCALES
 from plait.algo.kl import KL_ESTIMATORS
 from plait.algo.losses import IS_LEVELS, LOSS_TYPES
 
+
 # the keys of the tables, in their order (pydantic lists them in its error messages)
 LossType = Literal[tuple(LOSS_TYPES)]
 KlEstimator = Literal[tuple(KL_ESTIMATORS)]
@@ -56,25 +57,19 @@ class ModelConfig(Section):
         "smollm2-135m-instruct",
         description="A local Hugging Face model folder, or the bundled 'smollm2-135m-instruct'.",
     )
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Dtype the weights are stored and updated in."
-    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype the weights are stored and updated in.")
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of all weights.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
 
 
 class DataConfig(Section):
-    task: str | None = Field(
-        "arithmetic", description="A built-in task (see `plait tasks`); null to read `path`."
-    )
+    task: str | None = Field("arithmetic", description="A built-in task (see `plait tasks`); null to read `path`.")
     path: str | None = Field(None, description="Prompts: a .jsonl/.parquet file or a saved `datasets` folder.")
     format: Literal["auto", "jsonl", "parquet", "disk"] = Field("auto", description="How to read `path`.")
     split: str = Field("train", description="Split to read from a DatasetDict folder.")
     eval_path: str | None = Field(None, description="Held-out prompts for evaluation (same format).")
     prompt_field: str = Field("prompt", description="Column holding the prompt text.")
-    messages_field: str | None = Field(
-        None, description="Column holding chat messages (overrides prompt_field)."
-    )
+    messages_field: str | None = Field(None, description="Column holding chat messages (overrides prompt_field).")
     answer_field: str | None = Field("answer", description="Column holding the reference answer.")
     system_prompt: str | None = Field(None, description="System message put before every prompt.")
     chat_template: bool = Field(True, description="Apply the tokenizer's chat template.")
@@ -119,8 +114,9 @@ class VllmSettings(Section):
         None, description="No torch.compile / CUDA graphs (null = eager on CPU, compiled on GPU)."
     )
     sleep_between_steps: bool = Field(
-        True, description="Colocate on GPU: free vLLM's memory while a round trains, wake it for the next "
-        "round's generation (sleep/wake)."
+        True,
+        description="Colocate on GPU: free vLLM's memory while a round trains, wake it for the next "
+        "round's generation (sleep/wake).",
     )
     sync_bucket_mb: int = Field(
         512, ge=1, description="Server mode: weights are broadcast in flat buckets of this size."
@@ -129,7 +125,8 @@ class VllmSettings(Section):
         "auto", description="Server mode weight broadcast: auto = nccl on GPU, gloo on CPU."
     )
     request_timeout_s: float = Field(
-        600.0, gt=0,
+        600.0,
+        gt=0,
         description="Server mode: a generation or weight sync taking longer fails the round (no silent hang).",
     )
     engine_kwargs: dict[str, Any] = Field(
@@ -163,8 +160,10 @@ class RolloutConfig(Section):
     )
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="Options of engine vllm.")
     prompts_per_step: int = Field(
-        8, ge=1, description="Distinct prompts per optimizer update; a round generates for "
-        "prompts_per_step x algo.steps_per_generation prompts."
+        8,
+        ge=1,
+        description="Distinct prompts per optimizer update; a round generates for "
+        "prompts_per_step x algo.steps_per_generation prompts.",
     )
     num_generations: int = Field(8, ge=1, description="Completions per prompt (the group size).")
     max_completion_length: int = Field(32, ge=1, description="Longest completion in tokens.")
@@ -174,13 +173,15 @@ class RolloutConfig(Section):
     stop: list[str] = Field(default_factory=list, description="Extra stop strings besides EOS.")
     batch_size: int = Field(64, ge=1, description="Sequences per generate call.")
     packed_weights: bool = Field(
-        True, description="Engine hf, fp32 on CPU: decode through oneDNN-packed copies of the linear weights, made "
+        True,
+        description="Engine hf, fp32 on CPU: decode through oneDNN-packed copies of the linear weights, made "
         "when a round's generation starts (faster decoding matmuls, for one extra copy of the weights while "
-        "generating)."
+        "generating).",
     )
     two_stage: TwoStageConfig | None = Field(
-        None, description="Sample a few candidates per prompt first; spend the rest of the group only on prompts "
-        "that can still teach."
+        None,
+        description="Sample a few candidates per prompt first; spend the rest of the group only on prompts "
+        "that can still teach.",
     )
 
 
@@ -189,8 +190,10 @@ class RewardSpec(Section):
     weight: float = Field(1.0, description="Weight in the summed reward.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the reward.")
     timeout_s: float = Field(
-        600.0, gt=0, description="Time limit for one call over the completions scored together (a round's, or "
-        "one sampling batch's); past it the reward is None (excluded) for them, with a warning."
+        600.0,
+        gt=0,
+        description="Time limit for one call over the completions scored together (a round's, or "
+        "one sampling batch's); past it the reward is None (excluded) for them, with a warning.",
     )
 
 
@@ -247,19 +250,25 @@ class AlgoConfig(Section):
         False, description="Subtract beta x sequence KL from the reward instead of adding KL to the loss."
     )
     ref_model_sync_steps: int = Field(
-        0, ge=0, description="Every N applied optimizer updates (skipped non-finite ones don't count), mix the "
-        "policy into the reference (0 = frozen)."
+        0,
+        ge=0,
+        description="Every N applied optimizer updates (skipped non-finite ones don't count), mix the "
+        "policy into the reference (0 = frozen).",
     )
     ref_model_mixup_alpha: float = Field(
         0.6, gt=0.0, le=1.0, description="ref <- alpha * policy + (1 - alpha) * ref at each sync."
     )
     num_iterations: int = Field(
-        1, ge=1, description="Passes over each round's batch (reusing it against the old log-probs); each pass is "
-        "steps_per_generation optimizer updates."
+        1,
+        ge=1,
+        description="Passes over each round's batch (reusing it against the old log-probs); each pass is "
+        "steps_per_generation optimizer updates.",
     )
     steps_per_generation: int = Field(
-        1, ge=1, description="Optimizer updates one pass over a round's batch is split into (each on "
-        "rollout.prompts_per_step prompts)."
+        1,
+        ge=1,
+        description="Optimizer updates one pass over a round's batch is split into (each on "
+        "rollout.prompts_per_step prompts).",
     )
     mask_truncated_completions: bool = Field(False, description="Exclude completions cut at max length from the loss.")
     top_entropy_quantile: float = Field(
@@ -270,8 +279,10 @@ class AlgoConfig(Section):
         False, description="DAPO: drop groups whose rewards are all equal and refill with new prompts."
     )
     max_sampling_rounds: int = Field(
-        4, ge=1, description="Dynamic sampling and two_stage: batches of fresh prompts generated per round at most, "
-        "while informative groups are missing."
+        4,
+        ge=1,
+        description="Dynamic sampling and two_stage: batches of fresh prompts generated per round at most, "
+        "while informative groups are missing.",
     )
     engine_is_correction: bool = Field(
         False, description="Reweight tokens by min(pi_trainer / pi_engine, engine_is_cap) (truncated IS)."
@@ -281,12 +292,14 @@ class AlgoConfig(Section):
 
 class FsdpConfig(Section):
     reshard_after_forward: bool = Field(
-        True, description="Free each layer's gathered weights after its forward (ZeRO-3-like, least memory); false "
-        "keeps them until backward (ZeRO-2-like, less communication)."
+        True,
+        description="Free each layer's gathered weights after its forward (ZeRO-3-like, least memory); false "
+        "keeps them until backward (ZeRO-2-like, less communication).",
     )
     cpu_offload: bool = Field(
-        False, description="Keep sharded parameters, gradients and optimizer state in CPU memory (GPU only; slower, "
-        "fits bigger models)."
+        False,
+        description="Keep sharded parameters, gradients and optimizer state in CPU memory (GPU only; slower, "
+        "fits bigger models).",
     )
 
 
@@ -320,25 +333,27 @@ def fast_precision() -> str:
 
 class TrainConfig(Section):
     max_steps: int = Field(
-        20, ge=1, description="Rounds to run; each round generates, scores, then makes "
-        "algo.num_iterations x algo.steps_per_generation optimizer updates."
+        20,
+        ge=1,
+        description="Rounds to run; each round generates, scores, then makes "
+        "algo.num_iterations x algo.steps_per_generation optimizer updates.",
     )
     learning_rate: float = Field(3e-5, gt=0.0, description="Peak AdamW learning rate.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup.")
-    warmup_steps: int = Field(
-        2, ge=0, description="Linear LR warmup, in applied optimizer updates (not rounds)."
-    )
+    warmup_steps: int = Field(2, ge=0, description="Linear LR warmup, in applied optimizer updates (not rounds).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     shared_prompt_pass: bool = Field(
-        True, description="Run each group's prompt through the model once for all its completions, forward and "
+        True,
+        description="Run each group's prompt through the model once for all its completions, forward and "
         "backward: each group packed into one row (prompt, then its completions, no padding; a KV cache handed on "
         "for models with scaled logits); applies to backend local without gradient checkpointing, others run every "
-        "padded row whole."
+        "padded row whole.",
     )
     retain_host_memory: bool = Field(
-        True, description="Keep freed host memory in the process for reuse (glibc: big blocks from the heap, no "
+        True,
+        description="Keep freed host memory in the process for reuse (glibc: big blocks from the heap, no "
         "trimming) so the same big tensors are not page-faulted in again every micro-batch (faster on CPU); RSS "
-        "then stays at its peak during the run."
+        "then stays at its peak during the run.",
     )
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1.")
     adam_beta2: float = Field(0.99, ge=0.0, lt=1.0, description="AdamW beta2.")
@@ -363,7 +378,8 @@ class TrainConfig(Section):
     )
     threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default).")
     max_nonfinite_steps: int = Field(
-        3, ge=0,
+        3,
+        ge=0,
         description="Optimizer updates with a NaN/inf gradient are skipped (weights, optimizer and LR schedule "
         "untouched); after more than this many in a row the run stops (exit code 3) without writing a checkpoint.",
     )
@@ -382,17 +398,17 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
-    save_steps: int = Field(
-        0, ge=0, description="Save a resumable checkpoint every N rounds (0 = only at the end)."
-    )
+    save_steps: int = Field(0, ge=0, description="Save a resumable checkpoint every N rounds (0 = only at the end).")
     save_every_minutes: float = Field(
-        0.0, ge=0,
+        0.0,
+        ge=0,
         description="Also save when this many minutes passed since the last save (0 = off); rank 0's clock decides.",
     )
     keep_last: int = Field(2, ge=1, description="Checkpoints to keep; older ones are deleted after a new one commits.")
     async_save: bool = Field(
-        True, description="Copy the state to CPU memory and write it in the background while training goes on "
-        "(local, ddp, fsdp2; deepspeed saves synchronously). The end of the run waits for it."
+        True,
+        description="Copy the state to CPU memory and write it in the background while training goes on "
+        "(local, ddp, fsdp2; deepspeed saves synchronously). The end of the run waits for it.",
     )
     save_final_model: bool = Field(True, description="Write the trained model as a HF folder to OUTPUT_DIR/final.")
 
@@ -411,8 +427,9 @@ class WandbConfig(Section):
     entity: str | None = Field(None, description="W&B team or user (null = your default).")
     name: str | None = Field(None, description="Run name (null = the run directory's name).")
     mode: Literal["online", "offline"] = Field(
-        "offline", description="offline writes RUN_DIR/wandb with no network (`wandb sync` uploads it later); "
-        "online streams to the server."
+        "offline",
+        description="offline writes RUN_DIR/wandb with no network (`wandb sync` uploads it later); "
+        "online streams to the server.",
     )
     tags: list[str] = Field(default_factory=list, description="Tags on the W&B run.")
 
@@ -431,8 +448,10 @@ class LogConfig(Section):
         None, description="Log to Weights & Biases (needs `pip install plait[wandb]`); null = off."
     )
     peak_flops: float | None = Field(
-        None, gt=0, description="Peak FLOP/s of one training device for MFU (null = datasheet on known GPUs, a "
-        "measured matmul peak on CPU)."
+        None,
+        gt=0,
+        description="Peak FLOP/s of one training device for MFU (null = datasheet on known GPUs, a "
+        "measured matmul peak on CPU).",
     )
 
 
@@ -443,19 +462,22 @@ class RayConfig(Section):
         "`ray job submit` sets it), 'local' = start a private one-node Ray here, or HOST:PORT / ray://HOST:PORT.",
     )
     device_resource: str = Field(
-        "auto", description="Ray resource one device is: GPU, CPU, or a custom resource; auto = GPU when the "
-        "cluster has GPUs, else CPU."
+        "auto",
+        description="Ray resource one device is: GPU, CPU, or a custom resource; auto = GPU when the "
+        "cluster has GPUs, else CPU.",
     )
     cpus_per_process: float = Field(
         1.0, gt=0, description="CPUs each trainer / generation replica reserves (on CPU, its torch threads)."
     )
     env: dict[str, str] = Field(
-        default_factory=dict, description="Environment variables for every actor (PLAIT_*, HF_HUB_OFFLINE and "
-        "TRANSFORMERS_VERBOSITY are passed on anyway)."
+        default_factory=dict,
+        description="Environment variables for every actor (PLAIT_*, HF_HUB_OFFLINE and "
+        "TRANSFORMERS_VERBOSITY are passed on anyway).",
     )
     start_timeout_s: float = Field(
-        600.0, gt=0, description="How long to wait for the cluster to grant the placement and for generation "
-        "servers to come up."
+        600.0,
+        gt=0,
+        description="How long to wait for the cluster to grant the placement and for generation servers to come up.",
     )
 
 
@@ -466,17 +488,21 @@ class ClusterConfig(Section):
         "places trainers and generation servers as actors on a Ray cluster (same as --ray).",
     )
     devices: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="Devices (GPUs, or processes on CPU) in the job, training + generation; null = the launcher's "
         "world size plus generation_devices (Ray: every device in the cluster).",
     )
     generation_devices: int = Field(
-        0, ge=0, description="Devices reserved for generation servers (not training); under Ray plait starts the "
-        "servers on them."
+        0,
+        ge=0,
+        description="Devices reserved for generation servers (not training); under Ray plait starts the "
+        "servers on them.",
     )
     max_restarts: int = Field(
-        0, ge=0, description="Ray: when a process dies, restart the job this many times, resuming from the last "
-        "checkpoint."
+        0,
+        ge=0,
+        description="Ray: when a process dies, restart the job this many times, resuming from the last checkpoint.",
     )
     ray: RayConfig = Field(default_factory=RayConfig, description="Options of launcher ray.")
 

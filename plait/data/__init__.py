@@ -11,6 +11,7 @@ from pathlib import Path
 from plait.data.tasks import TASKS, task_rows
 from plait.types import Prompt
 
+
 __all__ = ["TASKS", "load_rows", "build_prompts", "PromptOrder", "DataError", "source_problem"]
 
 

@@ -10,6 +10,7 @@ import random
 import zlib
 from typing import Callable
 
+
 ARITHMETIC_PROMPT = "What is {a} + {b}? Put the final answer in \\boxed{{}}."
 
 
@@ -63,11 +64,18 @@ def _humaneval_rows(split: str) -> list[dict]:
         if _split_of(task_id, eval_share=5) != split:
             continue
         setup, tests = humaneval_tests(p["test"], p["entry_point"])
-        rows.append({
-            "prompt": HUMANEVAL_PROMPT.format(code=p["prompt"]), "answer": None, "task_id": task_id,
-            "tests": tests, "setup": setup, "code_prefix": p["prompt"], "entry_point": p["entry_point"],
-            "canonical_solution": p["canonical_solution"],
-        })
+        rows.append(
+            {
+                "prompt": HUMANEVAL_PROMPT.format(code=p["prompt"]),
+                "answer": None,
+                "task_id": task_id,
+                "tests": tests,
+                "setup": setup,
+                "code_prefix": p["prompt"],
+                "entry_point": p["entry_point"],
+                "canonical_solution": p["canonical_solution"],
+            }
+        )
     return rows
 
 

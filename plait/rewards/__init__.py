@@ -52,8 +52,7 @@ def resolve_reward(name: str) -> RewardFn:
         near = difflib.get_close_matches(name, list(BUILTIN), n=1)
         hint = f" Did you mean '{near[0]}'?" if near else ""
         raise KeyError(
-            f"unknown reward '{name}'.{hint} Built-ins: {', '.join(sorted(BUILTIN))}; "
-            "or give 'module:function'"
+            f"unknown reward '{name}'.{hint} Built-ins: {', '.join(sorted(BUILTIN))}; or give 'module:function'"
         )
     module, _, attr = name.partition(":")
     # Like `python -m`, the current directory is searched too (after the installed packages),
@@ -63,8 +62,10 @@ def resolve_reward(name: str) -> RewardFn:
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as err:
-        raise KeyError(f"reward '{name}' could not be imported: {err} (modules are found on PYTHONPATH and in the "
-                       "current directory)") from None
+        raise KeyError(
+            f"reward '{name}' could not be imported: {err} (modules are found on PYTHONPATH and in the "
+            "current directory)"
+        ) from None
     if not callable(fn):
         raise KeyError(f"reward '{name}' is not callable")
     return fn

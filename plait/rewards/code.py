@@ -41,8 +41,13 @@ class SandboxSettings:
 
 def sandbox_settings(cfg) -> SandboxSettings:
     """Config `sandbox:` section -> settings."""
-    limits = Limits(timeout_s=cfg.timeout_s, cpu_s=cfg.cpu_s, memory_mb=cfg.memory_mb,
-                    max_processes=cfg.max_processes, output_bytes=cfg.output_bytes)
+    limits = Limits(
+        timeout_s=cfg.timeout_s,
+        cpu_s=cfg.cpu_s,
+        memory_mb=cfg.memory_mb,
+        max_processes=cfg.max_processes,
+        output_bytes=cfg.output_bytes,
+    )
     return SandboxSettings(limits, cfg.min_tier, cfg.workers, cfg.python)
 
 
@@ -104,8 +109,14 @@ class Sandbox:
                     self._cache.popitem(last=False)
         return res
 
-    def run_all(self, completions: list[str], tests: list, setup: list | None = None, code_prefix: list | None = None,
-                entry_point: list | None = None) -> list[ExecResult | None]:
+    def run_all(
+        self,
+        completions: list[str],
+        tests: list,
+        setup: list | None = None,
+        code_prefix: list | None = None,
+        entry_point: list | None = None,
+    ) -> list[ExecResult | None]:
         """Every completion against its row's tests, `settings.workers` sandboxes at a time;
         None for rows without tests."""
         n = len(completions)
@@ -181,7 +192,7 @@ def humaneval_tests(test_source: str, entry_point: str) -> tuple[str, list[str]]
         if isinstance(node, ast.FunctionDef) and node.name == "check":
             for stmt in node.body:
                 seg = ast.get_source_segment(test_source, stmt)
-                seg = "\n".join(line[stmt.col_offset:] if i else line for i, line in enumerate(seg.splitlines()))
+                seg = "\n".join(line[stmt.col_offset :] if i else line for i, line in enumerate(seg.splitlines()))
                 if any(isinstance(n, ast.Assert) for n in ast.walk(stmt)):
                     tests.append("\n".join(pending + [seg]))
                     pending = []
@@ -197,16 +208,30 @@ def _key(code: str, tests: list[str], setup: str) -> str:
     return hashlib.sha256("\0".join([code, setup, *tests]).encode()).hexdigest()
 
 
-def code_pass(completions: list[str], tests: list, setup: list | None = None, code_prefix: list | None = None,
-              entry_point: list | None = None, sandbox: Sandbox | None = None, **_) -> list[float | None]:
+def code_pass(
+    completions: list[str],
+    tests: list,
+    setup: list | None = None,
+    code_prefix: list | None = None,
+    entry_point: list | None = None,
+    sandbox: Sandbox | None = None,
+    **_,
+) -> list[float | None]:
     """1.0 if the code passes every test (and the harness ran to the end), else 0.0; None
     where the row has no tests or the sandbox failed (excluded, not scored as wrong)."""
     results = (sandbox or default_sandbox()).run_all(completions, tests, setup, code_prefix, entry_point)
     return [None if r is None or not r.valid else float(r.all_passed) for r in results]
 
 
-def code_tests_passed(completions: list[str], tests: list, setup: list | None = None, code_prefix: list | None = None,
-                      entry_point: list | None = None, sandbox: Sandbox | None = None, **_) -> list[float | None]:
+def code_tests_passed(
+    completions: list[str],
+    tests: list,
+    setup: list | None = None,
+    code_prefix: list | None = None,
+    entry_point: list | None = None,
+    sandbox: Sandbox | None = None,
+    **_,
+) -> list[float | None]:
     """The fraction of the row's tests the code passes (a denser signal than pass/fail);
     None as for code_pass."""
     results = (sandbox or default_sandbox()).run_all(completions, tests, setup, code_prefix, entry_point)

@@ -16,7 +16,9 @@ def length_penalty(completions: list[str], completion_ids: list[list[int]], max_
     return [-min(len(ids), max_tokens) / max_tokens for ids in completion_ids]
 
 
-def soft_overlong_punishment(completions: list[str], completion_ids: list[list[int]], max_length: int = 256, cache: int = 64, **_) -> list[float]:
+def soft_overlong_punishment(
+    completions: list[str], completion_ids: list[list[int]], max_length: int = 256, cache: int = 64, **_
+) -> list[float]:
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13), by length L:
 
         0                          if L <= max_length - cache
@@ -26,7 +28,9 @@ def soft_overlong_punishment(completions: list[str], completion_ids: list[list[i
     Set max_length to rollout.max_completion_length.
     """
     if not 0 < cache <= max_length:
-        raise ValueError(f"soft_overlong_punishment needs 0 < cache <= max_length, got cache={cache}, max_length={max_length}")
+        raise ValueError(
+            f"soft_overlong_punishment needs 0 < cache <= max_length, got cache={cache}, max_length={max_length}"
+        )
     free = max_length - cache
     out = []
     for ids in completion_ids:
@@ -69,10 +73,13 @@ def cosine_length(
         require_number("cosine_length", name, value)
     require_int("cosine_length", "max_length", max_length)
     if not min_value_wrong <= max_value_wrong:
-        raise ValueError(f"cosine_length: min_value_wrong must be <= max_value_wrong, got {min_value_wrong} > {max_value_wrong}")
+        raise ValueError(
+            f"cosine_length: min_value_wrong must be <= max_value_wrong, got {min_value_wrong} > {max_value_wrong}"
+        )
     if not min_value_correct <= max_value_correct:
         raise ValueError(
-            f"cosine_length: min_value_correct must be <= max_value_correct, got {min_value_correct} > {max_value_correct}"
+            "cosine_length: min_value_correct must be <= max_value_correct, "
+            f"got {min_value_correct} > {max_value_correct}"
         )
     if not max_value_wrong <= min_value_correct:
         raise ValueError(

@@ -101,7 +101,9 @@ def reward_model(
     try:
         device = str(torch.device(device))
     except (RuntimeError, TypeError) as err:
-        raise ValueError(f"reward_model: device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from err
+        raise ValueError(
+            f"reward_model: device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}"
+        ) from err
     if prompts is None or len(prompts) != len(completions):
         raise ValueError(
             f"reward_model: needs one prompt per completion, got {'no prompts' if prompts is None else len(prompts)} "

@@ -55,8 +55,9 @@ class RewardReport:
 
     def merge(self, other: RewardReport) -> RewardReport:
         """Both reports' costs summed (several scoring rounds of one step)."""
-        return RewardReport(_add(self.seconds, other.seconds), _add(self.timeouts, other.timeouts),
-                            _add(self.sandbox, other.sandbox))
+        return RewardReport(
+            _add(self.seconds, other.seconds), _add(self.timeouts, other.timeouts), _add(self.sandbox, other.sandbox)
+        )
 
     def metrics(self, names: list[str], sandboxed: bool) -> dict[str, float]:
         """reward/<name>/timeouts and reward/<name>/seconds for every configured reward (0 when it
@@ -211,8 +212,9 @@ def call_rewards(
     return out, report
 
 
-def _call_in_parallel(rewards: list[BoundReward], texts: list[str], kwargs: dict[str, list],
-                      report: RewardReport) -> dict[str, list[float | None]]:
+def _call_in_parallel(
+    rewards: list[BoundReward], texts: list[str], kwargs: dict[str, list], report: RewardReport
+) -> dict[str, list[float | None]]:
     pool = ThreadPoolExecutor(max_workers=len(rewards), thread_name_prefix="plait-reward")
     try:
         t0 = time.perf_counter()
@@ -224,8 +226,12 @@ def _call_in_parallel(rewards: list[BoundReward], texts: list[str], kwargs: dict
             except FutureTimeout:
                 report.timeouts[r.name] = report.timeouts.get(r.name, 0) + 1
                 report.seconds[r.name] = time.perf_counter() - t0
-                log.warning("reward '%s' took longer than %ss on %d completions: scored None (excluded) this step",
-                            r.name, r.timeout_s, len(texts))
+                log.warning(
+                    "reward '%s' took longer than %ss on %d completions: scored None (excluded) this step",
+                    r.name,
+                    r.timeout_s,
+                    len(texts),
+                )
                 out[r.name] = [None] * len(texts)
         return out
     finally:

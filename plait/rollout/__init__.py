@@ -14,8 +14,14 @@ def make_engine(cfg, model, tokenizer, view=None, device=None) -> RolloutEngine:
     `view` its context that yields full weights (gathered when sharded): the HF engine samples
     from them, vLLM engines copy them in after each optimizer step."""
     if cfg.rollout.engine == "hf":
-        return HFEngine(model, tokenizer, batch_size=cfg.rollout.batch_size, precision=cfg.train.precision, view=view,
-                        packed_weights=cfg.rollout.packed_weights)
+        return HFEngine(
+            model,
+            tokenizer,
+            batch_size=cfg.rollout.batch_size,
+            precision=cfg.train.precision,
+            view=view,
+            packed_weights=cfg.rollout.packed_weights,
+        )
     import torch
 
     device = device or torch.device("cpu")

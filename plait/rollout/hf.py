@@ -40,7 +40,9 @@ def group_generators(prompts: list[Prompt], seed: int, device) -> list[torch.Gen
     return [torch.Generator(device=device).manual_seed(group_seed(seed, p)) for p in prompts]
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator], group_of_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator], group_of_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token per row (row i draws from its group's stream `gens[group_of_row[i]]`);
     return it and its log-prob under softmax(logits / T).
 
@@ -86,7 +88,9 @@ class HFEngine:
     that yields the module to sample from: a sharded training backend gathers the full
     weights there (and frees them after)."""
 
-    def __init__(self, model, tokenizer, batch_size: int = 64, precision: str = "fp32", view=None, packed_weights: bool = True):
+    def __init__(
+        self, model, tokenizer, batch_size: int = 64, precision: str = "fp32", view=None, packed_weights: bool = True
+    ):
         self.model = model
         self.packed_weights = packed_weights
         self.view = view or (lambda: contextlib.nullcontext(self.model))
@@ -151,7 +155,14 @@ class HFEngine:
         active = torch.arange(rows, device=dev)  # original row of each row still decoding
         cache = DynamicCache()
         with autocast(self._device, self.precision):
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             logits = out.logits[:, -1].repeat_interleave(n, 0)
             if n > 1:
                 cache.batch_repeat_interleave(n)
@@ -167,7 +178,13 @@ class HFEngine:
                     active, token, mask, last_pos = active[idx], token[idx], mask[idx], last_pos[idx]
                 mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
                 last_pos = last_pos + 1
-                out = model(input_ids=token[:, None], attention_mask=mask, position_ids=last_pos, past_key_values=cache, use_cache=True)
+                out = model(
+                    input_ids=token[:, None],
+                    attention_mask=mask,
+                    position_ids=last_pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
                 logits = out.logits[:, -1]
         return self._collect([p for p in prompts for _ in range(n)], tokens, logps, reason, params)
 

@@ -34,8 +34,10 @@ class RolloutServerError(RuntimeError):
 
 
 def _resume_hint() -> str:
-    return ("Checkpoints already written are intact: once the server is back (`plait rollout-server CONFIG`), "
-            "rerun with resume=auto to continue from the last one.")
+    return (
+        "Checkpoints already written are intact: once the server is back (`plait rollout-server CONFIG`), "
+        "rerun with resume=auto to continue from the last one."
+    )
 
 
 class RemoteEngine:
@@ -71,7 +73,9 @@ class RemoteEngine:
                 f"rollout.vllm.request_timeout_s={self.settings.request_timeout_s}).{after}"
             ) from None
         except httpx.HTTPError as e:
-            raise RolloutServerError(f"rollout server {url} is unreachable ({type(e).__name__}: {e}) during {path}.{after}") from None
+            raise RolloutServerError(
+                f"rollout server {url} is unreachable ({type(e).__name__}: {e}) during {path}.{after}"
+            ) from None
         if r.status_code != 200:
             raise RolloutServerError(f"rollout server {url} answered {path} with HTTP {r.status_code}: {r.text[:500]}")
         return r.json()
@@ -145,7 +149,10 @@ class RemoteEngine:
         world = 1 + sum(sizes)
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         timeout = self.settings.request_timeout_s
-        bodies = [dict(host=host, port=port, rank_offset=o, world=world, backend=self.backend, timeout_s=timeout) for o in offsets]
+        bodies = [
+            dict(host=host, port=port, rank_offset=o, world=world, backend=self.backend, timeout_s=timeout)
+            for o in offsets
+        ]
         futures = self._post_all("/weights/join", bodies)  # they block in the rendezvous until we join too
         self.group = weight_group(host, port, 0, world, self.backend, timeout)
         for f in futures:
@@ -162,7 +169,9 @@ class RemoteEngine:
                 send_buckets(self.group, [t for _, t in weights], buckets, self.device)
             except RuntimeError as e:  # a receiver died mid-broadcast
                 self.group = None
-                raise RolloutServerError(f"sending weights to the rollout servers failed: {e}. {_resume_hint()}") from None
+                raise RolloutServerError(
+                    f"sending weights to the rollout servers failed: {e}. {_resume_hint()}"
+                ) from None
             for f in futures:
                 f.result()
             return sum(m.nbytes for m in metas)
@@ -176,8 +185,18 @@ class RemoteEngine:
         shares: list[list[int]] = [[] for _ in range(r)]
         for i in range(len(prompts)):
             shares[(i + comm.rank()) % r].append(i)
-        bodies = [dict(prompts=[dict(token_ids=prompts[i].token_ids, sampling=sampling_dict(params, n, prompts[i])) for i in share]) for share in shares]
-        futures = [self.pool.submit(self._call, "POST", u, "/generate", b) if b["prompts"] else None for u, b in zip(self.urls, bodies)]
+        bodies = [
+            dict(
+                prompts=[
+                    dict(token_ids=prompts[i].token_ids, sampling=sampling_dict(params, n, prompts[i])) for i in share
+                ]
+            )
+            for share in shares
+        ]
+        futures = [
+            self.pool.submit(self._call, "POST", u, "/generate", b) if b["prompts"] else None
+            for u, b in zip(self.urls, bodies)
+        ]
         out: list[list[Completion]] = [[] for _ in prompts]
         for url, share, fut in zip(self.urls, shares, futures):
             if fut is None:

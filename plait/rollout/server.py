@@ -8,7 +8,8 @@ rollout/remote.py). Every answer carries the weight version it was sampled with.
 
 The HTTP API (JSON):
   GET  /health          -> {version, instance, replica, replicas, tensor_parallel_size, model}
-  POST /generate        {prompts: [{token_ids, sampling}]} -> {version, outputs: [[{token_ids, text, logprobs, finish_reason, stop_reason}]]}
+  POST /generate        {prompts: [{token_ids, sampling}]}
+                        -> {version, outputs: [[{token_ids, text, logprobs, finish_reason, stop_reason}]]}
   POST /weights/join    {host, port, rank_offset, world, backend, timeout_s}: join the trainer's weight group
   POST /weights/update  {version, metas, buckets}: receive the broadcast; generation waits meanwhile
 
@@ -87,8 +88,12 @@ def build_app(engine_kwargs: dict, replica: int, ports: list[int]):
     @app.get("/health")
     async def health():
         return dict(
-            version=state["version"], instance=state["instance"], replica=replica, replicas=ports,
-            tensor_parallel_size=engine_kwargs.get("tensor_parallel_size", 1), model=engine_kwargs["model"],
+            version=state["version"],
+            instance=state["instance"],
+            replica=replica,
+            replicas=ports,
+            tensor_parallel_size=engine_kwargs.get("tensor_parallel_size", 1),
+            model=engine_kwargs["model"],
         )
 
     async def one(req: dict):
@@ -202,13 +207,18 @@ def run_servers(engine_kwargs: dict, dp: int, host: str, port: int, say=print, s
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     try:
         _wait_healthy([f"http://{shown}:{p}" for p in ports], procs, start_timeout_s)
-        say(f"rollout server ready: {dp} replica(s) x tp={tp} of {engine_kwargs['model']} at "
+        say(
+            f"rollout server ready: {dp} replica(s) x tp={tp} of {engine_kwargs['model']} at "
             + ", ".join(f"http://{shown}:{p}" for p in ports)
-            + f"  (trainer: rollout.engine=vllm rollout.vllm.mode=server rollout.vllm.servers=[http://{shown}:{port}])")
+            + f"  (trainer: rollout.engine=vllm rollout.vllm.mode=server rollout.vllm.servers=[http://{shown}:{port}])"
+        )
         while stop["signal"] is None:
             for i, p in enumerate(procs):
                 if p.poll() is not None:
-                    say(f"rollout server: replica {i} (port {ports[i]}) exited with code {p.returncode}; stopping the others")
+                    say(
+                        f"rollout server: replica {i} (port {ports[i]}) exited with code {p.returncode}; "
+                        "stopping the others"
+                    )
                     return 1
             time.sleep(0.5)
         say(f"rollout server: stopping on signal {stop['signal']}")

@@ -134,7 +134,9 @@ class WeightReceiver:
             for m in shared[1:]:
                 m.quant_method.process_weights_after_loading(m)
 
-    def plait_join_weight_group(self, host: str, port: int, rank_offset: int, world: int, backend: str, timeout_s: float) -> None:
+    def plait_join_weight_group(
+        self, host: str, port: int, rank_offset: int, world: int, backend: str, timeout_s: float
+    ) -> None:
         self._plait_group = None  # a new trainer (e.g. after a restart) replaces the old group
         self._plait_group = weight_group(host, port, rank_offset + self.rank, world, backend, timeout_s)
 

@@ -132,7 +132,9 @@ def send_buckets(group, tensors: list[torch.Tensor], buckets: list[list[int]], d
         _broadcast(group, flat)
 
 
-def receive_buckets(group, metas: list[TensorMeta], buckets: list[list[int]], device) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def receive_buckets(
+    group, metas: list[TensorMeta], buckets: list[list[int]], device
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The receiving side of `send_buckets`: yields each bucket's (name, tensor) views."""
     for idx in buckets:
         dtype = getattr(torch, metas[idx[0]].dtype)

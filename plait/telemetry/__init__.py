@@ -3,4 +3,5 @@
 from plait.telemetry.sinks import MetricsSink
 from plait.telemetry.timers import PhaseTimer
 
+
 __all__ = ["PhaseTimer", "MetricsSink"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+
 DOMINANT = 0.5  # a phase above this share of step time gets a suggestion
 
 

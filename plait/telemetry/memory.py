@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+
 _GB = 2**30
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+
 # the compact per-step console line: (metric key, label, format)
 CONSOLE_COLUMNS = [
     ("reward/total/mean", "reward", "{:.3f}"),
@@ -87,8 +88,15 @@ class WandbWriter:
         id_file.write_text(run_id)
         self.wandb = wandb
         self.run = wandb.init(
-            project=settings.project, entity=settings.entity, name=settings.name or run_dir.name, tags=settings.tags,
-            mode=settings.mode, dir=str(run_dir), id=run_id, resume="allow", config=config,
+            project=settings.project,
+            entity=settings.entity,
+            name=settings.name or run_dir.name,
+            tags=settings.tags,
+            mode=settings.mode,
+            dir=str(run_dir),
+            id=run_id,
+            resume="allow",
+            config=config,
         )
 
     def log(self, step: int, metrics: dict) -> None:

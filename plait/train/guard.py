@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 
+
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later", what a requeueing scheduler should do
 DIVERGED_EXIT = 3
 
@@ -57,7 +58,8 @@ class NonFiniteGuard:
                 f"each was skipped (weights and optimizer untouched) and train.max_nonfinite_steps={self.limit} "
                 "allows no more. The newest checkpoint predates them and is intact. "
                 "Try a lower train.learning_rate, train.max_grad_norm, "
-                "train.precision=fp32, or check the rewards for inf/NaN.")
+                "train.precision=fp32, or check the rewards for inf/NaN."
+            )
         return False
 
 
@@ -75,8 +77,11 @@ class StopSignal:
             self.uninstall()
             raise KeyboardInterrupt(f"second {name}")
         self.requested = name
-        print(f"plait: {name} received: finishing this step, then writing a checkpoint (send it again to stop now)",
-              file=sys.stderr, flush=True)
+        print(
+            f"plait: {name} received: finishing this step, then writing a checkpoint (send it again to stop now)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def install(self) -> "StopSignal":
         # a Ray actor's signals belong to Ray (the launcher stops actors itself)

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import sys
 
+
 # mallopt parameters (malloc.h) and glibc's defaults
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536

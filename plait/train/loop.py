@@ -35,6 +35,7 @@ from plait.train.setup import Run, TrainResult, open_run, trainer_state
 from plait.train.update import logprob_prepass, policy_update, step_advantages
 from plait.types import Group
 
+
 __all__ = ["train", "train_step", "TrainResult", "StepResult"]
 
 
@@ -78,8 +79,14 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
         stopping, save = _save_due(cfg, step, stop, last_save)
         if save:
             with run.timer("checkpoint"):  # async: only the copy to CPU (and waiting for the previous save)
-                save_checkpoint(run.run_dir, step, run.backend, trainer_state(run), cfg.checkpoint.keep_last,
-                                blocking=stopping or not cfg.checkpoint.async_save)
+                save_checkpoint(
+                    run.run_dir,
+                    step,
+                    run.backend,
+                    trainer_state(run),
+                    cfg.checkpoint.keep_last,
+                    blocking=stopping or not cfg.checkpoint.async_save,
+                )
             last_save = time.monotonic()
         log_step(run, step, out)
         if stopping:
@@ -98,14 +105,17 @@ def train_step(run: Run, step: int) -> StepResult:
     with ExitStack() as weights:
         with timer("weight_sync"):  # HF: gather sharded weights once for the round; vLLM: copy them in
             weights.enter_context(run.engine.weights_for_step(step - 1))
-        groups, sampling = collect_groups(run.engine, run.take_prompts, run.prompts_per_round, cfg, step, run.rewards,
-                                          timer, run.sandbox)
+        groups, sampling = collect_groups(
+            run.engine, run.take_prompts, run.prompts_per_round, cfg, step, run.rewards, timer, run.sandbox
+        )
     with timer("score"):
         accuracy = step_accuracy(groups, run.metric, sampling)
     batch = collate(groups, run.engine.pad_id, cfg.algo.mask_truncated_completions)
     with timer("logprobs"):
         forwards = logprob_prepass(batch, cfg, run.backend)
-    batch.advantages = step_advantages(groups, batch, cfg, [r.name for r in run.rewards], [r.weight for r in run.rewards])
+    batch.advantages = step_advantages(
+        groups, batch, cfg, [r.name for r in run.rewards], [r.weight for r in run.rewards]
+    )
     update = policy_update(batch, cfg, run.backend, run.guard, step, timer)
     return StepResult(groups, sampling, accuracy, update, forwards)
 
@@ -128,8 +138,10 @@ def log_step(run: Run, step: int, out: StepResult) -> None:
     phase (the slowest process's), throughput/MFU/memory; to every sink, with samples."""
     cfg, update = run.cfg, out.update
     if update["nonfinite_steps"]:
-        run.say(f"[yellow]step {step}: {update['nonfinite_steps']:.0f} optimizer step(s) skipped: non-finite gradient "
-                f"norm (weights, optimizer and LR schedule untouched; {run.guard.streak} in a row, limit {run.guard.limit})")
+        run.say(
+            f"[yellow]step {step}: {update['nonfinite_steps']:.0f} optimizer step(s) skipped: non-finite gradient "
+            f"norm (weights, optimizer and LR schedule untouched; {run.guard.streak} in a row, limit {run.guard.limit})"
+        )
     metrics = {**step_rollout_metrics(out.groups, out.accuracy), **update, **run.engine.stats()}
     health = out.sampling.rewards.metrics([r.name for r in run.rewards], run.sandbox is not None)
     metrics.update(across_processes(out.sampling.metrics(), health))
@@ -154,8 +166,9 @@ def run_eval(run: Run, tag: str, version: int) -> float:
     cfg = run.cfg
     tokens = cfg.eval.max_completion_length or cfg.rollout.max_completion_length
     with run.engine.weights_for_step(version):
-        res = evaluate(run.engine, run.eval_prompts[comm.rank():: comm.world_size()], run.metric, tokens,
-                       cfg.rollout.stop)
+        res = evaluate(
+            run.engine, run.eval_prompts[comm.rank() :: comm.world_size()], run.metric, tokens, cfg.rollout.stop
+        )
     correct, n = comm.all_sum([res.accuracy * res.n, res.n])
     accuracy = correct / max(1.0, n)
     run.say(f"[bold cyan]eval {tag}[/]: {cfg.eval.metric} = {accuracy:.3f} on {n:.0f} held-out prompts (greedy)")
@@ -170,7 +183,9 @@ def _save_due(cfg: Config, step: int, stop: StopSignal, last_save: float) -> tup
     some of them, and rank 0's clock decides the time-based saves."""
     c = cfg.checkpoint
     final = step == cfg.train.max_steps  # the end of the run saves anyway
-    by_time = bool(c.save_every_minutes) and time.monotonic() - last_save >= 60 * c.save_every_minutes and comm.is_main()
+    by_time = (
+        bool(c.save_every_minutes) and time.monotonic() - last_save >= 60 * c.save_every_minutes and comm.is_main()
+    )
     stopping, by_time = (bool(x) for x in comm.all_max([float(stop.requested is not None), float(by_time)]))
     by_steps = bool(c.save_steps) and step % c.save_steps == 0
     return stopping and not final, not final and (by_steps or by_time or stopping)
@@ -195,8 +210,10 @@ def finish_run(run: Run) -> None:
 def _summary(run: Run) -> None:
     cfg, result, run_dir, say = run.cfg, run.result, run.run_dir, run.say
     total, shares = phase_summary(result.history)
-    say(f"[bold]done[/]: {len(result.history)} steps in {total:.0f}s; time per phase: "
-        + ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])))
+    say(
+        f"[bold]done[/]: {len(result.history)} steps in {total:.0f}s; time per phase: "
+        + ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1]))
+    )
     tip = suggestion(shares, cfg)
     if tip:
         say(f"[bold yellow]suggestion[/]: {tip}")
@@ -205,4 +222,5 @@ def _summary(run: Run) -> None:
     if result.eval_before is not None and result.eval_after is not None:
         say(f"[bold green]{cfg.eval.metric}: {result.eval_before:.3f} before -> {result.eval_after:.3f} after[/]")
     if cfg.checkpoint.save_final_model:
-        say(f"model saved to {run_dir / 'final'} (load it with transformers' from_pretrained, or `plait eval {run_dir}`)")
+        final = run_dir / "final"
+        say(f"model saved to {final} (load it with transformers' from_pretrained, or `plait eval {run_dir}`)")

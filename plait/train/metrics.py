@@ -98,8 +98,11 @@ def describe_processes(backend, run_dir: Path, say, final: bool = False) -> None
     import socket
 
     mine = {
-        "rank": comm.rank(), "host": socket.gethostname(), "node_id": os.environ.get("PLAIT_NODE_ID"),
-        **backend.describe(), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rank": comm.rank(),
+        "host": socket.gethostname(),
+        "node_id": os.environ.get("PLAIT_NODE_ID"),
+        **backend.describe(),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     if torch.cuda.is_available():
         mine["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20

@@ -34,13 +34,14 @@ def can_fuse(params: list[torch.Tensor]) -> bool:
     )
 
 
-def make_optimizer(
-    model, cfg, fused: bool = True
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(model, cfg, fused: bool = True) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     t = cfg.train
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
-        params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay,
+        params,
+        lr=t.learning_rate,
+        betas=(t.adam_beta1, t.adam_beta2),
+        weight_decay=t.weight_decay,
         fused=True if fused and can_fuse(params) else None,
     )
     total = t.max_steps * cfg.algo.num_iterations * cfg.algo.steps_per_generation

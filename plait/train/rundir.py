@@ -41,8 +41,10 @@ def _choose_run_dir(cfg) -> tuple[Path, Path | None]:
         return run_dir, existing
     if existing is not None and cfg.resume == "never":
         raise ConfigError(
-            [f"output_dir '{run_dir}' already holds checkpoints (newest: {existing.name}); "
-             f"continue it with `plait train --resume {run_dir}`, or choose another output_dir"]
+            [
+                f"output_dir '{run_dir}' already holds checkpoints (newest: {existing.name}); "
+                f"continue it with `plait train --resume {run_dir}`, or choose another output_dir"
+            ]
         )
     return run_dir, existing if cfg.resume == "auto" else None
 

@@ -19,6 +19,7 @@ from plait.rewards.runner import BoundReward, RewardReport, score_groups
 from plait.train.metrics import informative
 from plait.types import Group, Prompt, SamplingParams
 
+
 if TYPE_CHECKING:
     from plait.rewards.code import Sandbox
 
@@ -115,13 +116,16 @@ def collect_groups(
 def _extend(group: Group, more: Group) -> Group:
     """A group with `more`'s completions and scores appended."""
     return Group(
-        group.prompt, group.completions + more.completions,
-        {k: group.rewards[k] + more.rewards[k] for k in group.rewards}, group.total + more.total,
+        group.prompt,
+        group.completions + more.completions,
+        {k: group.rewards[k] + more.rewards[k] for k in group.rewards},
+        group.total + more.total,
     )
 
 
-def collect_two_stage(engine, take, n_prompts: int, cfg, step: int, rewards: list[BoundReward], timer,
-                      sandbox: Sandbox | None = None) -> tuple[list[Group], SamplingStats]:
+def collect_two_stage(
+    engine, take, n_prompts: int, cfg, step: int, rewards: list[BoundReward], timer, sandbox: Sandbox | None = None
+) -> tuple[list[Group], SamplingStats]:
     """Stage 1: `first_generations` candidates per prompt, scored. Stage 2: the other
     num_generations - first for the prompts `keep_for_second_stage` selects. Rounds of new
     prompts continue until n_prompts groups are kept or max_sampling_rounds is reached; the
@@ -157,7 +161,7 @@ def collect_two_stage(engine, take, n_prompts: int, cfg, step: int, rewards: lis
         stats.generated_groups += len(first)
     if len(kept) < n_prompts:  # not enough prompts passed the rule: complete skipped ones
         fill = skipped[: n_prompts - len(kept)]
-        skipped = skipped[len(fill):]
+        skipped = skipped[len(fill) :]
         rest = stage([g.prompt for g in fill], n - ts.first_generations, 2 * stats.rounds + 1)[0] if fill else []
         kept += [_extend(g, r) for g, r in zip(fill, rest)]
     stats.kept_informative = sum(1 for g in kept[:n_prompts] if informative(g))

@@ -87,8 +87,9 @@ def open_run(cfg: Config, plan: BatchPlan, backend: Backend, console: str | None
     run_dir, resume_from = prepare_run_dir(cfg)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    sink = MetricsSink(None, cfg.train.max_steps, (console or cfg.log.console) if main else "none",
-                       every=cfg.log.every_steps)
+    sink = MetricsSink(
+        None, cfg.train.max_steps, (console or cfg.log.console) if main else "none", every=cfg.log.every_steps
+    )
     cfg = resolved_config(cfg, plan, backend, sink.print)
     if main:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -124,19 +125,25 @@ def build_run(cfg: Config, plan: BatchPlan, backend: Backend, sink: MetricsSink,
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.seed)
-    say(f"[bold]plait[/] run dir {run_dir}  |  {plan.prompts_per_step} prompts x {plan.num_generations} generations "
+    say(
+        f"[bold]plait[/] run dir {run_dir}  |  {plan.prompts_per_step} prompts x {plan.num_generations} generations "
         f"over {plan.training_processes} process(es) ({backend.name}, {cfg.train.precision}), "
-        f"micro-batch {plan.micro_batch_size} x {plan.gradient_accumulation_steps} accumulation")
+        f"micro-batch {plan.micro_batch_size} x {plan.gradient_accumulation_steps} accumulation"
+    )
     sandbox = None
     if uses_sandbox(cfg):  # refuses (SandboxUnavailable) below sandbox.min_tier, before any model loads
         sandbox = Sandbox.from_config(cfg.sandbox)
-        say(f"sandbox: model-written code runs under isolation tier '{sandbox.tier}' (minimum "
-            f"'{cfg.sandbox.min_tier}'; `plait sandbox` shows why)")
+        say(
+            f"sandbox: model-written code runs under isolation tier '{sandbox.tier}' (minimum "
+            f"'{cfg.sandbox.min_tier}'; `plait sandbox` shows why)"
+        )
     rewards, metric = bind_rewards(cfg.rewards, sandbox), bind_metric(cfg.eval.metric, sandbox)
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     prompts = build_prompts(load_rows(cfg.data, "train", cfg.seed), tokenizer, cfg.data, log=say)
     evaluating = cfg.eval.before or cfg.eval.after or cfg.eval.every_steps
-    eval_prompts = build_prompts(load_rows(cfg.data, "eval", cfg.seed), tokenizer, cfg.data, log=say) if evaluating else []
+    eval_prompts = (
+        build_prompts(load_rows(cfg.data, "eval", cfg.seed), tokenizer, cfg.data, log=say) if evaluating else []
+    )
     backend.load(cfg)  # model (+ reference) + optimizer, sharded as the backend does it
     describe_processes(backend, run_dir, say)
     order = PromptOrder(len(prompts), cfg.seed, cfg.data.shuffle, rank=comm.rank(), stride=comm.world_size())
@@ -156,8 +163,10 @@ def resume(run: Run, checkpoint: Path) -> None:
     run.order.consumed = resume_position(state, comm.rank(), comm.world_size(), run.say)
     run.result.eval_before = state.get("eval_before")
     dropped = trim_logs(run.run_dir, run.start) if comm.is_main() else 0
-    run.say(f"resumed from {checkpoint} (step {run.start})"
-            + (f"; {dropped} log line(s) after it dropped (those steps run again)" if dropped else ""))
+    run.say(
+        f"resumed from {checkpoint} (step {run.start})"
+        + (f"; {dropped} log line(s) after it dropped (those steps run again)" if dropped else "")
+    )
     if run.sink.progress is not None:
         run.sink.progress.update(run.sink.task, completed=run.start)
 
@@ -165,8 +174,11 @@ def resume(run: Run, checkpoint: Path) -> None:
 def trainer_state(run: Run) -> dict:
     """What a checkpoint needs besides the backend's state: every process's data position."""
     per_rank = [int(c) for c in comm.all_gather_objects(run.order.consumed)]
-    return {"prompts_consumed": sum(per_rank), "prompts_consumed_per_rank": per_rank,
-            "eval_before": run.result.eval_before}
+    return {
+        "prompts_consumed": sum(per_rank),
+        "prompts_consumed_per_rank": per_rank,
+        "eval_before": run.result.eval_before,
+    }
 
 
 def seed_everything(seed: int) -> None:

@@ -17,7 +17,13 @@ import torch
 
 from plait.algo.advantages import combine_rewards
 from plait.algo.kl import sequence_kl
-from plait.algo.logprobs import can_pack, completion_logprobs, packed_group_logprobs, prompt_runs, shared_prompt_logprobs
+from plait.algo.logprobs import (
+    can_pack,
+    completion_logprobs,
+    packed_group_logprobs,
+    prompt_runs,
+    shared_prompt_logprobs,
+)
 from plait.algo.losses import LossSettings, StepCounts, engine_mismatch_weights, high_entropy_mask, policy_loss
 from plait.cluster import comm
 from plait.telemetry import PhaseTimer
@@ -86,7 +92,9 @@ def logprob_prepass(batch: Batch, cfg, backend: Backend) -> int:
     return int(need_old) + int(a.beta > 0)
 
 
-def step_advantages(groups: list[Group], batch: Batch, cfg, reward_names: list[str], weights: list[float]) -> torch.Tensor:
+def step_advantages(
+    groups: list[Group], batch: Batch, cfg, reward_names: list[str], weights: list[float]
+) -> torch.Tensor:
     """[B] advantages of this process's rows from every reward (None -> NaN), with the KL
     penalty as one more reward (weight beta) when `kl_in_reward`. Rewards of every process's
     groups are gathered first, so batch-level statistics (scale_rewards=batch) see the whole
@@ -108,7 +116,9 @@ def step_advantages(groups: list[Group], batch: Batch, cfg, reward_names: list[s
     return adv[mine].reshape(-1)
 
 
-def train_micro_batch(model, mb: Batch, counts: StepCounts, cfg, settings: LossSettings, backend: Backend) -> dict[str, float]:
+def train_micro_batch(
+    model, mb: Batch, counts: StepCounts, cfg, settings: LossSettings, backend: Backend
+) -> dict[str, float]:
     """Forward, loss and backward for one micro-batch; returns its summed statistics."""
     a = cfg.algo
     with_entropy = a.top_entropy_quantile < 1 or a.entropy_coeff > 0
@@ -134,8 +144,9 @@ def train_micro_batch(model, mb: Batch, counts: StepCounts, cfg, settings: LossS
     return dict(zip(named, torch.stack(list(named.values())).tolist()))  # one device->host sync
 
 
-def accumulate_gradients(chunk: Batch, cfg, settings: LossSettings, backend: Backend, timer: PhaseTimer,
-                         sums: dict[str, float]) -> None:
+def accumulate_gradients(
+    chunk: Batch, cfg, settings: LossSettings, backend: Backend, timer: PhaseTimer, sums: dict[str, float]
+) -> None:
     """Forward and backward over `chunk`'s micro-batches: the gradient of one update. The
     loss is normalized by the update's counts over all processes, so gradients sum over them."""
     mbs = [mb.to(backend.device) for mb in micro_batches(chunk, cfg.train.micro_batch_size)]
@@ -161,8 +172,14 @@ def count_outcome(outcome: StepOutcome, guard: NonFiniteGuard, round_: int, sums
     sums["ref_syncs"] += float(outcome.reference_synced)
 
 
-def policy_update(batch: Batch, cfg, backend: Backend, guard: NonFiniteGuard | None = None, step: int = 0,
-                  timer: PhaseTimer | None = None) -> dict[str, float]:
+def policy_update(
+    batch: Batch,
+    cfg,
+    backend: Backend,
+    guard: NonFiniteGuard | None = None,
+    step: int = 0,
+    timer: PhaseTimer | None = None,
+) -> dict[str, float]:
     """num_iterations passes over the round's batch, each split into steps_per_generation
     optimizer updates. An update with a non-finite gradient is skipped by the backend; `guard`
     counts it. Timed as `train` (forward + backward) and `optimizer` (clip + update)."""
@@ -182,8 +199,16 @@ def policy_update(batch: Batch, cfg, backend: Backend, guard: NonFiniteGuard | N
 
 
 # per-process sums of policy_update that add up over processes (the rest are global already)
-_PER_PROCESS = ("loss", "clip_low_tokens", "clip_high_tokens", "ratio_tokens", "logprob_gap_tokens", "trained_tokens",
-                "entropy_tokens", "kl_tokens")
+_PER_PROCESS = (
+    "loss",
+    "clip_low_tokens",
+    "clip_high_tokens",
+    "ratio_tokens",
+    "logprob_gap_tokens",
+    "trained_tokens",
+    "entropy_tokens",
+    "kl_tokens",
+)
 
 
 def update_metrics(sums: dict[str, float], cfg) -> dict[str, float]:

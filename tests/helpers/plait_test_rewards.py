@@ -70,8 +70,12 @@ def vowel_share_die_once(completions, **kwargs):
 
     CALLS["n"] += 1
     marker = os.environ.get("PLAIT_TEST_DIE_MARKER")
-    if (marker and not os.path.exists(marker) and CALLS["n"] == int(os.environ["PLAIT_TEST_DIE_CALL"])
-            and os.environ.get("RANK", "0") == os.environ.get("PLAIT_TEST_DIE_RANK", "0")):
+    if (
+        marker
+        and not os.path.exists(marker)
+        and CALLS["n"] == int(os.environ["PLAIT_TEST_DIE_CALL"])
+        and os.environ.get("RANK", "0") == os.environ.get("PLAIT_TEST_DIE_RANK", "0")
+    ):
         open(marker, "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
     return vowel_share(completions, **kwargs)

@@ -3,6 +3,7 @@ that make them trustworthy (micro-batch split, ratio exactly 1 on a first pass).
 
 import pytest
 import torch
+from test_train import tiny_overrides
 
 from plait.algo.losses import LOSS_TYPES, LossSettings, StepCounts
 from plait.config import load_config
@@ -14,11 +15,11 @@ from plait.train.loop import train
 from plait.train.update import train_micro_batch
 from plait.types import Group, Prompt, SamplingParams
 
-from test_train import tiny_overrides
-
 
 def run(tiny_model_path, prompts_jsonl, tmp_path, *extra, steps=2):
-    cfg = load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, tmp_path / "run", f"train.max_steps={steps}", *extra))
+    cfg = load_config(
+        None, tiny_overrides(tiny_model_path, prompts_jsonl, tmp_path / "run", f"train.max_steps={steps}", *extra)
+    )
     return train(cfg)
 
 
@@ -41,16 +42,42 @@ def test_first_pass_ratio_is_exactly_one(tiny_model_path, prompts_jsonl, tmp_pat
         (["algo.importance_sampling_level=sequence", "algo.num_iterations=2", "algo.loss_type=grpo"], "ratio/mean"),
         (["algo.delta=1.5", "algo.num_iterations=2"], "clip/fraction"),
         (["algo.beta=0.05", "algo.kl_in_reward=true", "algo.kl_estimator=k1"], None),
-        (["algo.beta=0.05", "algo.ref_model_sync_steps=1", "algo.ref_model_mixup_alpha=0.5", "algo.kl_estimator=k2"], "ref_syncs"),
+        (
+            ["algo.beta=0.05", "algo.ref_model_sync_steps=1", "algo.ref_model_mixup_alpha=0.5", "algo.kl_estimator=k2"],
+            "ref_syncs",
+        ),
         (["algo.top_entropy_quantile=0.2"], "tokens/trained_share"),
         (["algo.entropy_coeff=0.01"], "entropy"),
         (["algo.engine_is_correction=true", "algo.engine_is_cap=2.0"], "logprob_gap"),
         (["algo.steps_per_generation=2", "algo.num_iterations=2"], "lr"),
-        (["algo.reward_aggregation=normalize_then_sum",
-          "rewards=[{name: 'plait_test_rewards:vowel_share'}, {name: length_penalty, weight: 0.1, kwargs: {max_tokens: 12}}]"], None),
-        (["rewards=[{name: soft_overlong_punishment, kwargs: {max_length: 12, cache: 4}}, {name: 'plait_test_rewards:vowel_share'}]"], None),
+        (
+            [
+                "algo.reward_aggregation=normalize_then_sum",
+                "rewards=[{name: 'plait_test_rewards:vowel_share'}, "
+                "{name: length_penalty, weight: 0.1, kwargs: {max_tokens: 12}}]",
+            ],
+            None,
+        ),
+        (
+            [
+                "rewards=[{name: soft_overlong_punishment, kwargs: {max_length: 12, cache: 4}}, "
+                "{name: 'plait_test_rewards:vowel_share'}]"
+            ],
+            None,
+        ),
     ],
-    ids=["gspo", "delta", "kl-in-reward", "ref-sync", "entropy-filter", "entropy-bonus", "engine-is", "steps-per-generation", "gdpo", "overlong"],
+    ids=[
+        "gspo",
+        "delta",
+        "kl-in-reward",
+        "ref-sync",
+        "entropy-filter",
+        "entropy-bonus",
+        "engine-is",
+        "steps-per-generation",
+        "gdpo",
+        "overlong",
+    ],
 )
 def test_options_train(tiny_model_path, prompts_jsonl, tmp_path, extra, check):
     result = run(tiny_model_path, prompts_jsonl, tmp_path, *extra)
@@ -71,8 +98,14 @@ def test_options_train(tiny_model_path, prompts_jsonl, tmp_path, extra, check):
 
 def test_dynamic_sampling_refills_and_reports(tiny_model_path, prompts_jsonl, tmp_path):
     # a reward that is constant (uninformative) for the prompts of even length
-    result = run(tiny_model_path, prompts_jsonl, tmp_path, "algo.dynamic_sampling=true", "algo.max_sampling_rounds=3",
-                 "rewards=[{name: 'plait_test_rewards:sometimes_constant'}]")
+    result = run(
+        tiny_model_path,
+        prompts_jsonl,
+        tmp_path,
+        "algo.dynamic_sampling=true",
+        "algo.max_sampling_rounds=3",
+        "rewards=[{name: 'plait_test_rewards:sometimes_constant'}]",
+    )
     for m in result.history:
         assert 1 <= m["sampling/rounds"] <= 3
         assert m["sampling/generated_groups"] >= 2
@@ -86,13 +119,18 @@ def test_dapo_gradient_does_not_depend_on_micro_batching(tiny_model_path):
     """The same batch in 1, 2 or 4 micro-batches gives the same gradient (dapo, grpo, dr_grpo)."""
     tok = load_tokenizer(str(tiny_model_path))
     model = load_model(str(tiny_model_path))
-    prompts = [Prompt(i, t, tok(t)["input_ids"]) for i, t in enumerate(["What is 2 + 2?", "A much longer prompt about colours and shapes"])]
+    prompts = [
+        Prompt(i, t, tok(t)["input_ids"])
+        for i, t in enumerate(["What is 2 + 2?", "A much longer prompt about colours and shapes"])
+    ]
     outs = HFEngine(model, tok).generate(prompts, SamplingParams(max_tokens=10, temperature=1.0, seed=3), n=4)
     batch = collate([Group(p, cs) for p, cs in zip(prompts, outs)], tok.pad_token_id)
     batch.advantages = torch.randn(8, generator=torch.Generator().manual_seed(0))
     backend = LocalBackend.wrap(model)
     for loss_type in ("dapo", "grpo", "dr_grpo"):
-        cfg = load_config(None, [f"algo.loss_type={loss_type}", "train.precision=fp32", "rollout.max_completion_length=10"])
+        cfg = load_config(
+            None, [f"algo.loss_type={loss_type}", "train.precision=fp32", "rollout.max_completion_length=10"]
+        )
         grads = []
         for size in (8, 4, 2):
             model.zero_grad()

@@ -8,15 +8,38 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(__import__("importlib").util.find_spec("trl") is None, reason="needs the bench extra (trl)")]
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(__import__("importlib").util.find_spec("trl") is None, reason="needs the bench extra (trl)"),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_vs_trl_runs_both_on_the_same_work(tiny_model_path, tmp_path):
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "vs_trl.py"), "--model", str(tiny_model_path), "--size", "small",
-                           "--steps", "2", "--warmup", "1", "--rounds", "1", "--json", str(out)], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "vs_trl.py"),
+            "--model",
+            str(tiny_model_path),
+            "--size",
+            "small",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     for who in ("plait", "trl"):

@@ -4,9 +4,9 @@ and two-stage generation in a real training run on a tiny model."""
 import json
 import threading
 
+import plait_test_rewards
 import pytest
 
-import plait_test_rewards
 from plait.config import load_config
 from plait.data.tasks import humaneval, humaneval_capacity
 from plait.rewards.code import Sandbox, SandboxSettings, code_pass, code_tests_passed
@@ -60,7 +60,13 @@ def test_sandbox_failure_is_excluded_not_scored_wrong():
 
 def _groups(n_prompts=2, n=3):
     return [
-        Group(Prompt(i, f"p{i}", [1, 2]), [Completion(i, [1] * (j + 1), f"text {i} {j} aeiou"[: 6 + j], [0.0] * (j + 1), False, "eos") for j in range(n)])
+        Group(
+            Prompt(i, f"p{i}", [1, 2]),
+            [
+                Completion(i, [1] * (j + 1), f"text {i} {j} aeiou"[: 6 + j], [0.0] * (j + 1), False, "eos")
+                for j in range(n)
+            ],
+        )
         for i in range(n_prompts)
     ]
 
@@ -73,8 +79,11 @@ def test_async_rewards_and_parallel_calls():
         return [1.0] * len(completions)
 
     groups = _groups()
-    rewards = [BoundReward("a", waits_for_the_other, timeout_s=60), BoundReward("b", waits_for_the_other, timeout_s=60),
-               BoundReward("async", plait_test_rewards.async_vowel_share, timeout_s=60)]
+    rewards = [
+        BoundReward("a", waits_for_the_other, timeout_s=60),
+        BoundReward("b", waits_for_the_other, timeout_s=60),
+        BoundReward("async", plait_test_rewards.async_vowel_share, timeout_s=60),
+    ]
     score_groups(groups, rewards)
     assert groups[0].rewards["a"] == [1.0] * 3
     assert groups[0].rewards["async"] == plait_test_rewards.vowel_share([c.text for c in groups[0].completions])
@@ -89,7 +98,13 @@ def test_a_reward_past_its_time_limit_is_excluded_with_a_count():
 
     groups = _groups()
     try:
-        report = score_groups(groups, [BoundReward("hangs", hangs, timeout_s=0.5), BoundReward("ok", lambda completions, **_: [0.5] * len(completions), timeout_s=60)])
+        report = score_groups(
+            groups,
+            [
+                BoundReward("hangs", hangs, timeout_s=0.5),
+                BoundReward("ok", lambda completions, **_: [0.5] * len(completions), timeout_s=60),
+            ],
+        )
     finally:
         release.set()
     assert groups[0].rewards["hangs"] == [None] * 3 and groups[0].rewards["ok"] == [0.5] * 3
@@ -108,19 +123,39 @@ def test_async_reward_errors_are_still_reward_errors():
 def _tiny(model, data, out, *extra):
     train_f, eval_f = data
     return [
-        f"model.name_or_path={model}", "data.task=null", f"data.path={train_f}", f"data.eval_path={eval_f}",
-        "data.prompt_field=question", "rollout.prompts_per_step=2", "rollout.num_generations=4",
-        "rollout.max_completion_length=8", "train.micro_batch_size=4", "train.max_steps=2", "train.precision=fp32",
-        "eval.before=false", "eval.after=false", "log.console=none", f"output_dir={out}", *extra,
+        f"model.name_or_path={model}",
+        "data.task=null",
+        f"data.path={train_f}",
+        f"data.eval_path={eval_f}",
+        "data.prompt_field=question",
+        "rollout.prompts_per_step=2",
+        "rollout.num_generations=4",
+        "rollout.max_completion_length=8",
+        "train.micro_batch_size=4",
+        "train.max_steps=2",
+        "train.precision=fp32",
+        "eval.before=false",
+        "eval.after=false",
+        "log.console=none",
+        f"output_dir={out}",
+        *extra,
     ]
 
 
 def test_two_stage_spends_the_rest_of_the_group_only_where_it_can_teach(tiny_model_path, prompts_jsonl, tmp_path):
     """even_a scores a whole group 1 (a even) or 0: with not_all_correct, prompts with even a
     stop after 2 candidates; the kept groups are all odd-a, full size."""
-    cfg = load_config(None, _tiny(tiny_model_path, prompts_jsonl, tmp_path / "run",
-                                  "rewards=[{name: 'plait_test_rewards:even_a'}, {name: 'plait_test_rewards:vowel_share', weight: 0.1}]",
-                                  "rollout.two_stage={first_generations: 2, keep: not_all_correct}", "algo.max_sampling_rounds=4"))
+    cfg = load_config(
+        None,
+        _tiny(
+            tiny_model_path,
+            prompts_jsonl,
+            tmp_path / "run",
+            "rewards=[{name: 'plait_test_rewards:even_a'}, {name: 'plait_test_rewards:vowel_share', weight: 0.1}]",
+            "rollout.two_stage={first_generations: 2, keep: not_all_correct}",
+            "algo.max_sampling_rounds=4",
+        ),
+    )
     res = train(cfg)
     for m in res.history:
         assert m["sampling/rounds"] >= 1
@@ -131,16 +166,24 @@ def test_two_stage_spends_the_rest_of_the_group_only_where_it_can_teach(tiny_mod
 
 
 def test_two_stage_fills_up_with_skipped_prompts_when_too_few_pass(tiny_model_path, prompts_jsonl, tmp_path):
-    from plait.rollout import make_engine
-    from plait.models import load_model, load_tokenizer
     from plait.data import build_prompts, load_rows
+    from plait.models import load_model, load_tokenizer
     from plait.rewards.runner import bind_rewards
+    from plait.rollout import make_engine
     from plait.telemetry import PhaseTimer
     from plait.train.sampling import collect_groups
 
-    cfg = load_config(None, _tiny(tiny_model_path, prompts_jsonl, tmp_path / "run",
-                                  "rewards=[{name: 'plait_test_rewards:even_a'}]",
-                                  "rollout.two_stage={first_generations: 1, keep: not_all_failed}", "algo.max_sampling_rounds=1"))
+    cfg = load_config(
+        None,
+        _tiny(
+            tiny_model_path,
+            prompts_jsonl,
+            tmp_path / "run",
+            "rewards=[{name: 'plait_test_rewards:even_a'}]",
+            "rollout.two_stage={first_generations: 1, keep: not_all_failed}",
+            "algo.max_sampling_rounds=1",
+        ),
+    )
     tok = load_tokenizer(str(tiny_model_path))
     prompts = build_prompts(load_rows(cfg.data, "train", 0), tok, cfg.data)
     odd = [p for p in prompts if p.columns["a"] % 2 == 1][:3]  # every one fails the rule
@@ -152,17 +195,33 @@ def test_two_stage_fills_up_with_skipped_prompts_when_too_few_pass(tiny_model_pa
 
 def test_code_task_trains_end_to_end_in_the_sandbox(tiny_model_path, tmp_path):
     """A user JSONL code task: prompts with tests, code_tests_passed reward, two-stage."""
-    rows = [{"prompt": f"Write f(x) returning x + {k}.", "tests": [f"assert f(1) == {1 + k}", f"assert f(2) == {2 + k}"]} for k in range(8)]
+    rows = [
+        {"prompt": f"Write f(x) returning x + {k}.", "tests": [f"assert f(1) == {1 + k}", f"assert f(2) == {2 + k}"]}
+        for k in range(8)
+    ]
     data = tmp_path / "code.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(None, [
-        f"model.name_or_path={tiny_model_path}", "data.task=null", f"data.path={data}", "data.answer_field=null",
-        "rollout.prompts_per_step=2", "rollout.num_generations=3", "rollout.max_completion_length=8",
-        "train.micro_batch_size=3", "train.max_steps=2", "train.precision=fp32",
-        "rewards=[{name: code_tests_passed}, {name: plait_test_rewards:vowel_share, weight: 0.1}]",
-        "rollout.two_stage={first_generations: 1, keep: not_all_correct, reward: code_tests_passed}",
-        "eval.before=false", "eval.after=false", "log.console=none", f"output_dir={tmp_path / 'run'}",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"model.name_or_path={tiny_model_path}",
+            "data.task=null",
+            f"data.path={data}",
+            "data.answer_field=null",
+            "rollout.prompts_per_step=2",
+            "rollout.num_generations=3",
+            "rollout.max_completion_length=8",
+            "train.micro_batch_size=3",
+            "train.max_steps=2",
+            "train.precision=fp32",
+            "rewards=[{name: code_tests_passed}, {name: plait_test_rewards:vowel_share, weight: 0.1}]",
+            "rollout.two_stage={first_generations: 1, keep: not_all_correct, reward: code_tests_passed}",
+            "eval.before=false",
+            "eval.after=false",
+            "log.console=none",
+            f"output_dir={tmp_path / 'run'}",
+        ],
+    )
     res = train(cfg)
     m = res.history[0]
     assert m["sandbox/executions"] + m["sandbox/cached"] >= 6 and m["sandbox/invalid"] == 0

@@ -14,11 +14,12 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_train import tiny_overrides
 
 from plait.cluster.comm import free_port
 from plait.config import load_config
 from plait.train.loop import train
-from test_train import tiny_overrides
+
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +35,38 @@ BACKENDS = {
 def _options(model, data, out, *extra):
     """test_train's tiny run, made 3 steps of 4 prompts with 4 micro-batches per process."""
     return tiny_overrides(
-        model, data, out, "rollout.prompts_per_step=4", "train.micro_batch_size=2", "train.max_steps=3",
-        "rewards=[{name: 'plait_test_rewards:vowel_share_crash_env'}]", "eval.after=true", "log.console=plain", *extra,
+        model,
+        data,
+        out,
+        "rollout.prompts_per_step=4",
+        "train.micro_batch_size=2",
+        "train.max_steps=3",
+        "rewards=[{name: 'plait_test_rewards:vowel_share_crash_env'}]",
+        "eval.after=true",
+        "log.console=plain",
+        *extra,
     )
 
 
 def _torchrun(options, env, nproc=2, launcher=None, timeout=600):
-    launcher = launcher or ["--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "plait", "train", *sum((["--set", o] for o in options), [])]
+    launcher = launcher or [
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launcher,
+        "-m",
+        "plait",
+        "train",
+        *sum((["--set", o] for o in options), []),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -81,12 +106,16 @@ def single_process_run(tiny_model_path, prompts_jsonl, tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_two_processes_match_one_and_resume_after_a_crash(backend, single_process_run, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+def test_two_processes_match_one_and_resume_after_a_crash(
+    backend, single_process_run, tiny_model_path, prompts_jsonl, tmp_path, helper_env
+):
     """2 processes with gradient accumulation (4 micro-batches each): rank 1 crashes in step
     3, torchrun stops the job, the committed checkpoints of steps 1-2 resume it, and the
     finished run equals the single-process one."""
     out = tmp_path / "run"
-    opts = _options(tiny_model_path, prompts_jsonl, out, "checkpoint.save_steps=1", "checkpoint.keep_last=3", *BACKENDS[backend])
+    opts = _options(
+        tiny_model_path, prompts_jsonl, out, "checkpoint.save_steps=1", "checkpoint.keep_last=3", *BACKENDS[backend]
+    )
     crash_env = {**helper_env, "PLAIT_TEST_CRASH_CALL": "3", "PLAIT_TEST_CRASH_RANK": "1"}
     crashed = _torchrun(opts, crash_env)
     assert crashed.returncode != 0 and "simulated crash" in crashed.stderr, crashed.stderr[-3000:]
@@ -120,8 +149,28 @@ def test_two_nodes_on_one_machine(single_process_run, tiny_model_path, prompts_j
     port = str(free_port())
     procs = []
     for node in (0, 1):
-        launcher = ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port]
-        cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "plait", "train", *sum((["--set", o] for o in opts), [])]
+        launcher = [
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(node),
+            "--nproc_per_node",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            port,
+        ]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *launcher,
+            "-m",
+            "plait",
+            "train",
+            *sum((["--set", o] for o in opts), []),
+        ]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=helper_env))
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs):
@@ -130,7 +179,9 @@ def test_two_nodes_on_one_machine(single_process_run, tiny_model_path, prompts_j
     assert [p["rank"] for p in json.loads((out / "cluster.json").read_text())] == [0, 1]
 
 
-def test_a_config_problem_is_reported_once_and_stops_every_process(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+def test_a_config_problem_is_reported_once_and_stops_every_process(
+    tiny_model_path, prompts_jsonl, tmp_path, helper_env
+):
     """3 prompts can't split into whole groups over 2 processes: exit 2 before any model loads,
     the message (printed by rank 0 only) gives values that work."""
     opts = _options(tiny_model_path, prompts_jsonl, tmp_path / "run", "rollout.prompts_per_step=3")
@@ -149,7 +200,9 @@ VARIANTS = {  # backend options, model/algorithm options that change what each b
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_reference_model_checkpointing_and_lora_match_one_process(variant, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+def test_reference_model_checkpointing_and_lora_match_one_process(
+    variant, tiny_model_path, prompts_jsonl, tmp_path, helper_env
+):
     """A sharded reference model (KL), activation checkpointing, and LoRA under ddp train
     the same as in one process."""
     import shutil
@@ -166,7 +219,9 @@ def test_reference_model_checkpointing_and_lora_match_one_process(variant, tiny_
     assert_same_run(run, single)
 
 
-def test_fsdp2_checkpoint_resumes_with_another_number_of_processes(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+def test_fsdp2_checkpoint_resumes_with_another_number_of_processes(
+    tiny_model_path, prompts_jsonl, tmp_path, helper_env
+):
     """DCP shards written by 2 processes load into 1 (a job that lost a node goes on): the
     data position and weights carry over, and the run equals one never split."""
     import shutil
@@ -179,16 +234,36 @@ def test_fsdp2_checkpoint_resumes_with_another_number_of_processes(tiny_model_pa
     assert first.returncode == 0, first.stderr[-3000:]
     assert (run / "checkpoints" / "step_00000002" / "dcp" / ".metadata").is_file()
     resumed = train(load_config(None, _options(tiny_model_path, prompts_jsonl, run, *constant, "resume=auto")))
-    assert [m["reward/total/mean"] for m in resumed.history] == pytest.approx([m["reward/total/mean"] for m in _metrics(single)][2:], rel=1e-6)
+    assert [m["reward/total/mean"] for m in resumed.history] == pytest.approx(
+        [m["reward/total/mean"] for m in _metrics(single)][2:], rel=1e-6
+    )
     assert_same_run(run, single)
 
 
-@pytest.mark.parametrize("backend, extra", [
-    ("fsdp2", ["algo.dynamic_sampling=true", "algo.max_sampling_rounds=3", "rewards=[{name: 'plait_test_rewards:sometimes_constant'}]"]),
-    ("zero3", ["rollout.two_stage={first_generations: 2, keep: not_all_failed}", "algo.max_sampling_rounds=2",
-               "rewards=[{name: 'plait_test_rewards:even_a'}, {name: 'plait_test_rewards:vowel_share'}]"]),
-])
-def test_processes_may_need_different_numbers_of_sampling_rounds(backend, extra, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+@pytest.mark.parametrize(
+    "backend, extra",
+    [
+        (
+            "fsdp2",
+            [
+                "algo.dynamic_sampling=true",
+                "algo.max_sampling_rounds=3",
+                "rewards=[{name: 'plait_test_rewards:sometimes_constant'}]",
+            ],
+        ),
+        (
+            "zero3",
+            [
+                "rollout.two_stage={first_generations: 2, keep: not_all_failed}",
+                "algo.max_sampling_rounds=2",
+                "rewards=[{name: 'plait_test_rewards:even_a'}, {name: 'plait_test_rewards:vowel_share'}]",
+            ],
+        ),
+    ],
+)
+def test_processes_may_need_different_numbers_of_sampling_rounds(
+    backend, extra, tiny_model_path, prompts_jsonl, tmp_path, helper_env
+):
     """Dynamic sampling and two-stage generation decide per process how many rounds to run;
     with sharded weights that must not leave one process waiting in a gather the other
     never joins (weights are gathered once per step, outside the rounds)."""

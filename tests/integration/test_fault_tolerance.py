@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_train import final_weights, tiny_overrides
+from test_vllm import metrics_of, train_cmd
 
 import plait.train.loop as loop
 from plait.config import load_config
 from plait.train.guard import PREEMPTED_EXIT, TrainingDiverged
-from test_train import final_weights, tiny_overrides
-from test_vllm import metrics_of, train_cmd
+
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
@@ -44,7 +45,9 @@ def poison_steps(monkeypatch, steps: set[int]) -> None:
 
 def test_a_non_finite_step_is_skipped_and_too_many_stop_the_run(tiny_model_path, prompts_jsonl, tmp_path, monkeypatch):
     run = tmp_path / "run"
-    cfg = load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, run, "checkpoint.save_steps=1", "checkpoint.keep_last=10"))
+    cfg = load_config(
+        None, tiny_overrides(tiny_model_path, prompts_jsonl, run, "checkpoint.save_steps=1", "checkpoint.keep_last=10")
+    )
     poison_steps(monkeypatch, {2})
     result = loop.train(cfg)
     skipped = [m["nonfinite_steps"] for m in result.history]
@@ -59,8 +62,17 @@ def test_a_non_finite_step_is_skipped_and_too_many_stop_the_run(tiny_model_path,
     assert all(torch.isfinite(v).all() for v in final_weights(run).values())
 
     run2 = tmp_path / "diverging"
-    cfg = load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, run2, "checkpoint.save_steps=1",
-                                           "train.max_nonfinite_steps=1", "train.max_steps=6"))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tiny_model_path,
+            prompts_jsonl,
+            run2,
+            "checkpoint.save_steps=1",
+            "train.max_nonfinite_steps=1",
+            "train.max_steps=6",
+        ),
+    )
     poison_steps(monkeypatch, {3, 4, 5, 6})
     with pytest.raises(TrainingDiverged, match="2 optimizer steps in a row had a non-finite gradient norm"):
         loop.train(cfg)
@@ -91,14 +103,30 @@ print(json.dumps([m["nonfinite_steps"] for m in result.history]))
 def test_deepspeed_skips_a_non_finite_step_too(stage, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
     """ZeRO checks the gradients itself; plait reads whether it applied the step."""
     run = tmp_path / "run"
-    sets = tiny_overrides(tiny_model_path, prompts_jsonl, run, "train.backend=deepspeed", f"train.deepspeed.zero_stage={stage}",
-                          "checkpoint.save_steps=1", "checkpoint.keep_last=10")
-    res = subprocess.run([sys.executable, "-c", DEEPSPEED_POISONED, json.dumps(sets)], env=helper_env, capture_output=True,
-                         text=True, timeout=600)
+    sets = tiny_overrides(
+        tiny_model_path,
+        prompts_jsonl,
+        run,
+        "train.backend=deepspeed",
+        f"train.deepspeed.zero_stage={stage}",
+        "checkpoint.save_steps=1",
+        "checkpoint.keep_last=10",
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", DEEPSPEED_POISONED, json.dumps(sets)],
+        env=helper_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads(res.stdout.strip().splitlines()[-1]) == [0, 1, 0, 0]
-    optim = [torch.load(next((ckpt(run, s) / "deepspeed" / "state").glob("*rank_0*optim_states.pt")), weights_only=False)
-             ["optimizer_state_dict"] for s in (1, 2, 3)]
+    optim = [
+        torch.load(next((ckpt(run, s) / "deepspeed" / "state").glob("*rank_0*optim_states.pt")), weights_only=False)[
+            "optimizer_state_dict"
+        ]
+        for s in (1, 2, 3)
+    ]
     tensors = [[t for t in _tensors(o)] for o in optim]
     assert all(torch.equal(a, b) for a, b in zip(tensors[0], tensors[1]))  # the skipped step changed nothing
     assert not all(torch.equal(a, b) for a, b in zip(tensors[1], tensors[2]))
@@ -116,7 +144,9 @@ def _tensors(tree):
 
 
 def start(cmd, env, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def wait_for_steps(run: Path, n: int, proc, timeout=300) -> None:
@@ -131,14 +161,23 @@ def wait_for_steps(run: Path, n: int, proc, timeout=300) -> None:
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_sigterm_checkpoints_the_step_and_exits_75_then_resume_is_exact(nproc, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+def test_sigterm_checkpoints_the_step_and_exits_75_then_resume_is_exact(
+    nproc, tiny_model_path, prompts_jsonl, tmp_path, helper_env
+):
     """SIGTERM (Slurm's time limit, a preemption): the step in progress finishes, a checkpoint
     is written, the process exits with 75; `--resume` ends with the weights of an unbroken run.
     Under torchrun the signal goes to torchrun, which passes it to its workers."""
     steps = 8
     straight = tmp_path / "straight"
-    assert subprocess.run(train_cmd(nproc, tiny_overrides(tiny_model_path, prompts_jsonl, straight, f"train.max_steps={steps}")),
-                          env=helper_env, capture_output=True, timeout=600).returncode == 0
+    assert (
+        subprocess.run(
+            train_cmd(nproc, tiny_overrides(tiny_model_path, prompts_jsonl, straight, f"train.max_steps={steps}")),
+            env=helper_env,
+            capture_output=True,
+            timeout=600,
+        ).returncode
+        == 0
+    )
     run = tmp_path / "run"
     args = tiny_overrides(tiny_model_path, prompts_jsonl, run, f"train.max_steps={steps}", "log.console=plain")
     proc = start(train_cmd(nproc, args), helper_env, tmp_path / "log")
@@ -151,7 +190,9 @@ def test_sigterm_checkpoints_the_step_and_exits_75_then_resume_is_exact(nproc, t
     assert "SIGTERM received: finishing this step" in shown
     assert f"stopped after step {done[0]} with a checkpoint; continue with `plait train --resume {run}`" in shown
     assert code == PREEMPTED_EXIT if nproc == 1 else code != 0  # torchrun, signalled itself, exits on its own terms
-    res = subprocess.run(train_cmd(nproc, [*args, "resume=auto"]), env=helper_env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        train_cmd(nproc, [*args, "resume=auto"]), env=helper_env, capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert [m["step"] for m in metrics_of(run)] == list(range(1, steps + 1))
     a, b = final_weights(straight), final_weights(run)
@@ -162,14 +203,35 @@ def test_torchrun_max_restarts_resumes_a_killed_worker(tiny_model_path, prompts_
     """`torchrun --max-restarts 1`: worker rank 1 is SIGKILLed in step 3; torchrun restarts both,
     they resume from step 2's checkpoint and end with the weights of an unbroken run."""
     straight, run = tmp_path / "straight", tmp_path / "run"
-    extra = ["checkpoint.save_steps=1", "checkpoint.async_save=false"]  # which save survives a kill is chaos.py's business
-    assert subprocess.run(train_cmd(2, tiny_overrides(tiny_model_path, prompts_jsonl, straight, *extra)),
-                          env=helper_env, capture_output=True, timeout=600).returncode == 0
-    args = tiny_overrides(tiny_model_path, prompts_jsonl, run, *extra, "log.console=plain",
-                          "rewards=[{name: 'plait_test_rewards:vowel_share_die_once'}]")
+    extra = [
+        "checkpoint.save_steps=1",
+        "checkpoint.async_save=false",
+    ]  # which save survives a kill is chaos.py's business
+    assert (
+        subprocess.run(
+            train_cmd(2, tiny_overrides(tiny_model_path, prompts_jsonl, straight, *extra)),
+            env=helper_env,
+            capture_output=True,
+            timeout=600,
+        ).returncode
+        == 0
+    )
+    args = tiny_overrides(
+        tiny_model_path,
+        prompts_jsonl,
+        run,
+        *extra,
+        "log.console=plain",
+        "rewards=[{name: 'plait_test_rewards:vowel_share_die_once'}]",
+    )
     cmd = train_cmd(2, args)
-    cmd[cmd.index("--nproc_per_node"):cmd.index("--nproc_per_node")] = ["--max-restarts", "1"]
-    env = {**helper_env, "PLAIT_TEST_DIE_MARKER": str(tmp_path / "died"), "PLAIT_TEST_DIE_CALL": "3", "PLAIT_TEST_DIE_RANK": "1"}
+    cmd[cmd.index("--nproc_per_node") : cmd.index("--nproc_per_node")] = ["--max-restarts", "1"]
+    env = {
+        **helper_env,
+        "PLAIT_TEST_DIE_MARKER": str(tmp_path / "died"),
+        "PLAIT_TEST_DIE_CALL": "3",
+        "PLAIT_TEST_DIE_RANK": "1",
+    }
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     shown = res.stdout + res.stderr
     assert res.returncode == 0 and (tmp_path / "died").exists(), shown[-3000:]
@@ -181,8 +243,12 @@ def test_torchrun_max_restarts_resumes_a_killed_worker(tiny_model_path, prompts_
 
 def test_time_based_saves(tiny_model_path, prompts_jsonl, tmp_path):
     run = tmp_path / "run"
-    cfg = load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, run, "checkpoint.save_every_minutes=0.0001",
-                                           "checkpoint.keep_last=10"))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tiny_model_path, prompts_jsonl, run, "checkpoint.save_every_minutes=0.0001", "checkpoint.keep_last=10"
+        ),
+    )
     loop.train(cfg)  # every step takes longer than 6 ms: each one saves
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{s:08d}" for s in (1, 2, 3, 4)]
 
@@ -190,8 +256,25 @@ def test_time_based_saves(tiny_model_path, prompts_jsonl, tmp_path):
 def test_chaos_harness_finds_no_difference(tmp_path):
     """bench/chaos.py, short: 3 SIGKILLs of a 2-process run at random moments (seeded)."""
     out = tmp_path / "chaos.json"
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "chaos.py"), "--kills", "3", "--steps", "6", "--nproc", "2",
-                          "--seed", "1", "--json", str(out)], capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "chaos.py"),
+            "--kills",
+            "3",
+            "--steps",
+            "6",
+            "--nproc",
+            "2",
+            "--seed",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
     assert sum(report["kills"].values()) == 3 and report["launches"] == 4 and report["resumes"] >= 1

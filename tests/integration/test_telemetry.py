@@ -13,14 +13,27 @@ from test_train import tiny_overrides
 from plait.config import load_config
 from plait.train.loop import train
 
+
 PHASES = ("generate", "score", "train", "optimizer", "idle", "checkpoint")
 
 
 @pytest.fixture(scope="module")
 def run_dir(tiny_model_path, prompts_jsonl, tmp_path_factory):
     out = tmp_path_factory.mktemp("telemetry") / "run"
-    cfg = load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, out, "train.max_steps=3", "log.sample_every_steps=1",
-                                           "log.samples=2", "eval.before=true", "eval.after=true", "checkpoint.save_steps=2"))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tiny_model_path,
+            prompts_jsonl,
+            out,
+            "train.max_steps=3",
+            "log.sample_every_steps=1",
+            "log.samples=2",
+            "eval.before=true",
+            "eval.after=true",
+            "checkpoint.save_steps=2",
+        ),
+    )
     result = train(cfg)
     return result.run_dir
 
@@ -70,7 +83,12 @@ def test_samples_log_prompt_completion_and_each_reward(run_dir):
 
 def report_page(run_dir, tmp_path):
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "-m", "plait", "report", str(run_dir), "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "plait", "report", str(run_dir), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out / "index.html"
 
@@ -87,7 +105,9 @@ def test_report_is_self_contained(run_dir, tmp_path):
 
 
 def test_report_of_a_directory_without_a_run_says_so(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "plait", "report", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "plait", "report", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2
     assert "no metrics.jsonl" in proc.stderr
 
@@ -96,7 +116,10 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 
 
-@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="needs Debian's chromium and chromium-driver (`make test` installs them as root)")
+@pytest.mark.skipif(
+    not (CHROMIUM and CHROMEDRIVER),
+    reason="needs Debian's chromium and chromium-driver (`make test` installs them as root)",
+)
 def test_report_opens_in_headless_chromium(run_dir, tmp_path):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -104,17 +127,30 @@ def test_report_opens_in_headless_chromium(run_dir, tmp_path):
     page = report_page(run_dir, tmp_path)
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ):
         opts.add_argument(flag)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(options=opts, service=Service(CHROMEDRIVER))
     try:
         driver.get(page.as_uri())
         figures = driver.execute_script(
-            "return Array.from(document.querySelectorAll('img.figure')).map(i => [i.id, i.complete, i.naturalWidth, i.naturalHeight])"
+            "return Array.from(document.querySelectorAll('img.figure'))"
+            ".map(i => [i.id, i.complete, i.naturalWidth, i.naturalHeight])"
         )
-        assert {f[0] for f in figures} == {f"fig-{n}" for n in ("rewards", "length", "policy", "time", "throughput", "memory")}
+        assert {f[0] for f in figures} == {
+            f"fig-{n}" for n in ("rewards", "length", "policy", "time", "throughput", "memory")
+        }
         for fid, complete, width, height in figures:
             assert complete and width > 300 and height > 100, (fid, width, height)  # decoded, not a broken image
         rows = driver.execute_script("return document.querySelectorAll('#samples tr').length")
@@ -130,8 +166,11 @@ def test_wandb_offline_run_records_the_metrics(tiny_model_path, prompts_jsonl, t
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(WANDB_SILENT="true", WANDB_API_KEY="", HOME=str(tmp_path))  # no account, no network
-    args = tiny_overrides(tiny_model_path, prompts_jsonl, out, "train.max_steps=2", "log.wandb={mode: offline, project: plait-test}")
-    code = f"from plait.cli import main; import sys; sys.exit(main(['train', *{[x for a in args for x in ('--set', a)]!r}]))"
+    args = tiny_overrides(
+        tiny_model_path, prompts_jsonl, out, "train.max_steps=2", "log.wandb={mode: offline, project: plait-test}"
+    )
+    argv = ["train", *[x for a in args for x in ("--set", a)]]
+    code = f"from plait.cli import main; import sys; sys.exit(main({argv!r}))"
     helpers = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers")
     env["PYTHONPATH"] = os.pathsep.join([helpers, env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)

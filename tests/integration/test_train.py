@@ -4,11 +4,11 @@ import json
 import subprocess
 import sys
 
+import plait_test_rewards
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import plait_test_rewards
 from plait.config import load_config
 from plait.train.loop import train
 
@@ -16,12 +16,26 @@ from plait.train.loop import train
 def tiny_overrides(model, data, out, *extra):
     train_f, eval_f = data
     return [
-        f"model.name_or_path={model}", "data.task=null", f"data.path={train_f}", f"data.eval_path={eval_f}",
-        "data.prompt_field=question", "rollout.prompts_per_step=2", "rollout.num_generations=4",
-        "rollout.max_completion_length=12", "train.micro_batch_size=4", "train.max_steps=4",
-        "train.learning_rate=1e-3", "train.warmup_steps=2", "train.lr_scheduler=cosine", "train.precision=fp32",
-        "rewards=[{name: 'plait_test_rewards:vowel_share'}]", "eval.before=false", "eval.after=false",
-        "log.console=none", f"output_dir={out}", *extra,
+        f"model.name_or_path={model}",
+        "data.task=null",
+        f"data.path={train_f}",
+        f"data.eval_path={eval_f}",
+        "data.prompt_field=question",
+        "rollout.prompts_per_step=2",
+        "rollout.num_generations=4",
+        "rollout.max_completion_length=12",
+        "train.micro_batch_size=4",
+        "train.max_steps=4",
+        "train.learning_rate=1e-3",
+        "train.warmup_steps=2",
+        "train.lr_scheduler=cosine",
+        "train.precision=fp32",
+        "rewards=[{name: 'plait_test_rewards:vowel_share'}]",
+        "eval.before=false",
+        "eval.after=false",
+        "log.console=none",
+        f"output_dir={out}",
+        *extra,
     ]
 
 
@@ -31,17 +45,37 @@ def final_weights(run_dir):
 
 def test_cli_train_end_to_end(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
     out = tmp_path / "run"
-    args = tiny_overrides(tiny_model_path, prompts_jsonl, out, "eval.before=true", "eval.after=true", "checkpoint.save_steps=2", "log.console=plain")
+    args = tiny_overrides(
+        tiny_model_path,
+        prompts_jsonl,
+        out,
+        "eval.before=true",
+        "eval.after=true",
+        "checkpoint.save_steps=2",
+        "log.console=plain",
+    )
     cmd = [sys.executable, "-m", "plait.cli", "train", *sum((["--set", a] for a in args), [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=helper_env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
-    for key in ("reward/plait_test_rewards:vowel_share/mean", "reward/total/std", "accuracy", "completion/length_mean",
-                "completion/truncated", "clip/fraction", "loss", "grad_norm", "lr", "time/generate", "time/score", "time/train"):
+    for key in (
+        "reward/plait_test_rewards:vowel_share/mean",
+        "reward/total/std",
+        "accuracy",
+        "completion/length_mean",
+        "completion/truncated",
+        "clip/fraction",
+        "loss",
+        "grad_norm",
+        "lr",
+        "time/generate",
+        "time/score",
+        "time/train",
+    ):
         assert key in lines[0], key
     assert lines[0]["lr"] < lines[1]["lr"] and lines[3]["lr"] < lines[1]["lr"]  # warmup, then cosine decay
-    evals = [json.loads(l) for l in (out / "eval.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert [e["tag"] for e in evals] == ["before", "after"] and evals[0]["n"] == 8
     assert (out / "config.yaml").is_file() and load_config(out / "config.yaml").train.max_steps == 4
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
@@ -60,8 +94,16 @@ def test_resume_after_a_crash_is_exact(tiny_model_path, prompts_jsonl, tmp_path)
     train(load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, straight)))
 
     crashed = tmp_path / "crashed"
-    crash_cfg = load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, crashed, "checkpoint.save_steps=2",
-                                                  "rewards=[{name: 'plait_test_rewards:vowel_share_crashing'}]"))
+    crash_cfg = load_config(
+        None,
+        tiny_overrides(
+            tiny_model_path,
+            prompts_jsonl,
+            crashed,
+            "checkpoint.save_steps=2",
+            "rewards=[{name: 'plait_test_rewards:vowel_share_crashing'}]",
+        ),
+    )
     plait_test_rewards.CALLS.update(n=0, crash_at=3)  # the reward call of step 3 raises
     try:
         with pytest.raises(Exception, match="simulated crash"):
@@ -78,18 +120,26 @@ def test_resume_after_a_crash_is_exact(tiny_model_path, prompts_jsonl, tmp_path)
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    straight_losses = [json.loads(l)["loss"] for l in (straight / "metrics.jsonl").read_text().splitlines()]
-    resumed_losses = [json.loads(l)["loss"] for l in (crashed / "metrics.jsonl").read_text().splitlines()]
+    straight_losses = [json.loads(line)["loss"] for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    resumed_losses = [json.loads(line)["loss"] for line in (crashed / "metrics.jsonl").read_text().splitlines()]
     assert resumed_losses == straight_losses  # steps 1, 2 (before the crash) then 3, 4
 
 
 def test_existing_run_dir_is_not_overwritten(tiny_model_path, prompts_jsonl, tmp_path):
     out = tmp_path / "run"
-    train(load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, out, "train.max_steps=1", "train.warmup_steps=0")))
+    train(
+        load_config(
+            None, tiny_overrides(tiny_model_path, prompts_jsonl, out, "train.max_steps=1", "train.warmup_steps=0")
+        )
+    )
     from plait.config import ConfigError
 
     with pytest.raises(ConfigError, match="already holds checkpoints.*--resume"):
-        train(load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, out, "train.max_steps=1", "train.warmup_steps=0")))
+        train(
+            load_config(
+                None, tiny_overrides(tiny_model_path, prompts_jsonl, out, "train.max_steps=1", "train.warmup_steps=0")
+            )
+        )
 
 
 @pytest.mark.parametrize(
@@ -97,7 +147,12 @@ def test_existing_run_dir_is_not_overwritten(tiny_model_path, prompts_jsonl, tmp
     [
         ["algo.beta=0.1", "algo.loss_type=grpo"],
         ["algo.num_iterations=2", "algo.loss_type=dr_grpo", "algo.epsilon_high=0.28"],
-        ["model.lora={r: 4, alpha: 8}", "algo.beta=0.05", "algo.loss_type=bnpo", "algo.mask_truncated_completions=true"],
+        [
+            "model.lora={r: 4, alpha: 8}",
+            "algo.beta=0.05",
+            "algo.loss_type=bnpo",
+            "algo.mask_truncated_completions=true",
+        ],
         ["train.precision=bf16", "algo.scale_rewards=batch"],
     ],
     ids=["kl", "iterations", "lora", "bf16"],
@@ -121,11 +176,29 @@ def test_variants_train(tiny_model_path, prompts_jsonl, tmp_path, extra):
 
 def test_cli_eval_scores_a_model_folder(tiny_model_path, prompts_jsonl, helper_env):
     train_f, eval_f = prompts_jsonl
-    cmd = [sys.executable, "-m", "plait.cli", "eval", str(tiny_model_path), "--show", "1",
-           "--set", "data.task=null", "--set", f"data.path={train_f}", "--set", f"data.eval_path={eval_f}",
-           "--set", "data.prompt_field=question", "--set", "rollout.max_completion_length=8"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "plait.cli",
+        "eval",
+        str(tiny_model_path),
+        "--show",
+        "1",
+        "--set",
+        "data.task=null",
+        "--set",
+        f"data.path={train_f}",
+        "--set",
+        f"data.eval_path={eval_f}",
+        "--set",
+        "data.prompt_field=question",
+        "--set",
+        "rollout.max_completion_length=8",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=helper_env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "boxed_accuracy: 0.000 on 8 prompts" in proc.stdout  # a random model never boxes the sum
-    missing = subprocess.run([sys.executable, "-m", "plait.cli", "eval", "/no/such/model"], capture_output=True, text=True, env=helper_env)
+    missing = subprocess.run(
+        [sys.executable, "-m", "plait.cli", "eval", "/no/such/model"], capture_output=True, text=True, env=helper_env
+    )
     assert missing.returncode == 2 and "does not exist" in missing.stderr

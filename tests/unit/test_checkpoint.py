@@ -25,7 +25,9 @@ def test_round_trip_restores_weights_optimizer_scheduler_and_rng(tmp_path):
     assert state == {"step": 5, "backend": "local", "world_size": 1, "prompts_consumed": 40}
     for a, b in zip(saved.module.parameters(), fresh.module.parameters()):
         assert torch.equal(a, b)
-    assert torch.equal(fresh.optimizer.state_dict()["state"][0]["exp_avg"], saved.optimizer.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(
+        fresh.optimizer.state_dict()["state"][0]["exp_avg"], saved.optimizer.state_dict()["state"][0]["exp_avg"]
+    )
     assert fresh.scheduler.get_last_lr() == saved.scheduler.get_last_lr()
     assert torch.equal(torch.rand(3), expected_draw)  # the RNG continues where it was saved
 

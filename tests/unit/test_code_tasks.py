@@ -17,7 +17,7 @@ def test_extract_code_takes_the_last_fenced_block():
 
 
 def test_build_program_continues_the_prefix_unless_the_function_is_restated():
-    prefix = "from typing import List\n\n\ndef add(a: int, b: int) -> int:\n    \"\"\"Add.\"\"\"\n"
+    prefix = 'from typing import List\n\n\ndef add(a: int, b: int) -> int:\n    """Add."""\n'
     assert build_program("    return a + b\n", prefix, "add") == prefix + "    return a + b\n"
     full = "```python\ndef add(a, b):\n    return a + b\n```"
     assert build_program(full, prefix, "add") == "from typing import List\ndef add(a, b):\n    return a + b\n"
@@ -27,7 +27,10 @@ def test_build_program_continues_the_prefix_unless_the_function_is_restated():
 def test_split_tests():
     assert split_tests(["assert f(1) == 2", "assert f(2) == 3"]) == ["assert f(1) == 2", "assert f(2) == 3"]
     assert split_tests("x = 1\nassert x == 1\nfor i in range(2):\n    assert i < 2\n") == [
-        "x = 1", "assert x == 1", "for i in range(2):\n    assert i < 2"]
+        "x = 1",
+        "assert x == 1",
+        "for i in range(2):\n    assert i < 2",
+    ]
     assert split_tests(None) == []
     with pytest.raises(ValueError, match="do not parse"):
         split_tests("assert (")
@@ -40,7 +43,11 @@ def test_humaneval_check_becomes_one_test_per_assert():
     )
     setup, tests = humaneval_tests(src, "total")
     assert setup == "METADATA = {}\ncandidate = total"
-    assert tests == ["data = [1, 2]\nassert candidate(data) == 3", "for x in data:\n    assert candidate([x]) == x", "assert True"]
+    assert tests == [
+        "data = [1, 2]\nassert candidate(data) == 3",
+        "for x in data:\n    assert candidate([x]) == x",
+        "assert True",
+    ]
 
 
 def test_humaneval_task_rows_and_split():
@@ -58,9 +65,15 @@ def test_humaneval_task_rows_and_split():
 @pytest.mark.parametrize(
     "scores, rule, keep",
     [
-        ([1.0, 1.0], "not_all_correct", False), ([1.0, 0.0], "not_all_correct", True), ([0.0, 0.0], "not_all_correct", True),
-        ([0.0, 0.0], "not_all_failed", False), ([0.5, 1.0], "not_all_failed", True),
-        ([1.0, 0.0], "mixed", True), ([1.0, 1.0], "mixed", False), ([0.0, None], "mixed", False), ([1.0, None], "mixed", True),
+        ([1.0, 1.0], "not_all_correct", False),
+        ([1.0, 0.0], "not_all_correct", True),
+        ([0.0, 0.0], "not_all_correct", True),
+        ([0.0, 0.0], "not_all_failed", False),
+        ([0.5, 1.0], "not_all_failed", True),
+        ([1.0, 0.0], "mixed", True),
+        ([1.0, 1.0], "mixed", False),
+        ([0.0, None], "mixed", False),
+        ([1.0, None], "mixed", True),
     ],
 )
 def test_two_stage_rules(scores, rule, keep):

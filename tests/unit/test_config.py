@@ -21,8 +21,13 @@ def test_defaults_are_the_demo_and_valid():
 def test_seed_004_four_gpus_one_for_generation():
     """Seed 004: 4 GPUs, 1 runs generation, num_generations 8, one completion per device batch."""
     probs = problems_of(
-        ["cluster.devices=4", "cluster.generation_devices=1", "rollout.num_generations=8",
-         "train.micro_batch_size=1", "rollout.prompts_per_step=4"]
+        [
+            "cluster.devices=4",
+            "cluster.generation_devices=1",
+            "rollout.num_generations=8",
+            "train.micro_batch_size=1",
+            "rollout.prompts_per_step=4",
+        ]
     )
     batch = next(p for p in probs if p.startswith("batch arithmetic"))
     # the arithmetic with the user's numbers ...
@@ -43,17 +48,38 @@ def test_micro_batch_that_does_not_divide_lists_working_values():
 
 
 def test_explicit_accumulation_must_match():
-    probs = problems_of(["rollout.prompts_per_step=4", "rollout.num_generations=4", "train.micro_batch_size=4", "train.gradient_accumulation_steps=3"])
+    probs = problems_of(
+        [
+            "rollout.prompts_per_step=4",
+            "rollout.num_generations=4",
+            "train.micro_batch_size=4",
+            "train.gradient_accumulation_steps=3",
+        ]
+    )
     assert any("= 4 micro-batches of 4, not 3" in p and "train.gradient_accumulation_steps=4" in p for p in probs)
 
 
 def test_auto_batch_picks_fitting_values_and_says_so():
-    cfg = load_config(None, ["cluster.devices=4", "cluster.generation_devices=1", "rollout.engine=hf",
-                             "rollout.prompts_per_step=4", "train.micro_batch_size=5", "train.auto_batch=true"])
+    cfg = load_config(
+        None,
+        [
+            "cluster.devices=4",
+            "cluster.generation_devices=1",
+            "rollout.engine=hf",
+            "rollout.prompts_per_step=4",
+            "train.micro_batch_size=5",
+            "train.auto_batch=true",
+        ],
+    )
     with pytest.raises(ConfigError) as err:  # the hf engine can't use generation devices ...
         validate(cfg)
     assert not any(p.startswith("batch arithmetic") for p in err.value.problems)  # ... but the batch was fixed
-    plan = validate(load_config(None, ["cluster.devices=3", "rollout.prompts_per_step=4", "train.micro_batch_size=5", "train.auto_batch=true"]))
+    plan = validate(
+        load_config(
+            None,
+            ["cluster.devices=3", "rollout.prompts_per_step=4", "train.micro_batch_size=5", "train.auto_batch=true"],
+        )
+    )
     assert (plan.prompts_per_step, plan.micro_batch_size, plan.gradient_accumulation_steps) == (6, 4, 4)
     assert any("prompts_per_step 4 -> 6" in n for n in plan.notes)
 
@@ -78,8 +104,15 @@ def test_type_and_choice_errors_name_the_field():
 
 def test_contradictions_are_all_reported_at_once():
     probs = problems_of(
-        ["algo.epsilon=0.3", "algo.epsilon_high=0.2", "rollout.temperature=0", "rewards=[]",
-         "data.path=/nope.jsonl", "model.name_or_path=/no/such/model", "train.warmup_steps=1000"]
+        [
+            "algo.epsilon=0.3",
+            "algo.epsilon_high=0.2",
+            "rollout.temperature=0",
+            "rewards=[]",
+            "data.path=/nope.jsonl",
+            "model.name_or_path=/no/such/model",
+            "train.warmup_steps=1000",
+        ]
     )
     text = "\n".join(probs)
     assert "epsilon_high=0.2 is below algo.epsilon=0.3" in text
@@ -129,7 +162,9 @@ def test_train_help_lists_every_option(capsys):
         assert f"{name} = {default}" in out
 
 
-@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).parents[2].joinpath("configs").glob("*.yaml")))
+@pytest.mark.parametrize(
+    "path", sorted(__import__("pathlib").Path(__file__).parents[2].joinpath("configs").glob("*.yaml"))
+)
 def test_shipped_configs_load(path):
     cfg = load_config(path)
     assert cfg.rewards and cfg.train.max_steps > 0
@@ -143,22 +178,38 @@ def test_cli_reports_config_errors_with_exit_code_2(capsys):
 
 
 def test_algorithm_options_are_checked_against_each_other():
-    probs = problems_of(["algo.ref_model_sync_steps=10", "algo.kl_in_reward=true", "algo.delta=1.1",
-                         "algo.entropy_coeff=0.01", "algo.top_entropy_quantile=0.2"])
+    probs = problems_of(
+        [
+            "algo.ref_model_sync_steps=10",
+            "algo.kl_in_reward=true",
+            "algo.delta=1.1",
+            "algo.entropy_coeff=0.01",
+            "algo.top_entropy_quantile=0.2",
+        ]
+    )
     text = "\n".join(probs)
     assert "ref_model_sync_steps > 0 but algo.beta = 0: there is no reference model" in text
     assert "kl_in_reward=true needs algo.beta > 0" in text
     assert "algo.delta=1.1 must exceed 1 + epsilon_high = 1.2" in text
     assert "entropy_coeff with top_entropy_quantile < 1" in text
-    probs = problems_of(["algo.loss_type=cispo", "algo.importance_sampling_level=sequence", "algo.beta=0.1",
-                         "algo.ref_model_sync_steps=5", "model.lora={r: 4}"])
+    probs = problems_of(
+        [
+            "algo.loss_type=cispo",
+            "algo.importance_sampling_level=sequence",
+            "algo.beta=0.1",
+            "algo.ref_model_sync_steps=5",
+            "model.lora={r: 4}",
+        ]
+    )
     text = "\n".join(probs)
     assert "cispo weights each token by its own ratio" in text
     assert "ref_model_sync_steps with LoRA" in text
 
 
 def test_warmup_counts_every_optimizer_step():
-    cfg = load_config(None, ["train.max_steps=2", "algo.num_iterations=2", "algo.steps_per_generation=2", "train.warmup_steps=8"])
+    cfg = load_config(
+        None, ["train.max_steps=2", "algo.num_iterations=2", "algo.steps_per_generation=2", "train.warmup_steps=8"]
+    )
     validate(cfg)  # 2 x 2 x 2 = 8 optimizer steps: fits
     (msg,) = problems_of(["train.max_steps=2", "algo.num_iterations=2", "train.warmup_steps=5"])
     assert "train.warmup_steps=5 is longer than the run (4 optimizer steps)" in msg
@@ -179,8 +230,15 @@ def test_backend_choices_are_checked_against_the_launch(monkeypatch):
     assert not any("launcher started" in p for p in problems_of(["cluster.devices=3", "cluster.generation_devices=1"]))
     found = problems_of(["cluster.devices=4", "cluster.generation_devices=1"])
     assert any("cluster.devices=4 - generation_devices=1 = 3 training processes" in p for p in found)
-    found = problems_of(["train.backend=deepspeed", "train.deepspeed.zero_stage=2", "train.deepspeed.offload_params=true",
-                         "algo.beta=0.1", "algo.ref_model_sync_steps=4"])
+    found = problems_of(
+        [
+            "train.backend=deepspeed",
+            "train.deepspeed.zero_stage=2",
+            "train.deepspeed.offload_params=true",
+            "algo.beta=0.1",
+            "algo.ref_model_sync_steps=4",
+        ]
+    )
     assert any("offload_params needs train.deepspeed.zero_stage=3" in p for p in found)
     assert any("ref_model_sync_steps with train.backend=deepspeed" in p for p in found)
 
@@ -205,9 +263,20 @@ def test_resume_refuses_a_checkpoint_of_another_backend(tmp_path):
 def test_deepspeed_json_follows_the_batch_arithmetic_and_merges_extra():
     from plait.train.backends.deepspeed import deepspeed_config
 
-    cfg = load_config(None, ["train.micro_batch_size=4", "train.gradient_accumulation_steps=2", "train.deepspeed.offload_optimizer=true",
-                             "train.deepspeed.extra={zero_optimization: {overlap_comm: true}, steps_per_print: 5}"])
+    cfg = load_config(
+        None,
+        [
+            "train.micro_batch_size=4",
+            "train.gradient_accumulation_steps=2",
+            "train.deepspeed.offload_optimizer=true",
+            "train.deepspeed.extra={zero_optimization: {overlap_comm: true}, steps_per_print: 5}",
+        ],
+    )
     ds = deepspeed_config(cfg, world_size=8)
     assert ds["train_batch_size"] == 4 * 2 * 8 and ds["gradient_accumulation_steps"] == 2
-    assert ds["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "overlap_comm": True}
+    assert ds["zero_optimization"] == {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+    }
     assert ds["steps_per_print"] == 5 and ds["gradient_clipping"] == 1.0

@@ -71,7 +71,10 @@ def test_engine_samples_the_same_with_packed_weights(tiny_model_path):
 
     tok, model = load_tokenizer(str(tiny_model_path)), load_model(str(tiny_model_path))
     prompts = [Prompt(i, t, tok(t)["input_ids"]) for i, t in enumerate(["What is 2 + 2?", "Name a colour."])]
-    greedy, sampled = SamplingParams(max_tokens=12, temperature=0), SamplingParams(max_tokens=12, temperature=1.0, seed=3)
+    greedy, sampled = (
+        SamplingParams(max_tokens=12, temperature=0),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=3),
+    )
     for params in (greedy, sampled):
         plain = HFEngine(model, tok, packed_weights=False).generate(prompts, params, n=3)
         packed = HFEngine(model, tok, packed_weights=True).generate(prompts, params, n=3)
@@ -96,11 +99,15 @@ _FAULTS = textwrap.dedent("""
 @pytest.mark.skipif(_glibc() is None, reason="glibc only")
 def test_retained_host_memory_reuses_freed_blocks_without_page_faults():
     def run(mode):
-        out = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, check=True).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, check=True
+        ).stdout.split()
         return int(out[0]), [int(x) for x in out[1:]]
 
     pages = 64 * 2**20 // 4096
-    active, faults = run("on")  # the heap grows a few times around small allocations, then a freed block is reused as it is
+    active, faults = run(
+        "on"
+    )  # the heap grows a few times around small allocations, then a freed block is reused as it is
     assert active == 1 and max(faults[-4:]) < pages // 20, faults
     active, faults = run("off")  # glibc's default: unmapped on free, faulted in again page by page every time
     assert active == 0 and min(faults) > pages // 2, faults

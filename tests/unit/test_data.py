@@ -48,7 +48,14 @@ def test_bad_jsonl_line_is_named(tmp_path):
 
 
 def test_field_mapping_chat_template_and_columns():
-    cfg = DataConfig(task=None, path="x", prompt_field="question", answer_field="solution", system_prompt="Be brief.", max_prompt_length=30)
+    cfg = DataConfig(
+        task=None,
+        path="x",
+        prompt_field="question",
+        answer_field="solution",
+        system_prompt="Be brief.",
+        max_prompt_length=30,
+    )
     logs = []
     prompts = build_prompts(ROWS, FakeTokenizer(), cfg, log=logs.append)
     assert len(prompts) == 1  # the 50-word prompt is dropped ...

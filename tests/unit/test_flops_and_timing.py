@@ -53,9 +53,9 @@ def test_generation_flops_count_each_prompt_once(tiny):
     _, cost = tiny
     one = cost.generate([10], [[5]])
     two = cost.generate([10], [[5, 5]])
-    n, h, l, d = cost.matmul_params, cost.head_params, cost.layers, cost.attn_width
-    prefill = 10 * (2 * (n - h) + 4 * l * d * 10) + 2 * h  # the head only at the last prompt position
-    decode = sum(2 * n + 4 * l * d * (10 + i) for i in range(1, 5))  # tokens 1..4 fed back, each over prompt + i
+    n, h, layers, d = cost.matmul_params, cost.head_params, cost.layers, cost.attn_width
+    prefill = 10 * (2 * (n - h) + 4 * layers * d * 10) + 2 * h  # the head only at the last prompt position
+    decode = sum(2 * n + 4 * layers * d * (10 + i) for i in range(1, 5))  # tokens 1..4 fed back, each over prompt + i
     assert one == pytest.approx(prefill + decode)
     assert two - one == pytest.approx(decode)  # a second completion adds only its decode
 
@@ -97,12 +97,17 @@ def test_phases_and_idle_cover_the_step():
 def test_memory_peak_is_per_step():
     meter = MemoryMeter(torch.device("cpu"))
     meter.take()
-    big = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched: well above what other threads of the test process may allocate
+    big = torch.ones(
+        256 * 2**20 // 4
+    )  # 256 MiB, touched: well above what other threads of the test process may allocate
     first = meter.take()
     del big
     meter.take()  # this step began with the tensor still held
     third = meter.take()
-    assert first["memory/peak_rss_gb"] - third["memory/peak_rss_gb"] > 0.2, (first, third)  # the peak was reset after the steps that had it
+    assert first["memory/peak_rss_gb"] - third["memory/peak_rss_gb"] > 0.2, (
+        first,
+        third,
+    )  # the peak was reset after the steps that had it
     assert third["memory/rss_gb"] > 0
 
 
@@ -111,7 +116,9 @@ def test_suggestion_names_the_dominant_phase_and_the_settings():
     tip = suggestion({"generate": 0.78, "train": 0.2, "score": 0.02}, cfg)
     assert tip.startswith("generate is 78% of step time") and "rollout.engine=vllm" in tip
     assert "max_completion_length (now 256)" in tip and "num_generations (now 8)" in tip
-    assert "train.precision=bf16" in suggestion({"train": 0.6, "generate": 0.4}, load_config(None, ["train.precision=fp32"]))
+    assert "train.precision=bf16" in suggestion(
+        {"train": 0.6, "generate": 0.4}, load_config(None, ["train.precision=fp32"])
+    )
     assert suggestion({"train": 0.45, "generate": 0.45, "idle": 0.1}, cfg) is None  # nothing dominates
 
 
@@ -149,7 +156,7 @@ def test_shared_prompt_pass_gives_the_plain_log_probs_and_gradients(tiny, way):
     ids[:4, :p] = ids[0, :p]
     ids[4:, :p] = ids[4, :p]
     ids[4:, :3], mask[4:, :3] = 0, 0  # the second prompt is shorter
-    mask[1, p + 5:], mask[6, p + 2:] = 0, 0  # completions end early
+    mask[1, p + 5 :], mask[6, p + 2 :] = 0, 0  # completions end early
     runs = prompt_runs(ids, mask, p)
     assert runs == [4, 3]
     real = mask[:, p:].bool()

@@ -8,11 +8,11 @@ import os
 import signal
 
 import pytest
+from test_config import problems_of
 
 from plait.checkpoint import trim_logs
 from plait.config import load_config, validate
 from plait.train.guard import NonFiniteGuard, StopSignal, TrainingDiverged
-from test_config import problems_of
 
 
 def test_guard_counts_streaks_and_stops_after_the_limit():

@@ -8,6 +8,7 @@ import torch
 from plait.algo.kl import kl_k3
 from plait.algo.losses import LOSS_TYPES, LossSettings, StepCounts, clipped_objective, policy_loss
 
+
 # two completions, three positions; the last token of row 1 is padding.
 # ratios r = exp(logp - old): row 0 (A=+1): 1.0, 1.5, 0.5; row 1 (A=-1): 0.5, 1.5, 1.0
 RATIOS = torch.tensor([[1.0, 1.5, 0.5], [0.5, 1.5, 1.0]])
@@ -97,7 +98,10 @@ def test_micro_batch_losses_add_up_to_the_full_batch(loss_type):
     full, _ = policy_loss(logp, old, adv, mask, StepCounts(4, tokens, 1, 5), S(loss_type))
     (g_full,) = torch.autograd.grad(full, logp)
     counts = StepCounts(4, tokens, 2, 5)
-    parts = [policy_loss(logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], counts, S(loss_type))[0] for i in (0, 2)]
+    parts = [
+        policy_loss(logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], counts, S(loss_type))[0]
+        for i in (0, 2)
+    ]
     (g_split,) = torch.autograd.grad(sum(parts), logp)
     assert float(sum(parts).detach()) == pytest.approx(float(full.detach()), abs=1e-6)
     assert torch.allclose(g_full, g_split, atol=1e-7)

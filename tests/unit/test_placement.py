@@ -11,6 +11,7 @@ import pytest
 from plait.cluster import placement as pl
 from plait.config import load_config
 
+
 SERVER = ["rollout.engine=vllm", "rollout.vllm.mode=server"]
 
 
@@ -20,8 +21,13 @@ def cfg_of(*sets: str):
 
 def seed_28_4(prompts: int):
     """The seeds' case: 4 nodes x 8 GPUs, 4 of them generate (4 replicas x tp 1), 28 train."""
-    return cfg_of(*SERVER, "cluster.generation_devices=4", "rollout.vllm.data_parallel_size=4",
-                  f"rollout.prompts_per_step={prompts}", "rollout.num_generations=8")
+    return cfg_of(
+        *SERVER,
+        "cluster.generation_devices=4",
+        "rollout.vllm.data_parallel_size=4",
+        f"rollout.prompts_per_step={prompts}",
+        "rollout.num_generations=8",
+    )
 
 
 def test_28_training_and_4_generation_gpus_are_placed_node_by_node():
@@ -47,8 +53,14 @@ def test_28_4_with_a_batch_that_does_not_divide_proposes_the_nearest_that_do():
     assert ("rollout.prompts_per_step=112",) in [a.overrides for a in alts]
     # every proposal really places
     for a in alts:
-        fixed = cfg_of(*SERVER, "cluster.generation_devices=4", "rollout.vllm.data_parallel_size=4",
-                       "rollout.prompts_per_step=64", "rollout.num_generations=8", *a.overrides)
+        fixed = cfg_of(
+            *SERVER,
+            "cluster.generation_devices=4",
+            "rollout.vllm.data_parallel_size=4",
+            "rollout.prompts_per_step=64",
+            "rollout.num_generations=8",
+            *a.overrides,
+        )
         assert isinstance(pl.plan_cluster(fixed, pl.uniform_nodes(4, 8)), pl.Placement), a
     text = "\n".join(pl.render_failure(problems, alts))
     assert text.startswith("this config can't be placed:") and "--set rollout.prompts_per_step=56" in text
@@ -58,8 +70,10 @@ def test_3_trainers_against_8_generations_split_by_prompt_not_by_completion():
     """The seeds' "3 training GPUs vs num_generations 8": 24 completions split 3 ways is fine in
     TRL's arithmetic only when 8 | 3 x batch; plait splits whole groups, so prompts must divide by 3."""
     nodes = pl.uniform_nodes(1, 4)
-    ok = pl.plan_cluster(cfg_of(*SERVER, "cluster.generation_devices=1", "rollout.num_generations=8",
-                                "rollout.prompts_per_step=6"), nodes)
+    ok = pl.plan_cluster(
+        cfg_of(*SERVER, "cluster.generation_devices=1", "rollout.num_generations=8", "rollout.prompts_per_step=6"),
+        nodes,
+    )
     assert isinstance(ok, pl.Placement) and len(ok.train) == 3 and ok.batch.completions_per_process == 16
     bad_sets = [*SERVER, "cluster.generation_devices=1", "rollout.num_generations=8", "rollout.prompts_per_step=8"]
     bad = cfg_of(*bad_sets)
@@ -67,23 +81,40 @@ def test_3_trainers_against_8_generations_split_by_prompt_not_by_completion():
     assert any("8 prompts / 3 processes" in p for p in problems)
     assert any("No rollout.num_generations alone fixes it" in p for p in problems)
     got = [a.overrides for a in alts]
-    assert ("rollout.prompts_per_step=6",) == got[0] and ("rollout.prompts_per_step=9",) not in got  # 9 x 8 = 72 / 3 = 24: not micro 16
+    assert ("rollout.prompts_per_step=6",) == got[0] and (
+        "rollout.prompts_per_step=9",
+    ) not in got  # 9 x 8 = 72 / 3 = 24: not micro 16
     assert ("cluster.generation_devices=2", "rollout.vllm.data_parallel_size=2") in got  # 2 + 2 keeps 8 prompts
     sets, why = pl.auto_split(bad, nodes)
-    assert sets == ["cluster.generation_devices=2", "rollout.vllm.data_parallel_size=2"] and "2 train + 2 generate" in why
+    assert (
+        sets == ["cluster.generation_devices=2", "rollout.vllm.data_parallel_size=2"] and "2 train + 2 generate" in why
+    )
     assert isinstance(pl.plan_cluster(cfg_of(*bad_sets, *sets), nodes), pl.Placement)
 
 
 def test_tensor_parallel_replicas_stay_inside_one_node():
-    sets = [*SERVER, "rollout.vllm.tensor_parallel_size=4", "rollout.vllm.data_parallel_size=2", "cluster.generation_devices=8",
-            "rollout.prompts_per_step=16"]
+    sets = [
+        *SERVER,
+        "rollout.vllm.tensor_parallel_size=4",
+        "rollout.vllm.data_parallel_size=2",
+        "cluster.generation_devices=8",
+        "rollout.prompts_per_step=16",
+    ]
     placed = pl.plan_cluster(cfg_of(*sets), pl.uniform_nodes(2, 8))
     assert isinstance(placed, pl.Placement)
     assert all(len({s.node for s in rep}) == 1 for rep in placed.replicas)
     assert [[s.device for s in rep] for rep in placed.replicas] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # node 1 generates
     assert {s.node for s in placed.train} == {0}
-    problems, alts = pl.plan_cluster(cfg_of(*sets[:2], "rollout.vllm.tensor_parallel_size=8", "rollout.vllm.data_parallel_size=1",
-                                            "cluster.generation_devices=8", "rollout.prompts_per_step=8"), pl.uniform_nodes(4, 4))
+    problems, alts = pl.plan_cluster(
+        cfg_of(
+            *sets[:2],
+            "rollout.vllm.tensor_parallel_size=8",
+            "rollout.vllm.data_parallel_size=1",
+            "cluster.generation_devices=8",
+            "rollout.prompts_per_step=8",
+        ),
+        pl.uniform_nodes(4, 4),
+    )
     assert any("tensor_parallel_size=8 devices on one node, but the largest node has 4" in p for p in problems)
     assert alts and all("tensor_parallel_size=8" not in " ".join(a.overrides) for a in alts)
 
@@ -111,18 +142,42 @@ def test_memory_estimate_shards_with_the_backend():
     cfg = cfg_of("model.dtype=bfloat16", "train.precision=bf16")
     ddp = pl.estimate_memory(cfg, shape, 8, 0, "ddp", 80)
     fsdp = pl.estimate_memory(cfg, shape, 8, 0, "fsdp2", 80)
-    assert ddp.train["weights"] == pytest.approx(7e9 * 2, rel=0.1) and ddp.train["optimizer"] == 2 * ddp.train["weights"]
+    assert (
+        ddp.train["weights"] == pytest.approx(7e9 * 2, rel=0.1) and ddp.train["optimizer"] == 2 * ddp.train["weights"]
+    )
     assert fsdp.train["weights"] == pytest.approx(ddp.train["weights"] / 8)
     assert fsdp.train["activations"] == ddp.train["activations"]  # activations are per process either way
     assert not ddp.fits and fsdp.train_total < ddp.train_total
-    zero2 = pl.estimate_memory(cfg_of("model.dtype=bfloat16", "train.precision=bf16", "train.deepspeed.zero_stage=2"), shape, 8, 0, "deepspeed", 80)
-    assert zero2.train["weights"] == ddp.train["weights"] and zero2.train["optimizer"] == pytest.approx(ddp.train["optimizer"] / 8)
-    lora = pl.estimate_memory(cfg_of("model.dtype=bfloat16", "train.precision=bf16", "model.lora={r: 8}"), shape, 1, 0, "local", 80)
+    zero2 = pl.estimate_memory(
+        cfg_of("model.dtype=bfloat16", "train.precision=bf16", "train.deepspeed.zero_stage=2"),
+        shape,
+        8,
+        0,
+        "deepspeed",
+        80,
+    )
+    assert zero2.train["weights"] == ddp.train["weights"] and zero2.train["optimizer"] == pytest.approx(
+        ddp.train["optimizer"] / 8
+    )
+    lora = pl.estimate_memory(
+        cfg_of("model.dtype=bfloat16", "train.precision=bf16", "model.lora={r: 8}"), shape, 1, 0, "local", 80
+    )
     assert lora.train["optimizer"] < ddp.train["optimizer"] / 50
-    ckpt = pl.estimate_memory(cfg_of("model.dtype=bfloat16", "train.precision=bf16", "model.gradient_checkpointing=true"), shape, 8, 0, "ddp", 80)
+    ckpt = pl.estimate_memory(
+        cfg_of("model.dtype=bfloat16", "train.precision=bf16", "model.gradient_checkpointing=true"),
+        shape,
+        8,
+        0,
+        "ddp",
+        80,
+    )
     assert ckpt.train["activations"] < ddp.train["activations"] / 10
-    gen = pl.estimate_memory(cfg_of(*SERVER, "rollout.vllm.gpu_memory_utilization=0.9", "train.precision=bf16"), shape, 8, 2, "ddp", 80)
-    assert gen.generation["weights"] == pytest.approx(shape.params * 2 / 2)  # bf16 engine, tp 2 and gen.generation["kv cache"] > 0
+    gen = pl.estimate_memory(
+        cfg_of(*SERVER, "rollout.vllm.gpu_memory_utilization=0.9", "train.precision=bf16"), shape, 8, 2, "ddp", 80
+    )
+    assert gen.generation["weights"] == pytest.approx(
+        shape.params * 2 / 2
+    )  # bf16 engine, tp 2 and gen.generation["kv cache"] > 0
     lines = pl.render_memory(ddp, "ddp", 8, 0)
     assert "** more than the device holds **" in lines[1] and "to fit:" in lines[-1]
 
@@ -143,9 +198,21 @@ def run_plan(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_plait_plan_prints_the_placement_and_exits_2_when_it_cannot():
-    sets = sum((["--set", s] for s in [*SERVER, "cluster.generation_devices=4", "rollout.vllm.data_parallel_size=4",
-                                        "rollout.num_generations=8"]), [])
-    ok = run_plan("--nodes", "4", "--gpus-per-node", "8", *sets, "--set", "rollout.prompts_per_step=56", "--params", "7B")
+    sets = sum(
+        (
+            ["--set", s]
+            for s in [
+                *SERVER,
+                "cluster.generation_devices=4",
+                "rollout.vllm.data_parallel_size=4",
+                "rollout.num_generations=8",
+            ]
+        ),
+        [],
+    )
+    ok = run_plan(
+        "--nodes", "4", "--gpus-per-node", "8", *sets, "--set", "rollout.prompts_per_step=56", "--params", "7B"
+    )
     assert ok.returncode == 0, ok.stderr
     assert "cluster: 4 node(s), 32 GPU device(s)" in ok.stdout and "GPU 4-7: generation replicas 0-3" in ok.stdout
     assert "memory per device (rough estimate; model 7.00B parameters, 80 GiB devices)" in ok.stdout

@@ -9,7 +9,16 @@ from plait.types import Completion, Group, Prompt
 
 
 def test_accuracy_edge_cases():
-    texts = ["", "no answer here", "\\boxed{8", "$\\frac{1}{$", "23 + 58 = 81", "so \\boxed{81}.", "\\boxed{81.0}", "\\boxed{80}"]
+    texts = [
+        "",
+        "no answer here",
+        "\\boxed{8",
+        "$\\frac{1}{$",
+        "23 + 58 = 81",
+        "so \\boxed{81}.",
+        "\\boxed{81.0}",
+        "\\boxed{80}",
+    ]
     got = accuracy(texts, answer=["81"] * len(texts))
     assert got == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
 
@@ -24,7 +33,11 @@ def test_an_unevaluated_expression_is_not_a_numeric_answer():
 
 
 def test_accuracy_latex_answers():
-    assert accuracy(["\\boxed{\\frac{1}{2}}", "0.5", "\\boxed{2}"], answer=["\\frac12", "1/2", "\\sqrt{4}"]) == [1.0, 1.0, 1.0]
+    assert accuracy(["\\boxed{\\frac{1}{2}}", "0.5", "\\boxed{2}"], answer=["\\frac12", "1/2", "\\sqrt{4}"]) == [
+        1.0,
+        1.0,
+        1.0,
+    ]
     assert accuracy(["\\boxed{3}"], answer=[None]) == [0.0]
 
 
@@ -102,7 +115,9 @@ def test_a_reward_module_in_the_current_directory_is_found(tmp_path, monkeypatch
     """`plait train` (a console script, so no '' on sys.path) finds a rewards file next to the config."""
     import sys
 
-    (tmp_path / "my_project_rewards.py").write_text("def shout(completions, **_):\n    return [float(t.isupper()) for t in completions]\n")
+    (tmp_path / "my_project_rewards.py").write_text(
+        "def shout(completions, **_):\n    return [float(t.isupper()) for t in completions]\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     assert resolve_reward("my_project_rewards:shout")(["A", "b"]) == [1.0, 0.0]

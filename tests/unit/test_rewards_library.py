@@ -174,8 +174,14 @@ def tiny_rm_path(tiny_model_path, tmp_path_factory):
     from plait.models import tiny_model
 
     return tiny_model(
-        tmp_path_factory.mktemp("rm") / "model", vocab_from=str(tiny_model_path), model_class=LlamaForSequenceClassification,
-        hidden_size=32, intermediate_size=64, num_attention_heads=2, max_position_embeddings=512, num_labels=1,
+        tmp_path_factory.mktemp("rm") / "model",
+        vocab_from=str(tiny_model_path),
+        model_class=LlamaForSequenceClassification,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        max_position_embeddings=512,
+        num_labels=1,
         initializer_range=0.2,  # large enough that inputs get clearly different scores
         pad_token_id=None,
     )
@@ -195,7 +201,9 @@ def _direct_scores(path, prompts, completions):
     out = []
     for p, c in zip(prompts, completions):
         if tok.chat_template:
-            text = tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False)
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False
+            )
             ids = tok(text, add_special_tokens=False)["input_ids"]
         else:
             ids = tok(p + c)["input_ids"]

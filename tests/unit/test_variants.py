@@ -13,6 +13,7 @@ from plait.algo.advantages import EPS, combine_rewards, group_advantages
 from plait.algo.kl import kl_k1, kl_k2, mix_reference, sequence_kl
 from plait.algo.losses import LossSettings, StepCounts, engine_mismatch_weights, high_entropy_mask, policy_loss
 
+
 RATIOS = torch.tensor([[1.0, 1.5, 0.5], [0.5, 1.5, 1.0]])
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -2.2]])
 LOGP = OLD + RATIOS.log()
@@ -26,9 +27,10 @@ def settings(loss_type="dapo", **kw):
 
 
 def test_gspo_sequence_level_ratio():
-    # s_0 = exp(mean(log 1, log 1.5, log .5)) = .75^(1/3) = 0.9086; s_1 = exp(mean(log .5, log 1.5)) = .75^(1/2) = 0.8660
+    # s_0 = exp(mean(log 1, log 1.5, log .5)) = .75^(1/3) = 0.9086
+    # s_1 = exp(mean(log .5, log 1.5)) = .75^(1/2) = 0.8660
     # both inside [0.8, 1.28]: row 0 tokens lose -s_0 each, row 1's real tokens +s_1 each
-    s0, s1 = 0.75 ** (1 / 3), 0.75 ** 0.5
+    s0, s1 = 0.75 ** (1 / 3), 0.75**0.5
     loss, stats = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings(importance_sampling_level="sequence"))
     assert float(loss) == pytest.approx((-3 * s0 + 2 * s1) / 5, abs=1e-6)
     assert float(stats["clip_low_tokens"] + stats["clip_high_tokens"]) == 0
@@ -37,8 +39,14 @@ def test_gspo_sequence_level_ratio():
 
 def test_gspo_clips_whole_sequences():
     ratios = torch.tensor([[1.6, 1.6, 1.6]])  # s = 1.6 > 1.28 with A > 0: every token clipped
-    loss, stats = policy_loss(ratios.log(), torch.zeros(1, 3), torch.tensor([1.0]), torch.ones(1, 3), StepCounts(1, 3, 1, 3),
-                              settings(importance_sampling_level="sequence"))
+    loss, stats = policy_loss(
+        ratios.log(),
+        torch.zeros(1, 3),
+        torch.tensor([1.0]),
+        torch.ones(1, 3),
+        StepCounts(1, 3, 1, 3),
+        settings(importance_sampling_level="sequence"),
+    )
     assert float(loss) == pytest.approx(-1.28, abs=1e-6) and float(stats["clip_high_tokens"]) == 3
 
 
@@ -64,7 +72,9 @@ def test_kl_estimators_by_hand():
     x = torch.tensor([0.5, -0.2])  # logp - ref
     assert torch.allclose(kl_k1(x, torch.zeros(2)), x)
     assert torch.allclose(kl_k2(x, torch.zeros(2)), 0.5 * x**2)
-    loss, stats = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo", beta=0.5, kl_estimator="k2"), torch.zeros_like(LOGP))
+    loss, stats = policy_loss(
+        LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo", beta=0.5, kl_estimator="k2"), torch.zeros_like(LOGP)
+    )
     k2 = 0.5 * LOGP**2
     assert float(stats["kl_tokens"]) == pytest.approx(float((k2 * MASK).sum()), rel=1e-6)
     assert float(loss) == pytest.approx((-0.48 + 0.5 * float((k2 * MASK).sum())) / 5, abs=1e-6)

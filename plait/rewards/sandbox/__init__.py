@@ -109,7 +109,12 @@ def interpreter(python: str | None = None) -> tuple[str, str]:
 
 
 def run_tests(
-    code: str, tests: list[str], setup: str = "", limits: Limits = Limits(), tier: str | None = None, python: str | None = None
+    code: str,
+    tests: list[str],
+    setup: str = "",
+    limits: Limits = Limits(),
+    tier: str | None = None,
+    python: str | None = None,
 ) -> ExecResult:
     """Run `code`, then `setup`, then each test statement, in the sandbox; never raises for
     anything the program does (an infrastructure failure is status "error")."""
@@ -132,8 +137,12 @@ def run_tests(
 def _supervise(request: dict, limits: Limits, tier: str, total: int) -> ExecResult:
     sup = subprocess.Popen(
         [sys.executable, "-I", str(HERE / "supervisor.py")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={"PATH": SAFE_PATH, "LANG": "C.UTF-8"}, close_fds=True, start_new_session=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={"PATH": SAFE_PATH, "LANG": "C.UTF-8"},
+        close_fds=True,
+        start_new_session=True,
     )
     try:
         out, err = sup.communicate(json.dumps(request).encode(), timeout=limits.timeout_s + 30)
@@ -147,7 +156,9 @@ def _supervise(request: dict, limits: Limits, tier: str, total: int) -> ExecResu
         res = json.loads(out)
     except ValueError:
         tail = err.decode("utf-8", "replace")[-300:]
-        return ExecResult(status="error", tier=tier, error=f"the supervisor exited {sup.returncode} without a result: {tail}")
+        return ExecResult(
+            status="error", tier=tier, error=f"the supervisor exited {sup.returncode} without a result: {tail}"
+        )
     if res.get("status") == "error":
         return ExecResult(status="error", tier=tier, error=res.get("error"))
     report = res["report"]
@@ -155,9 +166,17 @@ def _supervise(request: dict, limits: Limits, tier: str, total: int) -> ExecResu
         # The harness never ran a line: the interpreter or the sandbox setup failed.
         return ExecResult(status="error", tier=tier, error=f"the harness did not start: {res['stderr'][-300:]}")
     return ExecResult(
-        status=res["status"], tier=tier, exit_code=res["exit_code"], signal=res["signal"], wall_s=res["wall_s"],
-        stdout=res["stdout"], stderr=res["stderr"], total=total, passed=report["passed"],
-        finished=report["finished"] and res["status"] == "exited", errors=report["errors"],
+        status=res["status"],
+        tier=tier,
+        exit_code=res["exit_code"],
+        signal=res["signal"],
+        wall_s=res["wall_s"],
+        stdout=res["stdout"],
+        stderr=res["stderr"],
+        total=total,
+        passed=report["passed"],
+        finished=report["finished"] and res["status"] == "exited",
+        errors=report["errors"],
     )
 
 
@@ -183,7 +202,9 @@ def _probe_tier(tier: str) -> str | None:
         try:
             import pyseccomp  # noqa: F401  (loads libseccomp.so.2)
         except Exception as err:  # noqa: BLE001
-            return f"libseccomp unavailable ({type(err).__name__}: {err}; apt install libseccomp2, pip install pyseccomp)"
+            return (
+                f"libseccomp unavailable ({type(err).__name__}: {err}; apt install libseccomp2, pip install pyseccomp)"
+            )
     check = "import socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), 1)\nexcept OSError:\n    pass\n"
     res = run_tests(check, ["assert 1 + 1 == 2"], limits=Limits(timeout_s=20), tier=tier)
     if not res.valid:

@@ -41,12 +41,46 @@ SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 # Syscalls a test program never needs and a hostile one would love: debugging other
 # processes, namespaces and mounts, kernel modules/keys/BPF, and raw/netlink sockets.
 DENIED_SYSCALLS = (
-    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
-    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "move_mount", "open_tree", "fsopen", "fsmount",
-    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
-    "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
-    "reboot", "swapon", "swapoff", "acct", "settimeofday", "clock_settime", "sethostname", "setdomainname",
-    "open_by_handle_at", "name_to_handle_at", "iopl", "ioperm", "personality", "quotactl",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "kcmp",
+    "pidfd_getfd",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "unshare",
+    "setns",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsmount",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "kexec_load",
+    "kexec_file_load",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "reboot",
+    "swapon",
+    "swapoff",
+    "acct",
+    "settimeofday",
+    "clock_settime",
+    "sethostname",
+    "setdomainname",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "iopl",
+    "ioperm",
+    "personality",
+    "quotactl",
 )
 DENIED_SOCKET_FAMILIES = (2, 10, 16, 17)  # AF_INET, AF_INET6, AF_NETLINK, AF_PACKET
 
@@ -88,8 +122,21 @@ def seccomp_filter_file(directory: str) -> str:
 
 def bwrap_argv(bwrap: str, python_prefix: str, src: str, tmpfs_bytes: int, seccomp_fd: int | None) -> list[str]:
     """Namespaces and mounts: the host read-only, nothing of the user's home or /tmp visible."""
-    argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
+    argv = [
+        bwrap,
+        "--unshare-all",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--ro-bind",
+        "/",
+        "/",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+    ]
     # Hide writable and private places; --size caps the program's own writable tmpfs.
     for hidden in ("/root", "/home", "/run", "/var/tmp", "/mnt", "/media", "/srv"):
         if os.path.isdir(hidden):
@@ -128,8 +175,10 @@ def sweep_uid(uid: int) -> None:
     uid owns nothing (a process forking at the very moment of the kill survives one round).
     """
     for _ in range(50):
-        if not any(p.info["uids"] and p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE
-                   for p in psutil.process_iter(["uids", "status"])):
+        if not any(
+            p.info["uids"] and p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE
+            for p in psutil.process_iter(["uids", "status"])
+        ):
             return
         pid = os.fork()
         if pid == 0:
@@ -247,8 +296,14 @@ def _run(req: dict, limits: dict, tier: str, uid: int | None, top: str) -> dict:
         argv += [python, "-I", "-S", "/run/sandbox/harness.py"]
         cwd = "/"
     argv += [str(nonce_r), str(result_w)]
-    env = {"PATH": SAFE_PATH, "LANG": "C.UTF-8", "HOME": "/tmp" if tier != "process" else work,
-           "TMPDIR": "/tmp" if tier != "process" else work, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+    env = {
+        "PATH": SAFE_PATH,
+        "LANG": "C.UTF-8",
+        "HOME": "/tmp" if tier != "process" else work,
+        "TMPDIR": "/tmp" if tier != "process" else work,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONHASHSEED": "0",
+    }
     nproc = limits["max_processes"]
     if uid is None:  # not root: RLIMIT_NPROC counts every process this user already runs
         me = os.getuid()
@@ -258,9 +313,17 @@ def _run(req: dict, limits: dict, tier: str, uid: int | None, top: str) -> dict:
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
-            close_fds=True, pass_fds=pass_fds, start_new_session=True,
-            preexec_fn=lambda: set_limits(limits, nproc), **drop,
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            env=env,
+            close_fds=True,
+            pass_fds=pass_fds,
+            start_new_session=True,
+            preexec_fn=lambda: set_limits(limits, nproc),
+            **drop,
         )
     except (OSError, subprocess.SubprocessError) as err:
         raise InfraError(f"could not start the program: {err}") from err
@@ -336,7 +399,12 @@ def _watch(proc, result_r: int, limits: dict, uid, started: float):
             outcome = "timeout"
     if outcome == "exited" and proc.returncode is not None and proc.returncode < 0:
         outcome = "killed"
-    return outcome, bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), _drain(result_r, bufs[result_r])
+    return (
+        outcome,
+        bytes(bufs[proc.stdout.fileno()]),
+        bytes(bufs[proc.stderr.fileno()]),
+        _drain(result_r, bufs[result_r]),
+    )
 
 
 def _drain(fd: int, buf: bytearray) -> bytes:

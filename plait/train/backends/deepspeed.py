@@ -78,7 +78,9 @@ class DeepSpeedBackend(LocalBackend):
         self._skeleton_config = module.config
         # the LR schedule steps the client optimizer's param groups, which ZeRO keeps using
         optimizer, self.scheduler = make_optimizer(module, cfg, fused=False)
-        self.model, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=self.ds_config)
+        self.model, self.optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=self.ds_config
+        )
         self.module = self.model.module
         self.module.train()
         if cfg.algo.beta > 0:

@@ -13,7 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -29,7 +33,9 @@ def shard_units(model) -> list[torch.nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     units = [m for m in model.modules() if type(m).__name__ in names]
     if not units:
-        raise RuntimeError(f"{type(model).__name__} names no decoder layer class (_no_split_modules); fsdp2 can't shard it per layer")
+        raise RuntimeError(
+            f"{type(model).__name__} names no decoder layer class (_no_split_modules); fsdp2 can't shard it per layer"
+        )
     return units
 
 
@@ -151,12 +157,16 @@ class FSDP2Backend(LocalBackend):
         if self._save_group is None:
             self._save_group = dist.new_group(backend="gloo")
         saving = dcp.async_save(self._state(), checkpoint_id=str(folder / "dcp"), process_group=self._save_group)
-        return getattr(saving, "upload_completion", saving).result  # a Future, or (zero-overhead staging) a response holding one
+        return getattr(
+            saving, "upload_completion", saving
+        ).result  # a Future, or (zero-overhead staging) a response holding one
 
     def load_state(self, folder: Path) -> None:
         state = self._state()
         dcp.load(state, checkpoint_id=str(folder / "dcp"))
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
         if self.ref_model is not None:
             set_model_state_dict(self.ref_model, state["reference"])
 

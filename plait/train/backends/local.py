@@ -184,7 +184,9 @@ class LocalBackend:
         if not comm.is_main():
             return lambda: None
         model = {k: v.cpu() for k, v in trainable_state(self.module).items()}  # trainable_state copies
-        ref = {k: v.cpu() for k, v in dedup(self.ref_model.state_dict()).items()} if self.ref_model is not None else None
+        ref = (
+            {k: v.cpu() for k, v in dedup(self.ref_model.state_dict()).items()} if self.ref_model is not None else None
+        )
         optim = _to_cpu(self.optimizer.state_dict())
 
         def write() -> None:
@@ -219,7 +221,11 @@ class DDPBackend(LocalBackend):
     def _wrap(self, module):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] if self.device.type == "cuda" else None
+        ids = (
+            [self.device.index if self.device.index is not None else torch.cuda.current_device()]
+            if self.device.type == "cuda"
+            else None
+        )
         return DDP(module, device_ids=ids)
 
     def accumulate(self, last: bool):
