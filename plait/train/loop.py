@@ -79,14 +79,7 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
         stopping, save = _save_due(cfg, step, stop, last_save)
         if save:
             with run.timer("checkpoint"):  # async: only the copy to CPU (and waiting for the previous save)
-                save_checkpoint(
-                    run.run_dir,
-                    step,
-                    run.backend,
-                    trainer_state(run),
-                    cfg.checkpoint.keep_last,
-                    blocking=stopping or not cfg.checkpoint.async_save,
-                )
+                save(run, step, blocking=stopping or not cfg.checkpoint.async_save)
             last_save = time.monotonic()
         log_step(run, step, out)
         if stopping:
@@ -178,6 +171,11 @@ def run_eval(run: Run, tag: str, version: int) -> float:
     return accuracy
 
 
+def save(run: Run, step: int, blocking: bool = True) -> None:
+    """A checkpoint of the run after round `step` (every process takes part)."""
+    save_checkpoint(run.run_dir, step, run.backend, trainer_state(run), run.cfg.checkpoint.keep_last, blocking=blocking)
+
+
 def _save_due(cfg: Config, step: int, stop: StopSignal, last_save: float) -> tuple[bool, bool]:
     """(stop now, save a checkpoint now), the same in every process: a signal may reach only
     some of them, and rank 0's clock decides the time-based saves."""
@@ -197,7 +195,7 @@ def finish_run(run: Run) -> None:
     cfg, last = run.cfg, max(run.start, run.cfg.train.max_steps)
     run.sink.close()
     if run.start < cfg.train.max_steps:
-        save_checkpoint(run.run_dir, cfg.train.max_steps, run.backend, trainer_state(run), cfg.checkpoint.keep_last)
+        save(run, cfg.train.max_steps)
     if cfg.eval.after:
         run.result.eval_after = run_eval(run, "after", last)
     if cfg.checkpoint.save_final_model:
