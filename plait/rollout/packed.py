@@ -3,9 +3,9 @@
 A decode step multiplies a few rows (the batch's sequences) by every weight matrix. torch's
 fp32 matmul on CPU goes to MKL's sgemm, which for such skinny products runs far below the
 memory bandwidth (and, on AMD CPUs, on generic kernels); oneDNN's inner-product primitive on a
-weight reordered once into its blocked layout is 2-4x faster for 8-64 rows (bench: a
-[8, 576] x [576, 1536] product 0.40 ms -> 0.09-0.17 ms on a 2-core AVX-512 CPU). It is the
-same kernel torch.compile uses on CPU for frozen linears.
+weight reordered once into its blocked layout is several times faster for 8-64 rows
+(docs/vs-trl.md has the measurements). It is the same kernel torch.compile uses on CPU for
+frozen linears.
 
 The packed copies are made when generation starts (a 135M model: ~0.1-0.3 s, one extra copy
 of the weights) and dropped after, so they always hold the weights the trainer just updated.
