@@ -76,8 +76,8 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
     last_save = time.monotonic()
     for step in range(run.start + 1, cfg.train.max_steps + 1):
         out = train_step(run, step)
-        stopping, save = _save_due(cfg, step, stop, last_save)
-        if save:
+        stopping, due = _save_due(cfg, step, stop, last_save)
+        if due:
             with run.timer("checkpoint"):  # async: only the copy to CPU (and waiting for the previous save)
                 save(run, step, blocking=stopping or not cfg.checkpoint.async_save)
             last_save = time.monotonic()
