@@ -88,22 +88,23 @@ class BoundReward:
 def bind_rewards(specs, sandbox: Sandbox | None = None) -> list[BoundReward]:
     """Config RewardSpecs -> callables (raises KeyError naming any that can't be found); the
     code rewards among them execute in `sandbox`."""
-    from plait.rewards import resolve_reward
-
-    out = []
-    for s in specs:
-        fn = resolve_reward(s.name)
-        box = sandbox if getattr(fn, "needs_sandbox", False) else None
-        out.append(BoundReward(s.name, fn, s.weight, dict(s.kwargs), s.timeout_s, box))
-    return out
+    return [_bind(s.name, sandbox, s.weight, dict(s.kwargs), s.timeout_s) for s in specs]
 
 
 def bind_metric(name: str, sandbox: Sandbox | None = None) -> BoundReward:
     """The eval metric (a reward function by name, weight 1); a code metric executes in `sandbox`."""
+    return _bind(name, sandbox)
+
+
+def _bind(
+    name: str, sandbox: Sandbox | None, weight: float = 1.0, kwargs: dict | None = None, timeout_s: float | None = None
+) -> BoundReward:
+    """The reward called `name`; only a function that needs_sandbox is given the sandbox."""
     from plait.rewards import resolve_reward
 
     fn = resolve_reward(name)
-    return BoundReward(name, fn, 1.0, sandbox=sandbox if getattr(fn, "needs_sandbox", False) else None)
+    box = sandbox if getattr(fn, "needs_sandbox", False) else None
+    return BoundReward(name, fn, weight, kwargs or {}, timeout_s, box)
 
 
 def reward_inputs(groups: list[Group]) -> tuple[list[str], dict[str, list]]:
