@@ -1,6 +1,6 @@
 """Chaos: kill a training run again and again; it must end exactly where an unbroken run ends.
 
-    .venv/bin/python bench/chaos.py [--kills 6] [--nproc 2] [--steps 10] [--seed 0] [--json out.json]
+    .venv/bin/python bench/chaos.py [--kills 6] [--nproc 2] [--steps 10] [--seed 0] [--async K] [--json out.json]
 
 Runs a short GRPO training of a tiny random model once without interruption (the reference),
 then again with the same config while SIGKILLing a random training process `--kills` times at
@@ -11,6 +11,11 @@ again with `resume=auto`, as a requeueing scheduler would. At the end it compare
 - the final weights (final/model.safetensors),
 - every committed checkpoint (weights and optimizer state) with the reference's of that step,
 - the per-step metrics (loss, rewards, grad norm, ...; timings excluded).
+
+With `--async K` the run generates asynchronously (rollout.max_staleness=K, the HF engine's
+generation process) and a fourth moment is added: killing the generation process in the middle
+of the run, after which the trainer stops with an error and is relaunched the same way. The
+first kills go through every moment once (in a seeded order), the rest are drawn at random.
 
 It prints the kills by moment, the resumes, the checkpoints a resume loaded that were not
 identical to the reference's ("corrupt loads", must be 0), the largest weight difference
@@ -45,11 +50,12 @@ REWARD = """def vowel_share(completions, **_):
     return [sum(ch in "aeiouAEIOU" for ch in t) / max(1, len(t)) for t in completions]
 """
 MOMENTS = ("startup", "step", "save")
+ASYNC_MOMENTS = (*MOMENTS, "generation")
 
 
 @dataclass
 class Report:
-    kills: dict = field(default_factory=lambda: {m: 0 for m in MOMENTS})
+    kills: dict = field(default_factory=lambda: {m: 0 for m in ASYNC_MOMENTS})
     launches: int = 0
     resumes: int = 0
     corrupt_loads: int = 0
@@ -132,10 +138,21 @@ def command(nproc: int, sets: list[str]) -> list[str]:
 
 
 def trainers(proc: subprocess.Popen, nproc: int) -> list[psutil.Process]:
-    if nproc == 1:
-        return [psutil.Process(proc.pid)]
     try:
-        return [c for c in psutil.Process(proc.pid).children(recursive=True) if "plait" in " ".join(c.cmdline())]
+        below = psutil.Process(proc.pid).children(recursive=True)
+        generators = [c for c in below if "plait.rollout.server" in " ".join(c.cmdline())]
+        if nproc == 1:
+            return [psutil.Process(proc.pid)]
+        return [c for c in below if "plait" in " ".join(c.cmdline()) and c not in generators]
+    except psutil.Error:
+        return []
+
+
+def generators(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The HF generation process(es) an async run started."""
+    try:
+        below = psutil.Process(proc.pid).children(recursive=True)
+        return [c for c in below if "plait.rollout.server" in " ".join(c.cmdline())]
     except psutil.Error:
         return []
 
@@ -162,7 +179,7 @@ def wait_for_moment(proc, out: Path, moment: str, rng: random.Random, nproc: int
                 return False
             time.sleep(0.01)
         return True
-    if moment == "step":
+    if moment in ("step", "generation"):
         lines = metrics_lines(out)
         while metrics_lines(out) <= lines:  # training is under way in this launch
             if proc.poll() is not None:
@@ -202,20 +219,30 @@ def run_to_end(cmd, work: Path, log_path: Path) -> None:
 
 
 def chaos_run(
-    cmd, work: Path, out: Path, kills: int, steps: int, rng: random.Random, nproc: int, report: Report, say
+    cmd,
+    work: Path,
+    out: Path,
+    kills: int,
+    steps: int,
+    rng: random.Random,
+    nproc: int,
+    report: Report,
+    say,
+    moments: tuple[str, ...] = MOMENTS,
 ) -> None:
     log_path = work / "chaos.log"
     done_kills, left = 0, set()
+    planned = rng.sample(moments, len(moments))  # every moment once first
     while True:
         with log_path.open("a") as log:
             proc = launch(cmd, work, log)
             report.launches += 1
             if done_kills < kills:
-                moment = rng.choice(MOMENTS)
+                moment = planned[done_kills] if done_kills < len(planned) else rng.choice(moments)
                 if steps - max(committed(out), default=0) < 3:  # too close to the end to hit a step reliably
                     moment = "startup"
                 if wait_for_moment(proc, out, moment, rng, nproc):
-                    victims = trainers(proc, nproc)
+                    victims = generators(proc) if moment == "generation" else trainers(proc, nproc)
                     while not victims and proc.poll() is None:  # torchrun is still starting its workers
                         time.sleep(0.05)
                         victims = trainers(proc, nproc)
@@ -302,6 +329,9 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc", type=int, default=2, choices=[1, 2])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0, help="seeds the kill schedule (the training seed is fixed)")
+    ap.add_argument(
+        "--async", dest="staleness", type=int, default=0, metavar="K", help="asynchronous generation, max_staleness K"
+    )
     ap.add_argument("--json", help="also write the report here")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     args = ap.parse_args(argv)
@@ -311,12 +341,17 @@ def main(argv=None) -> int:
     try:
         model, data = setup(work)
         ref, out = work / "reference", work / "chaos"
-        say(f"chaos: {args.nproc} process(es), {args.steps} steps, {args.kills} kills; work folder {work}")
-        run_to_end(command(args.nproc, overrides(model, data, ref, args.steps, 0)), work, work / "reference.log")
+        mode = f", async max_staleness={args.staleness}" if args.staleness else ""
+        say(f"chaos: {args.nproc} process(es){mode}, {args.steps} steps, {args.kills} kills; work folder {work}")
+        extra = [f"rollout.max_staleness={args.staleness}"] if args.staleness else []
+        moments = ASYNC_MOMENTS if args.staleness else MOMENTS
+        run_to_end(
+            command(args.nproc, overrides(model, data, ref, args.steps, 0) + extra), work, work / "reference.log"
+        )
         say(f"reference run done ({time.monotonic() - t0:.0f}s)")
         report = Report()
         chaos_run(
-            command(args.nproc, overrides(model, data, out, args.steps, 0)),
+            command(args.nproc, overrides(model, data, out, args.steps, 0) + extra),
             work,
             out,
             args.kills,
@@ -325,6 +360,7 @@ def main(argv=None) -> int:
             args.nproc,
             report,
             say,
+            moments,
         )
         compare(ref, out, work, report)
         report.seconds = round(time.monotonic() - t0, 1)

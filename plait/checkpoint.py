@@ -7,6 +7,7 @@ Layout of one checkpoint, RUN_DIR/checkpoints/step_00000010/:
     scheduler.pt                      LR schedule (identical on every rank)
     rng_<rank>.pt                     each process's RNG states (python, numpy, torch, cuda)
     trainer_state.json                step, data position per process, backend, world size
+    rollouts.pt                       asynchronous runs: rounds generated ahead, with their versions
     COMMITTED                         written last; a folder without it is never loaded
 
 Every process writes its part into `step_X.tmp`; after a barrier rank 0 commits (marker,
@@ -38,6 +39,14 @@ from plait.cluster import comm
 
 
 MARKER = "COMMITTED"
+ROLLOUTS = "rollouts.pt"  # asynchronous runs: the rounds generated ahead of the trainer
+
+
+def load_rollouts(path: Path) -> list:
+    """The rounds an asynchronous run had generated ahead when checkpoint `path` was written
+    ([] for a synchronous run's checkpoint)."""
+    f = Path(path) / ROLLOUTS
+    return torch.load(f, weights_only=False) if f.is_file() else []
 
 
 def _fsync_dir(path: Path) -> None:
@@ -108,11 +117,20 @@ def wait_for_saves() -> None:
     _Background.wait()
 
 
-def save_checkpoint(run_dir: Path, step: int, backend, state: dict, keep_last: int = 2, blocking: bool = True) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    backend,
+    state: dict,
+    keep_last: int = 2,
+    blocking: bool = True,
+    rollouts: list | None = None,
+) -> Path:
     """Write step `step` atomically. Every process calls this (the backend's save is a
-    collective); `state` is the trainer state, taken from rank 0. With blocking=False and a
-    backend that can (`backend.async_save`), return once the state is copied, and write and
-    commit it in the background."""
+    collective); `state` is the trainer state, taken from rank 0, and `rollouts` the rounds an
+    asynchronous run generated ahead (rank 0's). With blocking=False and a backend that can
+    (`backend.async_save`), return once the state is copied, and write and commit it in the
+    background."""
     wait_for_saves()  # the previous save commits first: retention counts on it
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:08d}"
@@ -131,6 +149,9 @@ def save_checkpoint(run_dir: Path, step: int, backend, state: dict, keep_last: i
     if comm.is_main():
         torch.save(backend.scheduler.state_dict(), tmp / "scheduler.pt")
         info = {"step": step, "backend": backend.name, "world_size": comm.world_size(), **state}
+        if rollouts is not None:
+            torch.save(rollouts, tmp / ROLLOUTS)
+            info["rollouts_ahead"] = [r.step for r in rollouts]
         (tmp / "trainer_state.json").write_text(json.dumps(info, indent=1))
     comm.barrier()  # every process's files are written (async: its state is copied)
     if finish is None:

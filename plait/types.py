@@ -59,6 +59,15 @@ class Completion:
     # optimizer steps applied to the weights that sampled it (engines with a copy of the
     # weights report it; None: sampled from the trainer's live weights)
     weight_version: int | None = None
+    # with in-flight weight updates: the version of the weights that sampled each token
+    token_versions: list[int] | None = None
+
+    @property
+    def staleness_versions(self) -> list[int]:
+        """The weight version of each token (one entry when every token had the same)."""
+        if self.token_versions:
+            return self.token_versions
+        return [] if self.weight_version is None else [self.weight_version]
 
 
 @dataclass

@@ -150,6 +150,29 @@ def check_vllm(cfg: Config, env: Env) -> list[str]:
     return out
 
 
+def check_async(cfg: Config, env: Env) -> list[str]:
+    """Asynchronous generation needs an engine off the training process; in-flight weight
+    updates need async generation with the HF generation process."""
+    r, out = cfg.rollout, []
+    if r.max_staleness and r.engine == "vllm" and r.vllm.mode == "colocate":
+        out.append(
+            f"rollout.max_staleness={r.max_staleness}: a colocated vLLM engine shares the training process and "
+            "device, so generation can't overlap training there; set rollout.vllm.mode=server (generation on its "
+            "own devices), or rollout.engine=hf (a generation process of its own), or rollout.max_staleness=0"
+        )
+    if r.inflight_updates and not r.max_staleness:
+        out.append(
+            "rollout.inflight_updates=true swaps weights into a generation that overlaps training: set "
+            "rollout.max_staleness >= 1 (docs/async.md), or inflight_updates=false"
+        )
+    elif r.inflight_updates and r.engine != "hf":
+        out.append(
+            "rollout.inflight_updates=true needs rollout.engine=hf (its generation process swaps weights between "
+            "tokens); vLLM servers finish each request on the weights it started with: set inflight_updates=false"
+        )
+    return out
+
+
 # ---------------------------------------------------------------- logging and restarts
 
 
@@ -485,6 +508,7 @@ CHECKS: tuple[Check, ...] = (
     check_batch_plan,
     check_generation_devices,
     check_vllm,
+    check_async,
     check_log_sinks,
     check_restarts,
     check_sampling,

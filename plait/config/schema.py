@@ -183,6 +183,26 @@ class RolloutConfig(Section):
         description="Sample a few candidates per prompt first; spend the rest of the group only on prompts "
         "that can still teach.",
     )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="Asynchronous generation (docs/async.md): round t is generated with the weights after round "
+        "max(0, t-1-k) while the trainer trains earlier rounds, so no sample is more than k updates of the policy "
+        "old when trained. 0 = generate, then train (synchronous). Needs generation off the training process: "
+        "engine hf (a generation process of its own) or engine vllm in server mode.",
+    )
+    inflight_updates: bool = Field(
+        False,
+        description="Async, engine hf: new weights reach the generation process as soon as they exist and are "
+        "swapped in between two decoding steps (PipelineRL), instead of after the running round; every token "
+        "keeps the version of the weights that sampled it. Fresher samples, but not reproducible from the seed.",
+    )
+    generator_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Async, engine hf on CPU: torch threads of the generation process (null = the cores "
+        "train.threads leaves free, at least 1).",
+    )
 
 
 class RewardSpec(Section):
@@ -284,8 +304,11 @@ class AlgoConfig(Section):
         description="Dynamic sampling and two_stage: batches of fresh prompts generated per round at most, "
         "while informative groups are missing.",
     )
-    engine_is_correction: bool = Field(
-        False, description="Reweight tokens by min(pi_trainer / pi_engine, engine_is_cap) (truncated IS)."
+    engine_is_correction: bool | None = Field(
+        None,
+        description="Reweight tokens by min(pi_old / pi_engine, engine_is_cap) (truncated IS) for the gap between "
+        "the engine that sampled and the trainer's weights (null = on when rollout.max_staleness > 0, where it "
+        "is decoupled PPO's behaviour correction).",
     )
     engine_is_cap: float = Field(2.0, gt=0.0, description="Cap of the engine-mismatch importance weight.")
 

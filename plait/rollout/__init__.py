@@ -6,7 +6,7 @@ from plait.rollout.base import RolloutEngine
 from plait.rollout.hf import HFEngine
 
 
-__all__ = ["RolloutEngine", "HFEngine", "make_engine"]
+__all__ = ["RolloutEngine", "HFEngine", "make_engine", "make_generator"]
 
 
 def make_engine(cfg, model, tokenizer, view=None, device=None) -> RolloutEngine:
@@ -34,3 +34,28 @@ def make_engine(cfg, model, tokenizer, view=None, device=None) -> RolloutEngine:
     from plait.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(cfg, str(resolve_model_path(cfg.model.name_or_path)), tokenizer, view, device)
+
+
+def make_generator(cfg, tokenizer, device):
+    """The engine of asynchronous generation (training rank 0): the rollout servers (vLLM,
+    server mode), or a generation process of the HF engine started here. Returns the engine
+    (a RemoteEngine: weights go in with `push`) and a function that stops it."""
+    import torch
+
+    from plait.rollout.remote import RemoteEngine
+
+    device = device or torch.device("cpu")
+    identity = lambda: contextlib.nullcontext(None)  # noqa: E731 - weights arrive through push()
+    if cfg.rollout.engine == "vllm":
+        engine = RemoteEngine(cfg, tokenizer, identity, device)
+        return engine, engine.close
+    from plait.rollout.hf_process import start_generation_process, stop_process
+
+    url, proc = start_generation_process(cfg, device, max(600.0, cfg.rollout.vllm.connect_timeout_s))
+    engine = RemoteEngine(cfg, tokenizer, identity, device, servers=[url])
+
+    def close():
+        engine.close()
+        stop_process(proc)
+
+    return engine, close

@@ -89,9 +89,19 @@ class HFEngine:
     weights there (and frees them after)."""
 
     def __init__(
-        self, model, tokenizer, batch_size: int = 64, precision: str = "fp32", view=None, packed_weights: bool = True
+        self,
+        model,
+        tokenizer,
+        batch_size: int = 64,
+        precision: str = "fp32",
+        view=None,
+        packed_weights: bool = True,
+        on_token=None,
     ):
         self.model = model
+        # called before every forward pass: may swap new weights in, returns their version
+        # (the generation process with in-flight updates; completions then carry token_versions)
+        self.on_token = on_token
         self.packed_weights = packed_weights
         self.view = view or (lambda: contextlib.nullcontext(self.model))
         self.tokenizer = tokenizer
@@ -152,8 +162,10 @@ class HFEngine:
         tokens: list[list[int]] = [[] for _ in range(rows)]
         logps: list[list[float]] = [[] for _ in range(rows)]
         reason = ["length"] * rows
+        versions: list[list[int]] | None = [[] for _ in range(rows)] if self.on_token else None
         active = torch.arange(rows, device=dev)  # original row of each row still decoding
         cache = DynamicCache()
+        version = self.on_token() if self.on_token else None
         with autocast(self._device, self.precision):
             out = model(
                 input_ids=ids,
@@ -170,6 +182,9 @@ class HFEngine:
             for t in range(params.max_tokens):
                 token, logp = sample_next(logits, params, gens, active // n)
                 keep = self._record(active.tolist(), token.tolist(), logp.tolist(), tokens, logps, reason, params.stop)
+                if versions is not None:
+                    for row in active.tolist():
+                        versions[row].append(version)
                 if not keep or t == params.max_tokens - 1:
                     break
                 if len(keep) < len(active):
@@ -178,6 +193,8 @@ class HFEngine:
                     active, token, mask, last_pos = active[idx], token[idx], mask[idx], last_pos[idx]
                 mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
                 last_pos = last_pos + 1
+                if self.on_token:
+                    version = self.on_token()
                 out = model(
                     input_ids=token[:, None],
                     attention_mask=mask,
@@ -186,7 +203,11 @@ class HFEngine:
                     use_cache=True,
                 )
                 logits = out.logits[:, -1]
-        return self._collect([p for p in prompts for _ in range(n)], tokens, logps, reason, params)
+        done = self._collect([p for p in prompts for _ in range(n)], tokens, logps, reason, params)
+        for c, v in zip(done, versions or []):
+            c.token_versions = v[: len(c.token_ids)]
+            c.weight_version = min(c.token_versions, default=None)
+        return done
 
     def _record(self, active, toks, lps, tokens, logps, reason, stops) -> list[int]:
         """Append this step's token to each active row; return the positions still decoding."""

@@ -15,6 +15,7 @@ gets the weights again: its /health `instance` changed).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,10 +42,11 @@ def _resume_hint() -> str:
 
 
 class RemoteEngine:
-    def __init__(self, cfg, tokenizer, view, device: torch.device):
+    def __init__(self, cfg, tokenizer, view, device: torch.device, servers: list[str] | None = None):
         import httpx
 
         v = cfg.rollout.vllm
+        self.inflight = cfg.rollout.inflight_updates  # versions then change mid-request: taken per token
         self.settings = v
         self.view = view
         self.pad_id = pad_id_of(tokenizer)
@@ -52,7 +54,7 @@ class RemoteEngine:
         self.backend = v.sync_backend if v.sync_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
         self.device = device
         self.http = httpx.Client(timeout=httpx.Timeout(v.request_timeout_s, connect=min(10.0, v.connect_timeout_s)))
-        self.urls = self._discover(v.servers)
+        self.urls = self._discover(servers or v.servers)
         self.version: int | None = None
         self.instances: dict[str, str] = {}  # replica -> instance id it had when it last got the weights
         self.group = None
@@ -111,25 +113,38 @@ class RemoteEngine:
     def weights_for_step(self, version: int):
         """Make the servers hold the trainer's weights after `version` optimizer steps.
         Collective: every training process calls it (gathering sharded weights is)."""
-        healths = [self._call("GET", u, "/health") for u in self.urls] if comm.is_main() else []
-        restarted = [h for u, h in zip(self.urls, healths) if self.instances.get(u) != h["instance"]]
-        needed = comm.broadcast_object(self.version != version or bool(restarted))
+        healths = self._healths() if comm.is_main() else []
+        needed = comm.broadcast_object(self.version != version or self._restarted(healths))
         self._last_sync = {}
         if needed:
-            t0 = time.perf_counter()
-            with self.view() as model:
+            with self.view() as model, full_weights(model) as weights:
                 if comm.is_main():
-                    if restarted or self.group is None:
-                        self._join(healths)
-                    nbytes = self._push(model, version)
-                    self.instances = {u: h["instance"] for u, h in zip(self.urls, healths)}
+                    self.push(weights, version, healths)
             comm.barrier()  # nobody generates before the servers hold the new weights
-            if comm.is_main():
-                secs = time.perf_counter() - t0
-                gb = nbytes / 1e9
-                self._last_sync = {"weight_sync/gb": gb, "weight_sync/seconds_per_gb": secs / max(1e-9, gb)}
         self.version = version
         return contextlib.nullcontext()
+
+    def _healths(self) -> list[dict]:
+        return [self._call("GET", u, "/health") for u in self.urls]
+
+    def _restarted(self, healths: list[dict]) -> bool:
+        return any(self.instances.get(u) != h["instance"] for u, h in zip(self.urls, healths))
+
+    def push(self, weights: list[tuple[str, torch.Tensor]], version: int, healths: list[dict] | None = None) -> None:
+        """Training rank 0 alone: send `weights` (checkpoint names) as version `version` to every
+        replica, (re)joining the weight group first when a replica is new or restarted."""
+        t0 = time.perf_counter()
+        healths = healths if healths is not None else self._healths()
+        if self._restarted(healths) or self.group is None:
+            self._join(healths)
+        nbytes = self._push(weights, version)
+        self.instances = {u: h["instance"] for u, h in zip(self.urls, healths)}
+        self.version = version
+        gb = nbytes / 1e9
+        self._last_sync = {
+            "weight_sync/gb": gb,
+            "weight_sync/seconds_per_gb": (time.perf_counter() - t0) / max(1e-9, gb),
+        }
 
     def stats(self) -> dict[str, float]:
         """The last weights_for_step's broadcast: gigabytes sent and seconds per gigabyte (on
@@ -158,23 +173,20 @@ class RemoteEngine:
         for f in futures:
             f.result()
 
-    def _push(self, model, version: int) -> int:
-        with full_weights(model) as weights:
-            weights = [(n, t.to(self.dtype)) for n, t in weights]  # the engine's dtype: half the bytes in bf16
-            metas = metas_of(weights)
-            buckets = plan_buckets(metas, self.settings.sync_bucket_mb * 2**20)
-            body = dict(version=version, metas=[[m.name, m.dtype, list(m.shape)] for m in metas], buckets=buckets)
-            futures = self._post_all("/weights/update", [body] * len(self.urls))
-            try:
-                send_buckets(self.group, [t for _, t in weights], buckets, self.device)
-            except RuntimeError as e:  # a receiver died mid-broadcast
-                self.group = None
-                raise RolloutServerError(
-                    f"sending weights to the rollout servers failed: {e}. {_resume_hint()}"
-                ) from None
-            for f in futures:
-                f.result()
-            return sum(m.nbytes for m in metas)
+    def _push(self, weights: list[tuple[str, torch.Tensor]], version: int) -> int:
+        weights = [(n, t.to(self.dtype)) for n, t in weights]  # the engine's dtype: half the bytes in bf16
+        metas = metas_of(weights)
+        buckets = plan_buckets(metas, self.settings.sync_bucket_mb * 2**20)
+        body = dict(version=version, metas=[[m.name, m.dtype, list(m.shape)] for m in metas], buckets=buckets)
+        futures = self._post_all("/weights/update", [body] * len(self.urls))
+        try:
+            send_buckets(self.group, [t for _, t in weights], buckets, self.device)
+        except RuntimeError as e:  # a receiver died mid-broadcast
+            self.group = None
+            raise RolloutServerError(f"sending weights to the rollout servers failed: {e}. {_resume_hint()}") from None
+        for f in futures:
+            f.result()
+        return sum(m.nbytes for m in metas)
 
     # -------------------------------------------------------------- generation
 
@@ -185,11 +197,20 @@ class RemoteEngine:
         shares: list[list[int]] = [[] for _ in range(r)]
         for i in range(len(prompts)):
             shares[(i + comm.rank()) % r].append(i)
+        # vLLM reads each prompt's `sampling`; the HF generation process reads `params`, `n` and
+        # each prompt's dataset index (its group's random stream, as in the in-process engine)
         bodies = [
             dict(
                 prompts=[
-                    dict(token_ids=prompts[i].token_ids, sampling=sampling_dict(params, n, prompts[i])) for i in share
-                ]
+                    dict(
+                        token_ids=prompts[i].token_ids,
+                        index=prompts[i].index,
+                        sampling=sampling_dict(params, n, prompts[i]),
+                    )
+                    for i in share
+                ],
+                params=dataclasses.asdict(params),
+                n=n,
             )
             for share in shares
         ]
@@ -202,7 +223,7 @@ class RemoteEngine:
             if fut is None:
                 continue
             answer = fut.result()
-            if answer["version"] != self.version:
+            if answer["version"] != self.version and not self.inflight:
                 raise RolloutServerError(
                     f"rollout server {url} sampled with weight version {answer['version']}, but the trainer is at "
                     f"{self.version}: another trainer is updating it? One run per rollout server."

@@ -1,4 +1,5 @@
 """`plait rollout-server`: vLLM on its own devices (or nodes), serving the trainer over HTTP.
+The same API serves the HF engine's generation process of asynchronous runs (hf_process.py).
 
 One command starts `--dp` engine replicas, each a process with its own HTTP port (base port +
 replica) and `--tp` devices. The trainer finds all replicas from any one URL (GET /health
@@ -12,6 +13,7 @@ The HTTP API (JSON):
                         -> {version, outputs: [[{token_ids, text, logprobs, finish_reason, stop_reason}]]}
   POST /weights/join    {host, port, rank_offset, world, backend, timeout_s}: join the trainer's weight group
   POST /weights/update  {version, metas, buckets}: receive the broadcast; generation waits meanwhile
+                        (HF with in-flight updates: received beside generation, swapped in between tokens)
 
 `instance` changes whenever a replica restarts, so a trainer knows to send it the weights again.
 """
@@ -64,53 +66,80 @@ class _Gate:
                 self.cond.notify_all()
 
 
-def build_app(engine_kwargs: dict, replica: int, ports: list[int]):
-    """The FastAPI app of one replica (the engine starts with the app)."""
+class VllmReplica:
+    """A vLLM AsyncLLM engine behind the HTTP API (the default `plait rollout-server`)."""
+
+    inflight = False  # a weight update waits for the running requests (they finish on their weights)
+
+    def __init__(self, engine_kwargs: dict):
+        self.kwargs = engine_kwargs
+        self.engine = None
+
+    def describe(self) -> dict:
+        return dict(tensor_parallel_size=self.kwargs.get("tensor_parallel_size", 1), model=self.kwargs["model"])
+
+    async def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.kwargs))
+
+    async def stop(self) -> None:
+        self.engine.shutdown()
+
+    async def _one(self, req: dict):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from plait.rollout.vllm_engine import output_dicts
+
+        # FINAL_ONLY: one answer holding all n completions (streamed answers come per completion)
+        params = SamplingParams(**req["sampling"], output_kind=RequestOutputKind.FINAL_ONLY)
+        async for out in self.engine.generate({"prompt_token_ids": req["token_ids"]}, params, uuid.uuid4().hex):
+            final = out
+        return output_dicts(final)
+
+    async def generate(self, body: dict) -> list:
+        return await asyncio.gather(*(self._one(r) for r in body["prompts"]))
+
+    async def join(self, args: tuple) -> None:
+        await self.engine.collective_rpc("plait_join_weight_group", args=args)
+
+    async def receive(self, metas: list, buckets: list, version: int) -> None:
+        await self.engine.collective_rpc("plait_receive_weights", args=(metas, buckets))
+        await self.engine.reset_prefix_cache()  # cached prompt KV came from the old weights
+
+
+def build_app(engine, replica: int, ports: list[int]):
+    """The FastAPI app of one replica serving `engine` (VllmReplica or HFReplica), which starts
+    with the app."""
     from fastapi import FastAPI, HTTPException
-    from vllm import SamplingParams
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.async_llm import AsyncLLM
 
-    from plait.rollout.vllm_engine import output_dicts
-
-    state = dict(version=0, instance=uuid.uuid4().hex, engine=None)
+    state = dict(version=0, instance=uuid.uuid4().hex)
     gate = _Gate()
 
     @asynccontextmanager
     async def lifespan(app):
-        state["engine"] = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs))
+        await engine.start()
         yield
-        state["engine"].shutdown()
+        await engine.stop()
 
     app = FastAPI(lifespan=lifespan)
 
     @app.get("/health")
     async def health():
         return dict(
-            version=state["version"],
-            instance=state["instance"],
-            replica=replica,
-            replicas=ports,
-            tensor_parallel_size=engine_kwargs.get("tensor_parallel_size", 1),
-            model=engine_kwargs["model"],
+            version=state["version"], instance=state["instance"], replica=replica, replicas=ports, **engine.describe()
         )
-
-    async def one(req: dict):
-        # FINAL_ONLY: one answer holding all n completions (streamed answers come per completion)
-        params = SamplingParams(**req["sampling"], output_kind=RequestOutputKind.FINAL_ONLY)
-        async for out in state["engine"].generate({"prompt_token_ids": req["token_ids"]}, params, uuid.uuid4().hex):
-            final = out
-        return output_dicts(final)
 
     @app.post("/generate")
     async def generate(body: dict):
         async with gate.generating():
             version = state["version"]
             try:
-                outputs = await asyncio.gather(*(one(r) for r in body["prompts"]))
-            except ValueError as e:  # vLLM rejects a request (prompt too long, bad parameter): say why
-                raise HTTPException(400, f"vLLM rejected a request: {e}") from e
+                outputs = await engine.generate(body)
+            except ValueError as e:  # the engine rejects a request (prompt too long, bad parameter): say why
+                raise HTTPException(400, f"the engine rejected a request: {e}") from e
             except Exception as e:
                 raise HTTPException(500, f"generation failed: {type(e).__name__}: {e}") from e
         return dict(version=version, outputs=outputs)
@@ -119,30 +148,42 @@ def build_app(engine_kwargs: dict, replica: int, ports: list[int]):
     async def join(body: dict):
         args = (body["host"], body["port"], body["rank_offset"], body["world"], body["backend"], body["timeout_s"])
         try:
-            await state["engine"].collective_rpc("plait_join_weight_group", args=args)
+            await engine.join(args)
         except Exception as e:  # the trainer sees why, the server stays up for the next trainer
             raise HTTPException(500, f"joining the weight group failed: {e}") from e
         return dict(ok=True)
 
+    async def receive(body: dict):
+        try:
+            await engine.receive(body["metas"], body["buckets"], body["version"])
+        except Exception as e:
+            raise HTTPException(500, f"receiving weights failed: {e}") from e
+        state["version"] = body["version"]
+
     @app.post("/weights/update")
     async def update(body: dict):
-        async with gate.updating_weights():
-            try:
-                await state["engine"].collective_rpc("plait_receive_weights", args=(body["metas"], body["buckets"]))
-                await state["engine"].reset_prefix_cache()  # cached prompt KV came from the old weights
-            except Exception as e:
-                raise HTTPException(500, f"receiving weights failed: {e}") from e
-            state["version"] = body["version"]
+        if engine.inflight:  # received beside the running requests, swapped in between their tokens
+            await receive(body)
+        else:
+            async with gate.updating_weights():
+                await receive(body)
         return dict(ok=True, version=state["version"])
 
     return app
 
 
-def serve_replica(engine_kwargs: dict, replica: int, host: str, ports: list[int]) -> None:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+def serve_replica(spec: dict, replica: int, host: str, ports: list[int]) -> None:
+    """`spec`: {"engine": "hf", ...HFReplica's settings} or vLLM's engine arguments."""
     import uvicorn
 
-    uvicorn.run(build_app(engine_kwargs, replica, ports), host=host, port=ports[replica], log_level="warning")
+    if spec.get("engine") == "hf":
+        from plait.rollout.hf_process import HFReplica
+
+        engine = HFReplica(spec)
+    else:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        engine = VllmReplica(spec)
+    uvicorn.run(build_app(engine, replica, ports), host=host, port=ports[replica], log_level="warning")
 
 
 def _replica_devices(replica: int, tp: int) -> dict[str, str]:

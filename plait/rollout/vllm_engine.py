@@ -59,10 +59,13 @@ def output_dicts(request_output) -> list[dict[str, Any]]:
 def to_completion(prompt: Prompt, out: dict[str, Any], weight_version: int | None) -> Completion:
     """vLLM says finish_reason 'stop' for both EOS and stop strings; its stop_reason tells them
     apart (None or a token id: EOS / a stop token; a string: that stop string)."""
-    if out["finish_reason"] == "length":
+    if "reason" in out:  # the HF generation process says it in plait's words
+        reason = out["reason"]
+    elif out["finish_reason"] == "length":
         reason = "length"
     else:
         reason = "stop" if isinstance(out["stop_reason"], str) else "eos"
+    versions = out.get("token_versions")
     return Completion(
         prompt_index=prompt.index,
         token_ids=out["token_ids"],
@@ -70,7 +73,8 @@ def to_completion(prompt: Prompt, out: dict[str, Any], weight_version: int | Non
         logprobs=out["logprobs"],
         truncated=reason == "length",
         finish_reason=reason,
-        weight_version=weight_version,
+        weight_version=min(versions) if versions else weight_version,
+        token_versions=versions or None,
     )
 
 

@@ -10,7 +10,16 @@ from plait.types import Group
 
 # metrics that measure the machine (clocks, memory), not the training: they differ between two
 # runs that are otherwise bitwise identical
-MEASURED_PREFIXES = ("time/", "mfu/", "memory/", "comm/", "tokens/s_", "weight_sync/seconds")
+MEASURED_PREFIXES = (
+    "time/",
+    "mfu/",
+    "memory/",
+    "comm/",
+    "tokens/s_",
+    "weight_sync/seconds",
+    "async/generator_idle",
+    "async/seconds_",
+)
 
 
 def is_measurement(key: str) -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass
 
 from plait.checkpoint import save_checkpoint, wait_for_saves
@@ -30,7 +29,7 @@ from plait.train.batch import collate
 from plait.train.guard import Preempted, StopSignal
 from plait.train.hostmem import retained_host_memory
 from plait.train.metrics import across_processes, describe_processes, phase_summary, sample_record, step_rollout_metrics
-from plait.train.sampling import SamplingStats, collect_groups
+from plait.train.sampling import SamplingStats
 from plait.train.setup import Run, TrainResult, open_run, trainer_state
 from plait.train.update import logprob_prepass, policy_update, step_advantages
 from plait.types import Group
@@ -48,6 +47,7 @@ class StepResult:
     accuracy: list[float] | None  # eval.metric on each completion (None: the data has no reference)
     update: dict[str, float]  # policy_update's metrics
     prepass_forwards: int  # forward passes of the log-prob prepass
+    rollout: dict[str, float]  # async generation: staleness, the producer's time (empty when synchronous)
 
 
 def train(cfg: Config, console: str | None = None) -> TrainResult:
@@ -71,23 +71,27 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
     """Rounds start+1 .. max_steps, each followed by its checkpoint (when due), its log line
     and its evaluation (when due); then the end of the run."""
     cfg = run.cfg
-    if cfg.eval.before and run.start == 0:
-        run.result.eval_before = run_eval(run, "before", 0)
-    last_save = time.monotonic()
-    for step in range(run.start + 1, cfg.train.max_steps + 1):
-        out = train_step(run, step)
-        stopping, due = _save_due(cfg, step, stop, last_save)
-        if due:
-            with run.timer("checkpoint"):  # async: only the copy to CPU (and waiting for the previous save)
-                save(run, step, blocking=stopping or not cfg.checkpoint.async_save)
-            last_save = time.monotonic()
-        log_step(run, step, out)
-        if stopping:
-            run.sink.close()
-            raise Preempted(run.run_dir, step, stop.requested or "a stop signal on another process")
-        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.train.max_steps:
-            with run.timer("eval"):  # counted in the next round's time
-                run_eval(run, f"step {step}", step)
+    try:
+        run.rollouts.start(run)  # async: the producer starts generating the first rounds now
+        if cfg.eval.before and run.start == 0:
+            run.result.eval_before = run_eval(run, "before", 0)
+        last_save = time.monotonic()
+        for step in range(run.start + 1, cfg.train.max_steps + 1):
+            out = train_step(run, step)
+            stopping, due = _save_due(cfg, step, stop, last_save)
+            if due:
+                with run.timer("checkpoint"):  # async: only the copy to CPU (and waiting for the previous save)
+                    save(run, step, blocking=stopping or not cfg.checkpoint.async_save)
+                last_save = time.monotonic()
+            log_step(run, step, out)
+            if stopping:
+                run.sink.close()
+                raise Preempted(run.run_dir, step, stop.requested or "a stop signal on another process")
+            if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.train.max_steps:
+                with run.timer("eval"):  # counted in the next round's time
+                    run_eval(run, f"step {step}", step)
+    finally:
+        run.rollouts.close()
     finish_run(run)
     return run.result
 
@@ -95,12 +99,7 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
 def train_step(run: Run, step: int) -> StepResult:
     """Round `step`: generate and score -> collate -> log-prob prepass -> advantages -> update."""
     cfg, timer = run.cfg, run.timer
-    with ExitStack() as weights:
-        with timer("weight_sync"):  # HF: gather sharded weights once for the round; vLLM: copy them in
-            weights.enter_context(run.engine.weights_for_step(step - 1))
-        groups, sampling = collect_groups(
-            run.engine, run.take_prompts, run.prompts_per_round, cfg, step, run.rewards, timer, run.sandbox
-        )
+    groups, sampling, rollout = run.rollouts.take(run, step)  # generated now, or by the async producer
     with timer("score"):
         accuracy = step_accuracy(groups, run.metric, sampling)
     batch = collate(groups, run.engine.pad_id, cfg.algo.mask_truncated_completions)
@@ -110,7 +109,8 @@ def train_step(run: Run, step: int) -> StepResult:
         groups, batch, cfg, [r.name for r in run.rewards], [r.weight for r in run.rewards]
     )
     update = policy_update(batch, cfg, run.backend, run.guard, step, timer)
-    return StepResult(groups, sampling, accuracy, update, forwards)
+    run.rollouts.publish(run, step)  # async: these weights, for the rounds scheduled on them
+    return StepResult(groups, sampling, accuracy, update, forwards, rollout)
 
 
 def step_accuracy(groups: list[Group], metric: BoundReward, sampling: SamplingStats) -> list[float] | None:
@@ -139,8 +139,9 @@ def log_step(run: Run, step: int, out: StepResult) -> None:
     health = out.sampling.rewards.metrics([r.name for r in run.rewards], run.sandbox is not None)
     metrics.update(across_processes(out.sampling.metrics(), health))
     versions = [c.weight_version for g in out.groups for c in g.completions if c.weight_version is not None]
-    if versions:  # engines holding a copy of the weights: how many updates behind they sampled (0 when synced)
+    if versions:  # engines holding a copy of the weights: rounds behind the trainer they sampled (0 when synced)
         metrics["rollout/weight_staleness"] = step - 1 - min(versions)
+    metrics.update(out.rollout)
     times = run.timer.reset()
     times = dict(zip(times, comm.all_max(list(times.values()))))  # the slowest process sets the pace
     metrics.update(times)
@@ -172,8 +173,18 @@ def run_eval(run: Run, tag: str, version: int) -> float:
 
 
 def save(run: Run, step: int, blocking: bool = True) -> None:
-    """A checkpoint of the run after round `step` (every process takes part)."""
-    save_checkpoint(run.run_dir, step, run.backend, trainer_state(run), run.cfg.checkpoint.keep_last, blocking=blocking)
+    """A checkpoint of the run after round `step` (every process takes part); async runs add
+    the rounds already generated for the next ones, and the data position after them."""
+    pending, consumed = run.rollouts.pending(run, step)
+    save_checkpoint(
+        run.run_dir,
+        step,
+        run.backend,
+        trainer_state(run, consumed),
+        run.cfg.checkpoint.keep_last,
+        blocking=blocking,
+        rollouts=pending if run.rollouts.asynchronous else None,
+    )
 
 
 def _save_due(cfg: Config, step: int, stop: StopSignal, last_save: float) -> tuple[bool, bool]:

@@ -6,6 +6,7 @@ model, reference and optimizer (the backend) -> generation engine -> resume from
 
 from __future__ import annotations
 
+import os
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from plait.checkpoint import load_checkpoint, resume_position, trim_logs
+from plait.checkpoint import load_checkpoint, load_rollouts, resume_position, trim_logs
 from plait.cluster import comm
 from plait.config import Config
 from plait.data import PromptOrder, build_prompts, load_rows
@@ -23,7 +24,7 @@ from plait.models import load_tokenizer
 from plait.plan import BatchPlan
 from plait.rewards.code import Sandbox, uses_sandbox
 from plait.rewards.runner import BoundReward, bind_metric, bind_rewards
-from plait.rollout import RolloutEngine, make_engine
+from plait.rollout import RolloutEngine, make_engine, make_generator
 from plait.telemetry import MetricsSink, PhaseTimer
 from plait.telemetry.flops import device_peak, model_cost
 from plait.telemetry.memory import MemoryMeter
@@ -31,6 +32,7 @@ from plait.telemetry.meter import StepMeter
 from plait.train.backends.base import Backend
 from plait.train.guard import NonFiniteGuard
 from plait.train.metrics import describe_processes
+from plait.train.rollouts import AsyncRollouts, SyncRollouts
 from plait.train.rundir import prepare_run_dir
 from plait.types import Prompt
 
@@ -60,7 +62,8 @@ class Run:
     prompts: list[Prompt]
     eval_prompts: list[Prompt]
     order: PromptOrder  # which prompts this process takes next
-    engine: RolloutEngine | None = None
+    engine: RolloutEngine | None = None  # generates (synchronous runs) and evaluates
+    rollouts: SyncRollouts | AsyncRollouts | None = None  # where each round's groups come from
     meter: StepMeter | None = None
     start: int = 0
     timer: PhaseTimer = field(default_factory=PhaseTimer)
@@ -112,6 +115,18 @@ def resolved_config(cfg: Config, plan: BatchPlan, backend: Backend, say) -> Conf
     cfg.rollout.prompts_per_step = plan.prompts_per_step
     cfg.train.micro_batch_size = plan.micro_batch_size
     cfg.train.gradient_accumulation_steps = plan.gradient_accumulation_steps
+    a, r = cfg.algo, cfg.rollout
+    if a.engine_is_correction is None:
+        a.engine_is_correction = r.max_staleness > 0
+        if r.max_staleness:
+            say(f"rollout.max_staleness={r.max_staleness}: stale samples are corrected by algo.engine_is_correction")
+    if r.max_staleness and r.engine == "hf" and backend.device.type == "cpu":
+        cores = len(os.sched_getaffinity(0))
+        if cfg.train.threads is None:  # the generation process and the trainer share the cores
+            cfg.train.threads = max(1, cores - (r.generator_threads or cores // 2))
+        if r.generator_threads is None:
+            r.generator_threads = max(1, cores - cfg.train.threads)
+        say(f"async generation on CPU: trainer {cfg.train.threads} thread(s), generation process {r.generator_threads}")
     if cfg.train.backend == "auto":
         cfg.train.backend = backend.name
         n = plan.training_processes
@@ -149,18 +164,31 @@ def build_run(cfg: Config, plan: BatchPlan, backend: Backend, sink: MetricsSink,
     order = PromptOrder(len(prompts), cfg.seed, cfg.data.shuffle, rank=comm.rank(), stride=comm.world_size())
     run = Run(cfg, plan, backend, sink, run_dir, tokenizer, rewards, metric, sandbox, prompts, eval_prompts, order)
     run.meter = make_meter(cfg, backend, say)
-    run.engine = make_engine(cfg, backend.module, tokenizer, view=backend.for_generation, device=backend.device)
+    if cfg.rollout.max_staleness:  # generation runs elsewhere; this process's own HF engine evaluates
+        run.engine = make_engine(_in_process(cfg), backend.module, tokenizer, view=backend.for_generation)
+        run.rollouts = AsyncRollouts(run, lambda: make_generator(cfg, tokenizer, backend.device))
+    else:
+        run.engine = make_engine(cfg, backend.module, tokenizer, view=backend.for_generation, device=backend.device)
+        run.rollouts = SyncRollouts()
     run.guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
     run.result = TrainResult(run_dir)
     return run
 
 
 def resume(run: Run, checkpoint: Path) -> None:
-    """Weights, optimizer, schedule, RNG and data position from `checkpoint`; the logs are
-    cut back to it (the rounds after it run again and log again)."""
+    """Weights, optimizer, schedule, RNG and data position from `checkpoint` (and the rounds an
+    async run had generated ahead); the logs are cut back to it (the rounds after it run again
+    and log again)."""
     state = load_checkpoint(checkpoint, run.backend)
     run.start = state["step"]
     run.order.consumed = resume_position(state, comm.rank(), comm.world_size(), run.say)
+    ahead = comm.broadcast_object(load_rollouts(checkpoint) if comm.is_main() else None)
+    if ahead and state.get("world_size", 1) != comm.world_size():
+        raise ValueError(
+            f"{checkpoint} holds {len(ahead)} round(s) generated ahead for {state['world_size']} training processes, "
+            f"but {comm.world_size()} were launched: resume an asynchronous run with the same number of processes"
+        )
+    run.rollouts.restore(ahead, [int(c) for c in comm.all_gather_objects(run.order.consumed)])
     run.result.eval_before = state.get("eval_before")
     dropped = trim_logs(run.run_dir, run.start) if comm.is_main() else 0
     run.say(
@@ -171,14 +199,25 @@ def resume(run: Run, checkpoint: Path) -> None:
         run.sink.progress.update(run.sink.task, completed=run.start)
 
 
-def trainer_state(run: Run) -> dict:
-    """What a checkpoint needs besides the backend's state: every process's data position."""
-    per_rank = [int(c) for c in comm.all_gather_objects(run.order.consumed)]
+def trainer_state(run: Run, consumed: list[int] | None = None) -> dict:
+    """What a checkpoint needs besides the backend's state: every process's data position
+    (`consumed`: rank 0's list of them, when its producer takes every process's prompts)."""
+    if consumed is None:
+        per_rank = [int(c) for c in comm.all_gather_objects(run.order.consumed)]
+    else:
+        per_rank = [int(c) for c in consumed]
     return {
         "prompts_consumed": sum(per_rank),
         "prompts_consumed_per_rank": per_rank,
         "eval_before": run.result.eval_before,
     }
+
+
+def _in_process(cfg: Config) -> Config:
+    """The config with the HF engine in the training process (async runs evaluate with it)."""
+    cfg = cfg.model_copy(deep=True)
+    cfg.rollout.engine = "hf"
+    return cfg
 
 
 def seed_everything(seed: int) -> None:

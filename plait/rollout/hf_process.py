@@ -1,0 +1,181 @@
+"""The HF engine in a generation process of its own, for asynchronous runs.
+
+With `rollout.max_staleness >= 1` and `rollout.engine: hf`, training rank 0 starts one child
+process (`start_generation_process`) that holds its own copy of the weights and serves the
+same HTTP API as `plait rollout-server` (server.py): the trainer talks to it through the same
+RemoteEngine, and new weights reach it through the same bucketed broadcast as a vLLM server's.
+So the asynchronous machinery is one code path for both engines, and it runs (and is tested)
+on a CPU without vLLM.
+
+With `rollout.inflight_updates`, new weights are received beside a running generation and
+swapped in between two decoding steps (PipelineRL); each token records the version that
+sampled it. Decoding then skips the packed weight copies (they would hold the old weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+
+import torch
+
+from plait.rollout.weights import TensorMeta, receive_buckets, weight_group
+from plait.types import Prompt, SamplingParams
+
+
+class HFReplica:
+    """The engine behind one generation process's HTTP API (see server.build_app)."""
+
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.inflight = bool(spec.get("inflight"))
+        self.device = torch.device(spec.get("device", "cpu"))
+        self.version = 0
+        self.pending: tuple[int, dict[str, torch.Tensor]] | None = None  # in-flight: received, not yet swapped in
+        self.swap = threading.Lock()
+        self.busy = asyncio.Lock()  # one generation at a time: it uses every thread it has
+        self.group = None
+        self.engine = None
+
+    def describe(self) -> dict:
+        return dict(tensor_parallel_size=1, model=self.spec["model"], engine="hf")
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+
+    def _watch_parent(self) -> None:
+        """The trainer that started this process died (even by SIGKILL): stop too, so no
+        orphan keeps the port and a copy of the model."""
+        parent = self.spec.get("parent")
+        while parent and os.getppid() == parent:
+            time.sleep(1.0)
+        if parent:
+            os._exit(0)
+
+    def _load(self) -> None:
+        threading.Thread(target=self._watch_parent, name="plait-parent-watch", daemon=True).start()
+        from plait.models import load_model, load_tokenizer
+        from plait.rollout.hf import HFEngine
+
+        if self.spec.get("threads"):
+            torch.set_num_threads(self.spec["threads"])
+        precision = self.spec["precision"]
+        model = load_model(self.spec["model"], "bfloat16" if precision == "bf16" else "float32").to(self.device)
+        model.eval()
+        self.params = dict(model.state_dict(keep_vars=True))
+        self.engine = HFEngine(
+            model,
+            load_tokenizer(self.spec["model"]),
+            batch_size=self.spec["batch_size"],
+            precision=precision,
+            packed_weights=self.spec["packed_weights"] and not self.inflight,
+            on_token=self._current_version if self.inflight else None,
+        )
+
+    async def stop(self) -> None:
+        pass
+
+    async def generate(self, body: dict) -> list:
+        prompts = [Prompt(p["index"], "", p["token_ids"]) for p in body["prompts"]]
+        params = SamplingParams(**body["params"])
+        async with self.busy:
+            groups = await asyncio.to_thread(self.engine.generate, prompts, params, body["n"])
+        return [[completion_dict(c) for c in group] for group in groups]
+
+    async def join(self, args: tuple) -> None:
+        self.group = None
+        self.group = await asyncio.to_thread(weight_group, *args)
+
+    async def receive(self, metas: list, buckets: list, version: int) -> None:
+        metas_ = [TensorMeta(n, d, tuple(s)) for n, d, s in metas]
+        unknown = [m.name for m in metas_ if m.name not in self.params]
+        if unknown:
+            raise ValueError(f"weights the model does not have: {unknown[:5]} (is it the trainer's model?)")
+        if not self.inflight:  # the gate holds generation back: load in place
+            await asyncio.to_thread(self._receive_into, metas_, buckets, None)
+            self.version = version
+            return
+        staged: dict[str, torch.Tensor] = {}
+        await asyncio.to_thread(self._receive_into, metas_, buckets, staged)
+        with self.swap:
+            self.pending = (version, staged)
+        if not self.busy.locked():  # nothing decoding: swap now, so /health's version is the model's
+            self._current_version()
+
+    def _receive_into(self, metas: list[TensorMeta], buckets: list, staged: dict | None) -> None:
+        with torch.no_grad():
+            for bucket in receive_buckets(self.group, metas, buckets, self.device):
+                for name, t in bucket:
+                    if staged is None:
+                        self.params[name].copy_(t)
+                    else:
+                        staged[name] = t.clone()
+
+    def _current_version(self) -> int:
+        """Between two decoding steps (in-flight mode): swap in weights that arrived."""
+        with self.swap:
+            if self.pending is not None:
+                version, staged = self.pending
+                with torch.no_grad():
+                    for name, t in staged.items():
+                        self.params[name].copy_(t)
+                self.version, self.pending = version, None
+            return self.version
+
+
+def completion_dict(c) -> dict:
+    """A Completion as the JSON the API answers with (plait's own finish reason kept)."""
+    d = asdict(c)
+    d["reason"] = d.pop("finish_reason")
+    for k in ("prompt_index", "truncated", "weight_version"):
+        d.pop(k)
+    return d
+
+
+def generation_spec(cfg, device: torch.device) -> dict:
+    """The generation process's settings, from the run's config."""
+    from plait.models import resolve_model_path
+
+    r = cfg.rollout
+    return dict(
+        engine="hf",
+        model=str(resolve_model_path(cfg.model.name_or_path)),
+        precision=cfg.train.precision,
+        batch_size=r.batch_size,
+        packed_weights=r.packed_weights,
+        threads=r.generator_threads,
+        device=str(device),
+        inflight=r.inflight_updates,
+    )
+
+
+def start_generation_process(cfg, device: torch.device, timeout_s: float) -> tuple[str, subprocess.Popen]:
+    """Start the HF generation process on this machine; return its URL and process once it
+    answers /health. Its log goes to this process's stderr."""
+    from plait.cluster import comm
+    from plait.rollout.server import _wait_healthy
+
+    port = comm.free_port()
+    spec = {**generation_spec(cfg, device), "parent": os.getpid()}
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"] or 1)}
+    cmd = [sys.executable, "-m", "plait.rollout.server", json.dumps(spec), "0", "127.0.0.1", json.dumps([port])]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy([url], [proc], timeout_s)
+    except RuntimeError:
+        stop_process(proc)
+        raise
+    return url, proc
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:
+    from plait.rollout.server import _stop
+
+    _stop(proc, grace_s)

@@ -1,0 +1,338 @@
+"""Where a round's scored groups come from.
+
+Synchronous (`rollout.max_staleness: 0`): each round generates and scores its groups when it
+starts, with the weights the previous round left (`SyncRollouts`).
+
+Asynchronous (k >= 1, docs/async.md): training rank 0 runs a `Producer` thread that generates
+and scores rounds ahead of the trainer, on a generation engine outside the training process (a
+vLLM rollout server, or the HF engine's own generation process). The schedule is fixed:
+
+    round t is generated with the weights after round  scheduled_version(t, k) = max(0, t - 1 - k)
+
+so the producer is never more than k rounds ahead, every sample is trained at most k versions
+after the one that sampled it, and a run is reproducible from its seed whatever the timing.
+After round t's update the trainer *publishes* version t (a CPU copy of the full weights; a
+collective, since sharded backends gather); the producer pushes it to the engine just before it
+generates the first round scheduled on it. With `rollout.inflight_updates` a pusher thread sends
+each version as soon as it is published, and the engine swaps it in between tokens.
+
+Rank 0 produces every process's share of a round (each process's own prompt order, exactly as
+each would take them synchronously) and hands each its share at the start of the round.
+A checkpoint after round s holds the rounds already generated for s+1 .. s+k (`pending`), with
+the data position after them, so a resumed run trains exactly the samples an unbroken one does.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from plait.cluster import comm
+from plait.data import PromptOrder
+from plait.rollout.weights import full_weights
+from plait.telemetry import PhaseTimer
+from plait.train.sampling import SamplingStats, collect_groups
+from plait.types import Group
+
+
+def scheduled_version(step: int, k: int) -> int:
+    """The weight version (rounds trained) round `step` is generated with."""
+    return max(0, step - 1 - k)
+
+
+@dataclass
+class Rollout:
+    """One round's scored groups, as the producer made them."""
+
+    step: int
+    version: int  # the weights it was scheduled on
+    shares: list[tuple[list[Group], SamplingStats]]  # each training process's groups
+    consumed: list[int]  # each process's data position after this round's prompts
+    seconds: dict[str, float] = field(default_factory=dict)  # the producer's phases for it
+    pushes: int = 0  # weight versions sent to the engine while it was made
+    sync: dict[str, float] = field(default_factory=dict)  # the last push's size and speed (weight_sync/*)
+
+
+def staleness(groups: list[Group], trained_version: int) -> list[int]:
+    """Versions between the weights that sampled each token (or completion) and the ones it is
+    trained at."""
+    return [trained_version - v for g in groups for c in g.completions for v in c.staleness_versions]
+
+
+class SyncRollouts:
+    """Generate and score each round when it starts (after the rounds a checkpoint of an async
+    run held, when resuming one synchronously)."""
+
+    asynchronous = False
+
+    def __init__(self):
+        self.ahead: dict[int, Rollout] = {}
+
+    def start(self, run) -> None:
+        pass
+
+    def take(self, run, step: int) -> tuple[list[Group], SamplingStats, dict[str, float]]:
+        if step in self.ahead:
+            groups, sampling = self.ahead.pop(step).shares[comm.rank()]
+            return groups, sampling, {}
+        with run.timer("weight_sync"):  # HF: gather sharded weights once for the round; vLLM: copy them in
+            with run.engine.weights_for_step(step - 1):
+                groups, sampling = collect_groups(
+                    run.engine,
+                    run.take_prompts,
+                    run.prompts_per_round,
+                    run.cfg,
+                    step,
+                    run.rewards,
+                    run.timer,
+                    run.sandbox,
+                )
+        return groups, sampling, {}
+
+    def publish(self, run, step: int) -> None:
+        pass
+
+    def pending(self, run, step: int) -> tuple[list[Rollout], list[int] | None]:
+        return [], None
+
+    def restore(self, rollouts: list[Rollout], consumed: list[int]) -> None:
+        self.ahead = {r.step: r for r in rollouts}
+
+    def close(self) -> None:
+        pass
+
+
+class Producer:
+    """Rank 0's generation thread: produces rounds first..last on the schedule, waiting for each
+    round's weight version to be published. Errors (a dead generation server, a failing reward)
+    are kept and raised in the trainer by the next `get`/`wait`."""
+
+    def __init__(self, run, engine, orders: list[PromptOrder], first: int, last: int):
+        self.run, self.engine, self.orders = run, engine, orders
+        self.k = run.cfg.rollout.max_staleness
+        self.inflight = run.cfg.rollout.inflight_updates
+        self.first, self.last = first, last
+        self.cond = threading.Condition()
+        self.snapshots: dict[int, list] = {}  # published versions not yet pushed
+        self.produced: dict[int, Rollout] = {}
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.pushes = 0
+        self.engine_version: int | None = None
+        self.threads = [threading.Thread(target=self._guard(self._produce), name="plait-producer", daemon=True)]
+        if self.inflight:
+            self.threads.append(threading.Thread(target=self._guard(self._push_loop), name="plait-pusher", daemon=True))
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    # ---------------------------------------------------------- the trainer's side
+
+    def publish(self, version: int, weights: list) -> None:
+        with self.cond:
+            self.snapshots[version] = weights
+            self.cond.notify_all()
+
+    def get(self, step: int) -> Rollout:
+        with self.cond:
+            self._wait(lambda: step in self.produced)
+            return self.produced.pop(step)
+
+    def wait(self, steps: range) -> list[Rollout]:
+        """Rounds `steps`, once produced (they stay queued for `get`)."""
+        with self.cond:
+            self._wait(lambda: all(s in self.produced for s in steps))
+            return [self.produced[s] for s in steps]
+
+    def put(self, rollouts: list[Rollout]) -> None:
+        """Rounds a checkpoint held (generated before the restart)."""
+        with self.cond:
+            self.produced.update({r.step: r for r in rollouts})
+
+    def _wait(self, ready) -> None:
+        while not ready():
+            if self.error is not None:
+                raise self.error
+            if not any(t.is_alive() for t in self.threads) and not ready():
+                raise RuntimeError("the rollout producer stopped before producing the round the trainer needs")
+            self.cond.wait(timeout=1.0)
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        for t in self.threads:
+            if t.is_alive():
+                t.join(timeout=self.run.cfg.rollout.vllm.request_timeout_s)
+
+    # ---------------------------------------------------------- the thread
+
+    def _guard(self, work):
+        def run():
+            try:
+                work()
+            except BaseException as err:  # noqa: BLE001 - raised in the trainer by get()/wait()
+                with self.cond:
+                    self.error = err
+                    self.cond.notify_all()
+
+        return run
+
+    def _next_snapshot(self, ready) -> tuple[int, list] | None:
+        """Wait for a published version `ready(version)` accepts; None when stopping."""
+        with self.cond:
+            while True:
+                if self.stopping:
+                    return None
+                found = [v for v in self.snapshots if ready(v)]
+                if found:
+                    v = max(found)
+                    for old in [x for x in self.snapshots if x <= v]:  # older ones are never needed again
+                        weights = self.snapshots.pop(old)
+                    return v, weights
+                self.cond.wait()
+
+    def _push(self, version: int, weights: list) -> None:
+        self.engine.push(weights, version)
+        with self.cond:
+            self.engine_version = version
+            self.pushes += 1
+            self.cond.notify_all()
+
+    def _push_loop(self) -> None:
+        """In-flight updates: every published version goes out at once."""
+        while True:
+            got = self._next_snapshot(lambda v: True)
+            if got is None:
+                return
+            self._push(*got)
+
+    def _produce(self) -> None:
+        cfg = self.run.cfg
+        timer = PhaseTimer()
+        for step in range(self.first, self.last + 1):
+            need = scheduled_version(step, self.k)
+            got = None
+            with timer("wait_for_weights"):
+                if self.inflight:  # the pusher sends them; wait until the engine holds `need` or newer
+                    with self.cond:
+                        while not self.stopping and (self.engine_version is None or self.engine_version < need):
+                            self.cond.wait()
+                elif self.engine_version != need:
+                    got = self._next_snapshot(lambda v: v == need)
+            if self.stopping:
+                return
+            pushes_before = self.pushes
+            if got is not None:
+                with timer("weight_push"):
+                    self._push(*got)
+            shares = []
+            for order in self.orders:
+                shares.append(
+                    collect_groups(
+                        self.engine,
+                        lambda n, order=order: [self.run.prompts[i] for i in order.take(n)],
+                        self.run.prompts_per_round,
+                        cfg,
+                        step,
+                        self.run.rewards,
+                        timer,
+                        self.run.sandbox,
+                    )
+                )
+            seconds = {k.removeprefix("time/"): v for k, v in timer.reset().items()}
+            pushed = self.pushes - pushes_before
+            sync = self.engine.stats() if pushed or got is not None else {}
+            rollout = Rollout(step, need, shares, [o.consumed for o in self.orders], seconds, pushed, sync)
+            with self.cond:
+                self.produced[step] = rollout
+                self.cond.notify_all()
+
+
+class AsyncRollouts:
+    """The trainer's side of asynchronous generation (every process; rank 0 owns the producer)."""
+
+    asynchronous = True
+
+    def __init__(self, run, make_engine):
+        self.make_engine = make_engine  # () -> (engine, close): the generation engine of rank 0
+        self.producer: Producer | None = None
+        self.restored: tuple[list[Rollout], list[int]] | None = None
+        self.taken_consumed: list[int] | None = None  # data positions after the last round taken
+        self.close_engine = None
+        self.dtype = torch.bfloat16 if run.cfg.train.precision == "bf16" else torch.float32
+
+    def restore(self, rollouts: list[Rollout], consumed: list[int]) -> None:
+        self.restored = (rollouts, consumed)
+
+    def start(self, run) -> None:
+        """Rank 0: start the generation engine and the producer; everyone: publish the current
+        weights (the version of the first rounds to produce)."""
+        last = run.cfg.train.max_steps
+        rollouts, consumed = self.restored or ([], [run.order.consumed] * comm.world_size())
+        if comm.is_main():
+            world = comm.world_size()
+            orders = [
+                PromptOrder(len(run.prompts), run.cfg.seed, run.cfg.data.shuffle, consumed[r], rank=r, stride=world)
+                for r in range(world)
+            ]
+            engine, self.close_engine = self.make_engine()
+            first = run.start + 1 + len(rollouts)
+            self.producer = Producer(run, engine, orders, first, last)
+            self.producer.put(rollouts)
+            self.producer.start()
+        self.taken_consumed = consumed
+        if run.start < last:
+            self._publish(run, run.start)
+
+    def take(self, run, step: int) -> tuple[list[Group], SamplingStats, dict[str, float]]:
+        """This process's share of round `step`, waiting for the producer if it is behind."""
+        with run.timer("wait_for_rollout"):
+            rollout = self.producer.get(step) if comm.is_main() else None
+            rollout = comm.broadcast_object(rollout)
+        self.taken_consumed = rollout.consumed
+        groups, sampling = rollout.shares[comm.rank()]
+        everyone = [g for gs, _ in rollout.shares for g in gs]
+        lag = staleness(everyone, step - 1)
+        info = {f"async/seconds_{k}": v for k, v in rollout.seconds.items() if k not in ("step", "idle")}
+        waited = rollout.seconds.get("wait_for_weights", 0.0)
+        info["async/generator_idle_share"] = waited / max(1e-9, rollout.seconds.get("step", 0.0))
+        info["async/weight_pushes"] = float(rollout.pushes)
+        info["async/scheduled_version"] = float(rollout.version)
+        info.update(rollout.sync)
+        if lag:
+            info["rollout/staleness_mean"] = sum(lag) / len(lag)
+            info["rollout/weight_staleness"] = float(max(lag))
+        return groups, sampling, info
+
+    def publish(self, run, step: int) -> None:
+        """After round `step`'s update: version `step`, if a round still to generate uses it."""
+        k, last = run.cfg.rollout.max_staleness, run.cfg.train.max_steps
+        needed = step < last if run.cfg.rollout.inflight_updates else scheduled_version(last, k) >= step
+        if needed:
+            with run.timer("weight_sync"):
+                self._publish(run, step)
+
+    def _publish(self, run, version: int) -> None:
+        with run.backend.for_generation() as model, full_weights(model) as weights:
+            if comm.is_main():
+                copy = [(n, t.detach().to("cpu", self.dtype, copy=True)) for n, t in weights]
+                self.producer.publish(version, copy)
+
+    def pending(self, run, step: int) -> tuple[list[Rollout], list[int]]:
+        """For a checkpoint after round `step`: the rounds generated for step+1 .. step+k, and
+        every process's data position after them (rank 0's answer)."""
+        last = min(step + run.cfg.rollout.max_staleness, run.cfg.train.max_steps)
+        if not comm.is_main():
+            return [], []
+        held = self.producer.wait(range(step + 1, last + 1))
+        return held, (held[-1].consumed if held else self.taken_consumed)
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+        if self.close_engine is not None:
+            self.close_engine()
