@@ -52,7 +52,7 @@ def make_generator(cfg, tokenizer, device):
     from plait.rollout.hf_process import start_generation_process, stop_process
 
     url, proc = start_generation_process(cfg, device, max(600.0, cfg.rollout.vllm.connect_timeout_s))
-    engine = RemoteEngine(cfg, tokenizer, identity, device, servers=[url])
+    engine = RemoteEngine(cfg, tokenizer, identity, device, servers=[url], own_process=True)
 
     def close():
         engine.close()

@@ -34,7 +34,12 @@ class RolloutServerError(RuntimeError):
     """A rollout server can't be reached, died, or answered wrongly."""
 
 
-def _resume_hint() -> str:
+def _resume_hint(own_process: bool = False) -> str:
+    if own_process:
+        return (
+            "Checkpoints already written are intact: rerun with resume=auto to continue from the last one "
+            "(a new generation process starts with it; its own error, if any, is printed above)."
+        )
     return (
         "Checkpoints already written are intact: once the server is back (`plait rollout-server CONFIG`), "
         "rerun with resume=auto to continue from the last one."
@@ -42,8 +47,14 @@ def _resume_hint() -> str:
 
 
 class RemoteEngine:
-    def __init__(self, cfg, tokenizer, view, device: torch.device, servers: list[str] | None = None):
+    def __init__(
+        self, cfg, tokenizer, view, device: torch.device, servers: list[str] | None = None, own_process: bool = False
+    ):
+        """`own_process`: the server is the HF generation process this trainer started."""
         import httpx
+
+        self.own_process = own_process
+        self.label = "the HF generation process" if own_process else "rollout server"
 
         v = cfg.rollout.vllm
         self.inflight = cfg.rollout.inflight_updates  # versions then change mid-request: taken per token
@@ -66,20 +77,20 @@ class RemoteEngine:
     def _call(self, method: str, url: str, path: str, body: dict | None = None, hint: bool = True) -> dict:
         import httpx
 
-        after = f" {_resume_hint()}" if hint else ""
+        after = f" {_resume_hint(self.own_process)}" if hint else ""
         try:
             r = self.http.request(method, url + path, json=body)
         except httpx.TimeoutException as e:
             raise RolloutServerError(
-                f"rollout server {url} did not answer {path} within its time limit ({type(e).__name__}; "
+                f"{self.label} {url} did not answer {path} within its time limit ({type(e).__name__}; "
                 f"rollout.vllm.request_timeout_s={self.settings.request_timeout_s}).{after}"
             ) from None
         except httpx.HTTPError as e:
             raise RolloutServerError(
-                f"rollout server {url} is unreachable ({type(e).__name__}: {e}) during {path}.{after}"
+                f"{self.label} {url} is unreachable ({type(e).__name__}: {e}) during {path}.{after}"
             ) from None
         if r.status_code != 200:
-            raise RolloutServerError(f"rollout server {url} answered {path} with HTTP {r.status_code}: {r.text[:500]}")
+            raise RolloutServerError(f"{self.label} {url} answered {path} with HTTP {r.status_code}: {r.text[:500]}")
         return r.json()
 
     def _discover(self, servers: list[str]) -> list[str]:
@@ -183,7 +194,9 @@ class RemoteEngine:
             send_buckets(self.group, [t for _, t in weights], buckets, self.device)
         except RuntimeError as e:  # a receiver died mid-broadcast
             self.group = None
-            raise RolloutServerError(f"sending weights to the rollout servers failed: {e}. {_resume_hint()}") from None
+            raise RolloutServerError(
+                f"sending weights to the rollout servers failed: {e}. {_resume_hint(self.own_process)}"
+            ) from None
         for f in futures:
             f.result()
         return sum(m.nbytes for m in metas)

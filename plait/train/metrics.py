@@ -53,6 +53,8 @@ def sample_record(step: int, group: Group) -> dict:
         "answer": group.prompt.answer,
         "completion": c.text,
         "rewards": {k: v[0] for k, v in group.rewards.items()},
+        # the weight versions that sampled it (several: new weights arrived mid-completion)
+        "weight_versions": sorted(set(c.staleness_versions)),
     }
 
 
