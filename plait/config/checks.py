@@ -160,6 +160,11 @@ def check_async(cfg: Config, env: Env) -> list[str]:
             "device, so generation can't overlap training there; set rollout.vllm.mode=server (generation on its "
             "own devices), or rollout.engine=hf (a generation process of its own), or rollout.max_staleness=0"
         )
+    if r.generation_process and r.engine != "hf":
+        out.append(
+            "rollout.generation_process=true starts the HF engine in a process of its own; with rollout.engine=vllm "
+            "use rollout.vllm.mode=server (`plait rollout-server`) instead, or generation_process=false"
+        )
     if r.inflight_updates and not r.max_staleness:
         out.append(
             "rollout.inflight_updates=true swaps weights into a generation that overlaps training: set "

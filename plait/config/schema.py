@@ -191,6 +191,11 @@ class RolloutConfig(Section):
         "old when trained. 0 = generate, then train (synchronous). Needs generation off the training process: "
         "engine hf (a generation process of its own) or engine vllm in server mode.",
     )
+    generation_process: bool = Field(
+        False,
+        description="Engine hf: generate in a process of its own, with its own copy of the weights and its own "
+        "threads (always so when max_staleness > 0). With max_staleness 0 the trainer waits for it each round.",
+    )
     inflight_updates: bool = Field(
         False,
         description="Async, engine hf: new weights reach the generation process as soon as they exist and are "
@@ -200,7 +205,7 @@ class RolloutConfig(Section):
     generator_threads: int | None = Field(
         None,
         ge=1,
-        description="Async, engine hf on CPU: torch threads of the generation process (null = the cores "
+        description="Engine hf on CPU: torch threads of the generation process (null = the cores "
         "train.threads leaves free, at least 1).",
     )
 

@@ -120,13 +120,13 @@ def resolved_config(cfg: Config, plan: BatchPlan, backend: Backend, say) -> Conf
         a.engine_is_correction = r.max_staleness > 0
         if r.max_staleness:
             say(f"rollout.max_staleness={r.max_staleness}: stale samples are corrected by algo.engine_is_correction")
-    if r.max_staleness and r.engine == "hf" and backend.device.type == "cpu":
+    if generates_elsewhere(cfg) and r.engine == "hf" and backend.device.type == "cpu":
         cores = len(os.sched_getaffinity(0))
         if cfg.train.threads is None:  # the generation process and the trainer share the cores
             cfg.train.threads = max(1, cores - (r.generator_threads or cores // 2))
         if r.generator_threads is None:
             r.generator_threads = max(1, cores - cfg.train.threads)
-        say(f"async generation on CPU: trainer {cfg.train.threads} thread(s), generation process {r.generator_threads}")
+        say(f"on CPU: trainer {cfg.train.threads} thread(s), generation process {r.generator_threads}")
     if cfg.train.backend == "auto":
         cfg.train.backend = backend.name
         n = plan.training_processes
@@ -164,7 +164,7 @@ def build_run(cfg: Config, plan: BatchPlan, backend: Backend, sink: MetricsSink,
     order = PromptOrder(len(prompts), cfg.seed, cfg.data.shuffle, rank=comm.rank(), stride=comm.world_size())
     run = Run(cfg, plan, backend, sink, run_dir, tokenizer, rewards, metric, sandbox, prompts, eval_prompts, order)
     run.meter = make_meter(cfg, backend, say)
-    if cfg.rollout.max_staleness:  # generation runs elsewhere; this process's own HF engine evaluates
+    if generates_elsewhere(cfg):  # the producer generates; this process's own HF engine evaluates
         run.engine = make_engine(_in_process(cfg), backend.module, tokenizer, view=backend.for_generation)
         run.rollouts = AsyncRollouts(run, lambda: make_generator(cfg, tokenizer, backend.device))
     else:
@@ -213,10 +213,18 @@ def trainer_state(run: Run, consumed: list[int] | None = None) -> dict:
     }
 
 
+def generates_elsewhere(cfg: Config) -> bool:
+    """Rounds come from the producer (AsyncRollouts): asynchronous generation, or the HF
+    engine's generation process also when synchronous."""
+    r = cfg.rollout
+    return r.max_staleness > 0 or (r.engine == "hf" and r.generation_process)
+
+
 def _in_process(cfg: Config) -> Config:
     """The config with the HF engine in the training process (async runs evaluate with it)."""
     cfg = cfg.model_copy(deep=True)
     cfg.rollout.engine = "hf"
+    cfg.rollout.generation_process = False
     return cfg
 
 

@@ -297,3 +297,30 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
         assert server.health()["version"] == 2
     finally:
         server.stop()
+
+
+def test_server_mode_generates_asynchronously(vllm_model, prompts_jsonl, tmp_path, helper_env):
+    """rollout.max_staleness=1 against a real rollout server: round t is sampled with the
+    weights after round max(0, t-2) (the logprob gap shows the server held the older weights),
+    and the server ends holding the last version a round was scheduled on."""
+    server = RolloutServer(vllm_model, dp=1, env=helper_env)
+    try:
+        out = tmp_path / "run"
+        args = vllm_overrides(
+            vllm_model,
+            prompts_jsonl,
+            out,
+            "rollout.vllm.mode=server",
+            f"rollout.vllm.servers=[{server.url}]",
+            "rollout.max_staleness=1",
+            "train.max_steps=4",
+        )
+        proc = subprocess.run(train_cmd(1, args), capture_output=True, text=True, env=helper_env, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        m = metrics_of(out)
+        assert [x["rollout/weight_staleness"] for x in m] == [0, 1, 1, 1]
+        assert [x["async/scheduled_version"] for x in m] == [0, 0, 1, 2]
+        assert m[0]["logprob_gap"] < SYNCED_GAP < min(x["logprob_gap"] for x in m[1:])
+        assert server.health()["version"] == 2
+    finally:
+        server.stop()

@@ -280,3 +280,18 @@ def test_deepspeed_json_follows_the_batch_arithmetic_and_merges_extra():
         "overlap_comm": True,
     }
     assert ds["steps_per_print"] == 5 and ds["gradient_clipping"] == 1.0
+
+
+def test_async_generation_options_are_checked():
+    with pytest.raises(ConfigError, match="greater than or equal to 0"):
+        load_config(None, ["rollout.max_staleness=-1"])
+    colocated = "\n".join(problems_of(["rollout.engine=vllm", "rollout.max_staleness=1"]))
+    assert "a colocated vLLM engine shares the training process" in colocated
+    assert "rollout.vllm.mode=server" in colocated and "rollout.engine=hf" in colocated
+    assert "set rollout.max_staleness >= 1" in "\n".join(problems_of(["rollout.inflight_updates=true"]))
+    vllm = problems_of(
+        ["rollout.engine=vllm", "rollout.vllm.mode=server", "rollout.max_staleness=2", "rollout.inflight_updates=true"]
+    )
+    assert any("inflight_updates=true needs rollout.engine=hf" in p for p in vllm)
+    validate(load_config(None, ["rollout.max_staleness=2", "rollout.inflight_updates=true"]))  # hf: fine
+    validate(load_config(None, ["rollout.engine=vllm", "rollout.vllm.mode=server", "rollout.max_staleness=1"]))
