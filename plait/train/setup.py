@@ -248,5 +248,5 @@ def make_meter(cfg: Config, backend: Backend, say) -> StepMeter:
         peak, source = device_peak(backend.device, cfg.train.precision, cfg.log.peak_flops)
     peak, source = comm.broadcast_object((peak, source))
     say(f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({source})" if peak else f"no MFU: {source}")
-    local = not (cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "server")
+    local = not (cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "server") and not generates_elsewhere(cfg)
     return StepMeter(cost, peak, MemoryMeter(backend.device), local)

@@ -237,3 +237,16 @@ def test_sigterm_to_the_driver_stops_every_actor_and_server(
     assert driver.returncode == 130, rest[-3000:]
     assert "interrupted; actors stopped" in rest
     assert wait_no_leftovers() == [], leftovers()
+
+
+def test_ray_run_with_async_generation(ray_cluster, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    """--ray with rollout.max_staleness=1 and the HF engine: trainer rank 0's actor runs the
+    generation process and the producer; rounds are one version stale from round 2; nothing is
+    left running afterwards (the generation process included)."""
+    out = tmp_path / "ray-async"
+    args = tiny_overrides(tiny_model_path, prompts_jsonl, out, "rollout.max_staleness=1", "train.threads=1")
+    res = ray_train(ray_cluster, args, helper_env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    m = metrics_of(out)
+    assert [x["rollout/weight_staleness"] for x in m] == [0, 1, 1, 1]
+    assert wait_no_leftovers() == []

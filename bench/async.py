@@ -1,0 +1,137 @@
+"""Asynchronous generation, measured: the same GRPO run with rollout.max_staleness k = 0, 1, 2.
+
+    .venv/bin/python bench/async.py [--ks 0,1,2] [--seeds 2] [--steps 10] [--prompts 4] [--json out.json]
+
+Each run trains the bundled SmolLM2-135M-Instruct on the arithmetic demo task with generation in
+the HF engine's generation process (one core) and the trainer on the other core, so the two can
+overlap (k >= 1) or take turns (k = 0). Runs alternate between the k values, once per seed.
+
+It prints, for each k: rounds per hour (from the rounds' wall time, start-up excluded), the mean
+reward per round, where a round's time goes (the trainer's phases, and the generation process's
+generate / push / idle shares), and a sign-flip permutation test of the reward curves of each k
+against k = 0 (paired by seed and round): a large p means the curves are indistinguishable at
+this number of rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def run_once(k: int, seed: int, steps: int, prompts: int, work: Path) -> list[dict]:
+    out = work / f"k{k}-seed{seed}"
+    sets = [
+        f"rollout.max_staleness={k}",
+        "rollout.generation_process=true",
+        f"rollout.prompts_per_step={prompts}",
+        "train.threads=1",
+        "rollout.generator_threads=1",
+        f"train.max_steps={steps}",
+        f"seed={seed}",
+        "eval.before=false",
+        "eval.after=false",
+        "checkpoint.save_final_model=false",
+        "log.console=none",
+        f"output_dir={out}",
+    ]
+    cmd = [sys.executable, "-m", "plait", "train", *sum((["--set", s] for s in sets), [])]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"bench/async.py: k={k} seed={seed} failed:\n{res.stderr[-3000:]}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def sign_flip_p(diffs: list[float], trials: int = 20000, seed: int = 0) -> float:
+    """Two-sided p-value of mean(diffs) == 0 under random sign flips (exact when few)."""
+    observed = abs(sum(diffs) / len(diffs))
+    rng = random.Random(seed)
+    hits = sum(abs(sum(d if rng.random() < 0.5 else -d for d in diffs) / len(diffs)) >= observed for _ in range(trials))
+    return (hits + 1) / (trials + 1)
+
+
+def summarize(runs: dict[int, list[list[dict]]]) -> dict:
+    out = {}
+    base = runs.get(0)
+    for k, per_seed in runs.items():
+        rounds = [m for ms in per_seed for m in ms]
+        seconds = sum(m["time/step"] for m in rounds)
+        phases: dict[str, float] = {}
+        for m in rounds:
+            for key, v in m.items():
+                if key.startswith("time/") and key != "time/step":
+                    phases[key[5:]] = phases.get(key[5:], 0.0) + v
+        generator: dict[str, float] = {}
+        for m in rounds:
+            for key, v in m.items():
+                if key.startswith("async/seconds_"):
+                    generator[key[14:]] = generator.get(key[14:], 0.0) + v
+        curve = [sum(ms[i]["reward/total/mean"] for ms in per_seed) / len(per_seed) for i in range(len(per_seed[0]))]
+        row = {
+            "rounds_per_hour": 3600 * len(rounds) / seconds,
+            "seconds_per_round": seconds / len(rounds),
+            "reward_per_round": [round(r, 4) for r in curve],
+            "reward_mean": sum(curve) / len(curve),
+            "trainer_share": {p: round(v / seconds, 3) for p, v in sorted(phases.items(), key=lambda kv: -kv[1])},
+            "generator_seconds_per_round": {p: round(v / len(rounds), 2) for p, v in generator.items()},
+            "staleness_mean": sum(m.get("rollout/staleness_mean", 0.0) for m in rounds) / len(rounds),
+        }
+        if base is not None and k != 0:
+            diffs = [
+                a["reward/total/mean"] - b["reward/total/mean"]
+                for ka, kb in zip(per_seed, base)
+                for a, b in zip(ka, kb)
+            ]
+            row["reward_vs_k0_p"] = sign_flip_p(diffs)
+            row["speedup_vs_k0"] = row["rounds_per_hour"] / (
+                3600 * sum(len(x) for x in base) / sum(m["time/step"] for x in base for m in x)
+            )
+        out[k] = row
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ks", default="0,1,2", help="max_staleness values, comma-separated")
+    ap.add_argument("--seeds", type=int, default=2, help="runs per k (seeds 0..N-1)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--prompts", type=int, default=4, help="rollout.prompts_per_step (8 completions each)")
+    ap.add_argument("--json", help="also write the summary here")
+    args = ap.parse_args(argv)
+    ks = [int(k) for k in args.ks.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="plait-async-"))
+    runs: dict[int, list[list[dict]]] = {k: [] for k in ks}
+    t0 = time.monotonic()
+    for seed in range(args.seeds):
+        order = ks[seed % len(ks) :] + ks[: seed % len(ks)]  # alternate which k goes first
+        for k in order:
+            runs[k].append(run_once(k, seed, args.steps, args.prompts, work))
+            print(f"k={k} seed={seed} done ({time.monotonic() - t0:.0f}s)", flush=True)
+    summary = summarize(runs)
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    print(f"machine: {cpu}, {os.cpu_count()} cores; {args.steps} rounds x {args.seeds} seed(s) per k")
+    for k, row in summary.items():
+        extra = ""
+        if "speedup_vs_k0" in row:
+            extra = f"  {row['speedup_vs_k0']:.2f}x k=0's rounds/hour; rewards vs k=0: p={row['reward_vs_k0_p']:.2f}"
+        print(
+            f"k={k}: {row['rounds_per_hour']:.0f} rounds/h ({row['seconds_per_round']:.1f} s/round), "
+            f"mean reward {row['reward_mean']:.3f}, staleness {row['staleness_mean']:.2f}{extra}"
+        )
+        print(f"      trainer time: {row['trainer_share']}")
+        print(f"      generation process, s/round: {row['generator_seconds_per_round']}")
+        print(f"      reward per round: {row['reward_per_round']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": cpu, "args": vars(args), "summary": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
