@@ -25,6 +25,7 @@ from plait.train.metrics import phase_summary  # noqa: E402
 
 PHASE_COLORS = {
     "generate": "#4c72b0",
+    "wait_for_rollout": "#8da0cb",
     "weight_sync": "#64b5cd",
     "score": "#55a868",
     "logprobs": "#8172b3",
@@ -188,6 +189,21 @@ def fig_throughput(history) -> bytes | None:
     return _png(fig)
 
 
+def fig_async(history) -> bytes | None:
+    """Asynchronous generation: how stale the samples were, and where the producer's time went."""
+    if not series(history, "async/scheduled_version")[0]:
+        return None
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.4))
+    stale = [("rollout/staleness_mean", "mean"), ("rollout/weight_staleness", "max")]
+    _lines(ax, history, stale, "versions behind the trainer")
+    ax.set_title("staleness of the trained samples")
+    phases = [("generate", "generate"), ("score", "score"), ("weight_push", "weight push")]
+    waits = [("time/wait_for_rollout", "trainer waiting")]
+    _lines(ax2, history, [(f"async/seconds_{k}", v) for k, v in phases] + waits, "seconds per round")
+    ax2.set_title("the producer's time, and the trainer's wait")
+    return _png(fig)
+
+
 def fig_memory(history) -> bytes | None:
     keys = sorted({k for m in history for k in m if k.startswith("memory/")})
     if not keys:
@@ -205,6 +221,7 @@ def make_figures(history: list[dict], evals: list[dict], metric: str) -> list[Fi
         ("policy", "Clip fraction, KL and entropy", fig_policy(history)),
         ("time", "Time per phase", fig_time(history)),
         ("throughput", "Throughput and MFU", fig_throughput(history)),
+        ("async", "Asynchronous generation", fig_async(history)),
         ("memory", "Memory", fig_memory(history)),
     ]
     return [Figure(n, t, png) for n, t, png in made if png is not None]

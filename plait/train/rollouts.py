@@ -161,12 +161,15 @@ class Producer:
             self.cond.wait(timeout=1.0)
 
     def close(self) -> None:
+        """Stop producing (a round in progress is abandoned: its request fails or finishes
+        unread; the threads are daemons and hold nothing a checkpoint needs)."""
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
+
+    def join(self, timeout_s: float) -> None:
         for t in self.threads:
-            if t.is_alive():
-                t.join(timeout=self.run.cfg.rollout.vllm.request_timeout_s)
+            t.join(timeout=timeout_s)
 
     # ---------------------------------------------------------- the thread
 
@@ -332,7 +335,11 @@ class AsyncRollouts:
         return held, (held[-1].consumed if held else self.taken_consumed)
 
     def close(self) -> None:
+        """Stop the producer, then the engine (a request in flight to the HF generation process
+        fails at once), then give the producer a moment to notice."""
         if self.producer is not None:
             self.producer.close()
         if self.close_engine is not None:
             self.close_engine()
+        if self.producer is not None:
+            self.producer.join(timeout_s=10.0)
