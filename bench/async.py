@@ -61,7 +61,7 @@ def summarize(runs: dict[int, list[list[dict]]]) -> dict:
     out = {}
     base = runs.get(0)
     for k, per_seed in runs.items():
-        rounds = [m for ms in per_seed for m in ms]
+        rounds = [m for ms in per_seed for m in ms[1:]]  # round 1 waits for start-up: left out of the rates
         seconds = sum(m["time/step"] for m in rounds)
         phases: dict[str, float] = {}
         for m in rounds:
@@ -90,9 +90,8 @@ def summarize(runs: dict[int, list[list[dict]]]) -> dict:
                 for a, b in zip(ka, kb)
             ]
             row["reward_vs_k0_p"] = sign_flip_p(diffs)
-            row["speedup_vs_k0"] = row["rounds_per_hour"] / (
-                3600 * sum(len(x) for x in base) / sum(m["time/step"] for x in base for m in x)
-            )
+            base_seconds = sum(m["time/step"] for x in base for m in x[1:])
+            row["speedup_vs_k0"] = row["rounds_per_hour"] / (3600 * sum(len(x) - 1 for x in base) / base_seconds)
         out[k] = row
     return out
 

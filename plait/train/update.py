@@ -70,9 +70,10 @@ def logprob_prepass(batch: Batch, cfg, backend: Backend) -> int:
     for the KL reward) and batch.ref_logprobs (beta > 0), micro-batch by micro-batch.
     Returns the number of forward passes made over the batch."""
     a = cfg.algo
-    # the policy moves before a row is trained on, the KL reward needs them, or the row is stale
-    # (async generation: these are decoupled PPO's proximal log-probs, docs/async.md)
-    need_old = a.num_iterations > 1 or a.steps_per_generation > 1 or a.kl_in_reward or cfg.rollout.max_staleness > 0
+    # the policy moves before a row is trained on, or the KL reward needs them. (Stale rows of
+    # async generation need none either when a round makes one update: their proximal policy
+    # is then the trainer's own forward pass, detached; docs/algorithms.md)
+    need_old = a.num_iterations > 1 or a.steps_per_generation > 1 or a.kl_in_reward
     if not need_old and a.beta == 0:
         return 0
     model, ref_model = backend.module, backend.ref_model
