@@ -50,15 +50,20 @@ def combine_rewards(
 ) -> torch.Tensor:
     """Advantages from several rewards, per_reward [R, groups, n], weights [R].
 
-    sum_then_normalize (GRPO): A = norm(sum_k w_k r_k); a None counts as 0 in the sum.
+    sum_then_normalize (GRPO): A = norm(sum_k w_k r_k); a None counts as 0 in the sum (as in
+    TRL), and a completion every reward left unscored (all None) stays out of its group's
+    statistics and gets advantage 0.
     normalize_then_sum (GDPO, group reward-decoupled normalization): A = sum_k w_k norm(r_k),
-    then divided by its batch std, so a reward with a large range cannot drown the others and
-    a None drops out of its own reward's statistics only.
+    then divided by its batch std, so a reward with a large range cannot drown the others; a
+    None drops out of its own reward's statistics, and an all-None completion gets advantage 0
+    and stays out of the batch std too.
     """
+    unscored = per_reward.isnan().all(0)  # [groups, n]
     if mode == "sum_then_normalize":
         total = (torch.nan_to_num(per_reward, nan=0.0) * weights[:, None, None]).sum(0)
-        return group_advantages(total, scale)
+        return group_advantages(total.masked_fill(unscored, float("nan")), scale)
     if mode not in AGGREGATIONS:
         raise ValueError(f"mode must be one of {AGGREGATIONS}, got {mode!r}")
     summed = sum(w * group_advantages(r, scale) for w, r in zip(weights, per_reward))
-    return summed / (summed.std() + EPS) if summed.numel() > 1 else summed
+    scored = summed[~unscored]
+    return summed / (scored.std() + EPS) if scored.numel() > 1 else summed

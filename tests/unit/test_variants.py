@@ -114,6 +114,21 @@ def test_none_rewards_are_left_out_of_the_statistics():
     assert torch.allclose(a, torch.tensor([[1 / 3 / s, 0.0, -2 / 3 / s, 1 / 3 / s]]), atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["sum_then_normalize", "normalize_then_sum"])
+def test_a_completion_no_reward_scored_gets_advantage_0_and_stays_out_of_the_statistics(mode):
+    nan = float("nan")
+    # completion 1: every reward returned None; completion 2: only the second did
+    per_reward = torch.tensor([[[1.0, nan, 0.0, 1.0, 0.0]], [[0.5, nan, nan, 0.0, 1.0]]])
+    w = torch.tensor([1.0, 2.0])
+    a = combine_rewards(per_reward, w, mode)
+    assert a[0, 1] == 0.0
+    # the same advantages as if the unscored completion had never been generated
+    without = combine_rewards(per_reward[:, :, [0, 2, 3, 4]], w, mode)
+    assert torch.allclose(a[0, [0, 2, 3, 4]], without[0], atol=1e-6)
+    if mode == "sum_then_normalize":  # a partly scored one counts its None as 0 (TRL's nansum)
+        assert torch.allclose(without, group_advantages(torch.tensor([[2.0, 0.0, 1.0, 2.0]])))
+
+
 def test_reward_combination_modes():
     per_reward = torch.tensor([[[1.0, 0.0, 0.0, 1.0]], [[10.0, 20.0, 30.0, 40.0]]])
     w = torch.tensor([1.0, 1.0])
