@@ -348,8 +348,13 @@ def check_task(cfg: Config, env: Env) -> list[str]:
     from plait.data.tasks import CAPACITY
 
     d, out = cfg.data, []
-    if (d.task is None) == (d.path is None):
-        out.append("data: set exactly one of data.task (a built-in task) and data.path (your prompts)")
+    if d.task is None and d.path is None:
+        out.append("data: set data.path (your prompts) or data.task (a built-in task, see `plait tasks`)")
+    elif d.task is not None and d.path is not None:
+        out.append(
+            f"data: both data.task ({d.task!r}) and data.path ({d.path!r}) are set: remove one "
+            "(data.path alone turns the built-in task off)"
+        )
     if d.task is not None and d.task not in TASKS:
         out.append(f"data.task: unknown task '{d.task}'{_nearest(d.task, list(TASKS))}")
     if d.task in TASKS:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from plait.algo.advantages import AGGREGATIONS, SCALES
 from plait.algo.kl import KL_ESTIMATORS
@@ -63,7 +63,9 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    task: str | None = Field("arithmetic", description="A built-in task (see `plait tasks`); null to read `path`.")
+    task: str | None = Field(
+        "arithmetic", description="A built-in task (see `plait tasks`); off (null) when `path` is given."
+    )
     path: str | None = Field(None, description="Prompts: a .jsonl/.parquet file or a saved `datasets` folder.")
     format: Literal["auto", "jsonl", "parquet", "disk"] = Field("auto", description="How to read `path`.")
     split: str = Field("train", description="Split to read from a DatasetDict folder.")
@@ -80,6 +82,14 @@ class DataConfig(Section):
     num_train: int = Field(1000, ge=1, description="Built-in task: number of training problems.")
     num_eval: int = Field(100, ge=1, description="Built-in task: number of held-out problems.")
     shuffle: bool = Field(True, description="Shuffle the prompt order each epoch (seeded).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _own_data_replaces_the_task(cls, data: Any) -> Any:
+        """`path` given and `task` not: the user's prompts, not the built-in task."""
+        if isinstance(data, dict) and data.get("path") is not None and "task" not in data:
+            data = {**data, "task": None}
+        return data
 
 
 class VllmSettings(Section):
