@@ -92,6 +92,17 @@ def _format_validation_error(err: ValidationError) -> list[str]:
     return out
 
 
+def _read_yaml(path: Path) -> Any:
+    """The YAML file's data; a syntax error names the file, line and column (1-based)."""
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = " ".join(x for x in (getattr(err, "context", None), getattr(err, "problem", None)) if x) or str(err)
+        raise ConfigError([f"{where}: not valid YAML: {what}"]) from None
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
     """Read YAML (or nothing: the built-in defaults), apply overrides, type-check it all."""
     raw: dict = {}
@@ -99,7 +110,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         p = Path(path)
         if not p.is_file():
             raise ConfigError([f"config file '{path}' does not exist"])
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = _read_yaml(p)
         if not isinstance(raw, dict):
             raise ConfigError([f"config file '{path}' must hold a mapping at the top level"])
     for ov in overrides or []:

@@ -307,3 +307,14 @@ def test_own_data_alone_turns_the_built_in_task_off(tmp_path):
     assert any("both data.task ('arithmetic') and data.path" in p and "remove one" in p for p in both)
     neither = problems_of(["data.task=null"])
     assert any("set data.path (your prompts) or data.task" in p for p in neither)
+
+
+def test_a_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys):
+    from plait.cli import main
+
+    bad = tmp_path / "run.yaml"
+    bad.write_text("rollout:\n  num_generations: 8\n   temperature: 1.0\n")
+    with pytest.raises(ConfigError, match=r"run.yaml:3:15: not valid YAML: mapping values are not allowed here"):
+        load_config(str(bad), [])
+    assert main(["check", str(bad)]) == 2
+    assert "run.yaml:3:15: not valid YAML" in capsys.readouterr().err
