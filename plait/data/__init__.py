@@ -111,7 +111,7 @@ def build_prompts(rows: list[dict], tokenizer, data_cfg, log=print) -> list[Prom
             too_long.append(i)
             continue
         answer = row.get(data_cfg.answer_field) if data_cfg.answer_field else None
-        columns = {k: v for k, v in row.items() if k not in (key, data_cfg.answer_field)}
+        columns = {k: v for k, v in row.items() if k != key}  # the answer column also under its own name
         prompts.append(Prompt(i, text, ids, None if answer is None else str(answer), columns))
     if too_long:
         msg = (

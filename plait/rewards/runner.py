@@ -110,7 +110,8 @@ def _bind(
 def reward_inputs(groups: list[Group]) -> tuple[list[str], dict[str, list]]:
     """Completion texts and the keyword columns (one entry per completion) for reward calls."""
     texts, kwargs = [], {"prompts": [], "completion_ids": [], "answer": []}
-    extra = sorted({k for g in groups for k in g.prompt.columns})
+    # every dataset column by its own name; `answer` is always the reference (data.answer_field)
+    extra = sorted({k for g in groups for k in g.prompt.columns} - set(kwargs) - {"completions"})
     for k in extra:
         kwargs.setdefault(k, [])
     for g in groups:

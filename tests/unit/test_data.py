@@ -62,7 +62,13 @@ def test_field_mapping_chat_template_and_columns():
     assert "dropped 1 of 2 prompts" in logs[0]  # ... and counted in the log
     p = prompts[0]
     assert p.text == "<system> Be brief. <user> What is 2 + 2? <assistant>"
-    assert p.answer == "4" and p.columns == {"level": "easy"}
+    # the answer column reaches rewards as `answer` and under its own name (Open-R1's `solution`)
+    assert p.answer == "4" and p.columns == {"level": "easy", "solution": 4}
+    from plait.rewards.runner import reward_inputs
+    from plait.types import Completion, Group
+
+    _, kwargs = reward_inputs([Group(p, [Completion(p.index, [1], "x", [0.0], False, "eos")])])
+    assert kwargs["answer"] == ["4"] and kwargs["solution"] == [4] and kwargs["level"] == ["easy"]
 
 
 def test_overlong_prompts_can_be_an_error():
