@@ -258,10 +258,14 @@ def cmd_plan(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from plait.config import validate
+    from plait.config import ConfigError, validate
+    from plait.data import data_problems
 
     cfg = _load(args)
     plan = validate(cfg, args.world_size)
+    problems = data_problems(cfg.data)  # the data too (no model loads): all its problems at once
+    if problems:
+        raise ConfigError(problems)
     print(
         f"ok: {plan.training_processes} training process(es); {plan.prompts_per_step} prompts x "
         f"{plan.num_generations} generations = {plan.completions_per_step} completions per step; "
@@ -279,9 +283,12 @@ def cmd_check(args) -> int:
         + (f", ZeRO stage {cfg.train.deepspeed.zero_stage}" if backend == "deepspeed" else "")
     )
     r = cfg.rollout
+    ahead = f"; asynchronous, up to {r.max_staleness} round(s) ahead" if r.max_staleness else ""
     if r.engine == "vllm":
         where = f"servers {', '.join(r.vllm.servers)}" if r.vllm.mode == "server" else "one engine per training process"
-        print(f"generation: vllm ({r.vllm.mode}: {where})")
+        print(f"generation: vllm ({r.vllm.mode}: {where}{ahead})")
+    elif r.max_staleness or r.generation_process:
+        print(f"generation: hf (a generation process of its own, started by training rank 0{ahead})")
     else:
         print("generation: hf (in the training processes)")
     from plait.rewards.code import Sandbox, uses_sandbox

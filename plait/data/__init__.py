@@ -12,7 +12,7 @@ from plait.data.tasks import TASKS, task_rows
 from plait.types import Prompt
 
 
-__all__ = ["TASKS", "load_rows", "build_prompts", "PromptOrder", "DataError", "source_problem"]
+__all__ = ["TASKS", "load_rows", "build_prompts", "PromptOrder", "DataError", "source_problem", "data_problems"]
 
 
 class DataError(ValueError):
@@ -74,6 +74,76 @@ def read_file(path: str, fmt: str = "auto", split: str = "train") -> list[dict]:
             raise DataError(f"{path} has splits {list(ds)}, not '{split}': set data.split")
         ds = ds[split]
     return ds.to_list()
+
+
+def _scan_jsonl(path: Path, limit: int) -> tuple[list[dict], list[str]]:
+    """The first `limit` rows of a JSONL file, and every bad line among them."""
+    rows, bad = [], []
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if len(rows) + len(bad) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                bad.append(f"{path}:{n}: not valid JSON ({err.msg}); each line must be one JSON object")
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                bad.append(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+    return rows, bad
+
+
+def data_problems(data_cfg, limit: int = 1000) -> list[str]:
+    """What `plait check` finds in the data files without loading a model: unreadable or empty
+    files, bad lines, rows without the prompt (or messages) field, malformed chat messages, in
+    the first `limit` rows of each file."""
+    if data_cfg.task is not None:
+        return []
+    out = []
+    key = data_cfg.messages_field or data_cfg.prompt_field
+    for name, path in (("data.path", data_cfg.path), ("data.eval_path", data_cfg.eval_path)):
+        if path is None or source_problem(path, data_cfg.format):
+            continue  # the config checks already said why
+        try:
+            if _infer_format(Path(path), data_cfg.format) == "jsonl":
+                rows, bad = _scan_jsonl(Path(path), limit)
+            else:
+                rows, bad = read_file(path, data_cfg.format, data_cfg.split)[:limit], []
+        except (DataError, OSError, ValueError) as err:
+            out.append(f"{name}: {err}")
+            continue
+        out += [f"{name}: {b}" for b in bad[:5]] + (
+            [f"{name}: ... {len(bad) - 5} more bad lines"] if len(bad) > 5 else []
+        )
+        if not rows and not bad:
+            out.append(f"{name}: '{path}' holds no rows")
+        missing = [i for i, r in enumerate(rows) if key not in r]
+        if missing:
+            fields = sorted(rows[missing[0]])
+            out.append(
+                f"{name}: {len(missing)} of the first {len(rows)} rows have no field '{key}' (row {missing[0]} has "
+                f"{fields}); set data.prompt_field or data.messages_field"
+            )
+        if data_cfg.messages_field:
+            malformed = [i for i, r in enumerate(rows) if key in r and not _chat_messages(r[key])]
+            if malformed:
+                out.append(
+                    f"{name}: row {malformed[0]}'s '{key}' is not a list of {{role, content}} messages "
+                    f"({len(malformed)} such rows)"
+                )
+    return out
+
+
+def _chat_messages(value) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
 
 
 def load_rows(data_cfg, split: str, seed: int = 0) -> list[dict]:

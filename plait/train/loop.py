@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from plait.checkpoint import save_checkpoint, wait_for_saves
 from plait.cluster import comm
-from plait.config import Config, resolve_backend, validate
+from plait.config import Config, ConfigError, resolve_backend, validate
+from plait.data import data_problems
 from plait.evaluate import evaluate
 from plait.rewards.runner import BoundReward, call_rewards, reward_inputs
 from plait.telemetry.advice import suggestion
@@ -53,6 +54,9 @@ class StepResult:
 def train(cfg: Config, console: str | None = None) -> TrainResult:
     """Run GRPO. Every training process (one, or N under torchrun or Ray) runs this same function."""
     plan = validate(cfg)  # every config problem, before anything heavy loads
+    problems = data_problems(cfg.data)  # and the data's, before a run directory exists
+    if problems:
+        raise ConfigError(problems)
     backend = make_backend(resolve_backend(cfg, plan.training_processes), cfg, resolve_device(cfg.train.device))
     stop = StopSignal().install()  # SIGTERM/SIGINT: finish the round, checkpoint, exit (Preempted)
     try:

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from plait.config import DataConfig
-from plait.data import DataError, PromptOrder, build_prompts, read_file
+from plait.data import DataError, PromptOrder, build_prompts, data_problems, read_file
 from plait.data.tasks import arithmetic
 
 
@@ -115,3 +115,25 @@ def test_processes_read_disjoint_strided_shares_of_the_single_process_order():
     assert shares[0] == one[0:6:2] and shares[1] == one[1:6:2]
     # each process moves on alone (dynamic sampling takes more on one of them)
     assert ranks[0].take(3) == one[6:12:2] and ranks[0].consumed == 6 and ranks[1].consumed == 3
+
+
+def test_check_reads_the_data_and_reports_every_problem_at_once(tmp_path, capsys):
+    from plait.cli import main
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"question": "a"}\nnot json\n{"q": 1}\n[1]\n')
+    empty = tmp_path / "eval.jsonl"
+    empty.write_text("")
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": "hi"}\n')
+    args = ["check", "--set", f"data.path={train}", "--set", "data.prompt_field=question"]
+    assert main([*args, "--set", f"data.eval_path={empty}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{train}:2: not valid JSON" in err and f"{train}:4: expected a JSON object, got list" in err
+    assert "1 of the first 2 rows have no field 'question' (row 1 has ['q'])" in err
+    assert f"'{empty}' holds no rows" in err
+    cfg = DataConfig(path=str(chat), messages_field="messages")
+    assert data_problems(cfg) == [
+        "data.path: row 1's 'messages' is not a list of {role, content} messages (1 such rows)"
+    ]
+    assert data_problems(DataConfig()) == []  # the built-in task: no files to read
