@@ -1,6 +1,6 @@
 """Asynchronous generation, measured: the same GRPO run with rollout.max_staleness k = 0, 1, 2.
 
-    .venv/bin/python bench/async.py [--ks 0,1,2] [--seeds 2] [--steps 10] [--prompts 4] [--json out.json]
+    .venv/bin/python bench/async.py [--ks 0,1,2] [--seeds 2] [--steps 10] [--prompts 2] [--work DIR] [--json out.json]
 
 Each run trains the bundled SmolLM2-135M-Instruct on the arithmetic demo task with generation in
 the HF engine's generation process (one core) and the trainer on the other core, so the two can
@@ -8,8 +8,10 @@ overlap (k >= 1) or take turns (k = 0). Runs alternate between the k values, onc
 
 It prints, for each k: rounds per hour (from the rounds' wall time, start-up excluded), the mean
 reward per round, where a round's time goes (the trainer's phases, and the generation process's
-generate / push / idle shares), and a sign-flip permutation test of the reward curves of each k
-against k = 0 (paired by seed and round): a large p means the curves are indistinguishable at
+generate / push / idle seconds), and sign-flip permutation tests of the reward curves of each k
+against k = 0, paired by seed: by round (round t of a k-run samples from the weights of round
+t-1-k, so that curve lags k rounds by construction) and by the weight version that generated
+the samples (what staleness costs the learning itself). A large p means indistinguishable at
 this number of rounds.
 """
 
@@ -28,6 +30,9 @@ from pathlib import Path
 
 def run_once(k: int, seed: int, steps: int, prompts: int, work: Path) -> list[dict]:
     out = work / f"k{k}-seed{seed}"
+    done = out / "metrics.jsonl"
+    if done.is_file() and len(done.read_text().splitlines()) == steps:  # --work: a finished run is reused
+        return [json.loads(line) for line in done.read_text().splitlines()]
     sets = [
         f"rollout.max_staleness={k}",
         "rollout.generation_process=true",
@@ -57,6 +62,14 @@ def sign_flip_p(diffs: list[float], trials: int = 20000, seed: int = 0) -> float
     return (hits + 1) / (trials + 1)
 
 
+def by_version(rounds: list[dict]) -> dict[int, float]:
+    """Mean reward of the samples each weight version generated."""
+    out: dict[int, list[float]] = {}
+    for m in rounds:
+        out.setdefault(int(m.get("async/scheduled_version", m["step"] - 1)), []).append(m["reward/total/mean"])
+    return {v: sum(x) / len(x) for v, x in out.items()}
+
+
 def summarize(runs: dict[int, list[list[dict]]]) -> dict:
     out = {}
     base = runs.get(0)
@@ -84,12 +97,19 @@ def summarize(runs: dict[int, list[list[dict]]]) -> dict:
             "staleness_mean": sum(m.get("rollout/staleness_mean", 0.0) for m in rounds) / len(rounds),
         }
         if base is not None and k != 0:
+            # by round: round t of a k-run measures the policy of version t-1-k, so it lags by k
+            # rounds by construction; by version: samples of the same weight version compared
+            # (what staleness costs the learning itself)
             diffs = [
                 a["reward/total/mean"] - b["reward/total/mean"]
                 for ka, kb in zip(per_seed, base)
                 for a, b in zip(ka, kb)
             ]
             row["reward_vs_k0_p"] = sign_flip_p(diffs)
+            pairs = [(by_version(ka), by_version(kb)) for ka, kb in zip(per_seed, base)]
+            diffs = [a[v] - b[v] for a, b in pairs for v in a if v in b]
+            row["reward_by_version_vs_k0"] = sum(diffs) / len(diffs)
+            row["reward_by_version_vs_k0_p"] = sign_flip_p(diffs)
             base_seconds = sum(m["time/step"] for x in base for m in x[1:])
             row["speedup_vs_k0"] = row["rounds_per_hour"] / (3600 * sum(len(x) - 1 for x in base) / base_seconds)
         out[k] = row
@@ -101,11 +121,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", default="0,1,2", help="max_staleness values, comma-separated")
     ap.add_argument("--seeds", type=int, default=2, help="runs per k (seeds 0..N-1)")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--prompts", type=int, default=4, help="rollout.prompts_per_step (8 completions each)")
+    ap.add_argument("--prompts", type=int, default=2, help="rollout.prompts_per_step (8 completions each)")
     ap.add_argument("--json", help="also write the summary here")
+    ap.add_argument("--work", help="folder for the runs (a run already finished there is reused, not rerun)")
     args = ap.parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
-    work = Path(tempfile.mkdtemp(prefix="plait-async-"))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="plait-async-"))
+    work.mkdir(parents=True, exist_ok=True)
     runs: dict[int, list[list[dict]]] = {k: [] for k in ks}
     t0 = time.monotonic()
     for seed in range(args.seeds):
@@ -119,7 +141,11 @@ def main(argv=None) -> int:
     for k, row in summary.items():
         extra = ""
         if "speedup_vs_k0" in row:
-            extra = f"  {row['speedup_vs_k0']:.2f}x k=0's rounds/hour; rewards vs k=0: p={row['reward_vs_k0_p']:.2f}"
+            extra = (
+                f"\n      {row['speedup_vs_k0']:.2f}x k=0's rounds/hour; reward vs k=0: by round "
+                f"p={row['reward_vs_k0_p']:.2f} (lags k rounds by construction), by weight version "
+                f"{row['reward_by_version_vs_k0']:+.3f} p={row['reward_by_version_vs_k0_p']:.2f}"
+            )
         print(
             f"k={k}: {row['rounds_per_hour']:.0f} rounds/h ({row['seconds_per_round']:.1f} s/round), "
             f"mean reward {row['reward_mean']:.3f}, staleness {row['staleness_mean']:.2f}{extra}"

@@ -126,13 +126,14 @@ def test_async_with_dynamic_sampling_and_two_stage(tiny_model_path, prompts_json
         assert all(x["sampling/generated_groups"] >= 2 and x["two_stage/prompts_skipped"] >= 0 for x in m)
 
 
-def test_async_under_torchrun_two_processes(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
-    """ddp x 2 with k=1: rank 0's producer makes both processes' shares. Rounds 1 and 2 are
-    sampled from the initial weights, so their completions and rewards equal a one-process
-    async run's exactly."""
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_async_under_torchrun_two_processes(tiny_model_path, prompts_jsonl, tmp_path, helper_env, backend):
+    """2 processes with k=1: rank 0's producer makes both processes' shares (fsdp2: the weights
+    it pushes are gathered from both shards). Rounds 1 and 2 are sampled from the initial
+    weights, so their completions and rewards equal a one-process async run's exactly."""
     one, two = tmp_path / "one", tmp_path / "two"
     train(load_config(None, async_overrides(tiny_model_path, prompts_jsonl, one)))
-    args = async_overrides(tiny_model_path, prompts_jsonl, two, "train.backend=ddp")
+    args = async_overrides(tiny_model_path, prompts_jsonl, two, f"train.backend={backend}")
     proc = subprocess.run(train_cmd(2, args), env=helper_env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m1, m2 = metrics_of(one), metrics_of(two)
