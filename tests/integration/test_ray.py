@@ -240,11 +240,13 @@ def test_sigterm_to_the_driver_stops_every_actor_and_server(
 
 
 def test_ray_run_with_async_generation(ray_cluster, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
-    """--ray with rollout.max_staleness=1 and the HF engine: trainer rank 0's actor runs the
+    """--ray, 2 trainer actors, rollout.max_staleness=1 and the HF engine: rank 0's actor runs the
     generation process and the producer; rounds are one version stale from round 2; nothing is
     left running afterwards (the generation process included)."""
     out = tmp_path / "ray-async"
-    args = tiny_overrides(tiny_model_path, prompts_jsonl, out, "rollout.max_staleness=1", "train.threads=1")
+    args = tiny_overrides(
+        tiny_model_path, prompts_jsonl, out, "rollout.max_staleness=1", "train.threads=1", "cluster.devices=2"
+    )
     res = ray_train(ray_cluster, args, helper_env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = metrics_of(out)
