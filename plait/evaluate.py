@@ -22,8 +22,9 @@ def evaluate(
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=list(stop or []))
     outs = engine.generate(prompts, params, n=1)
     groups = [Group(p, cs) for p, cs in zip(prompts, outs)]
-    texts, kwargs = reward_inputs(groups)
-    scores = call_reward(metric, texts, kwargs)
+    inputs = reward_inputs(groups)
+    scores = call_reward(metric, inputs)
+    texts = inputs.texts
     samples = [
         {"prompt": p.text, "answer": p.answer, "completion": t, "score": s} for p, t, s in zip(prompts, texts, scores)
     ]

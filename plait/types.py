@@ -27,6 +27,9 @@ class Prompt:
     token_ids: list[int]
     answer: str | None = None
     columns: dict[str, Any] = field(default_factory=dict)
+    # the prompt as the dataset gave it: a string, or a list of chat messages (conversational
+    # data); reward functions get it as `prompts`, as TRL passes it (None: use `text`)
+    source: Any = None
 
 
 @dataclass

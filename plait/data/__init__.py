@@ -167,9 +167,11 @@ def build_prompts(rows: list[dict], tokenizer, data_cfg, log=print) -> list[Prom
                 f"row {i} has no field '{key}' (fields: {sorted(row)}); set data.prompt_field or data.messages_field"
             )
         if data_cfg.messages_field:
-            messages = list(row[key])
+            messages = [dict(m) for m in row[key]]
+            source = messages
         else:
             messages = [{"role": "user", "content": str(row[key])}]
+            source = str(row[key])
         if data_cfg.system_prompt and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": data_cfg.system_prompt}, *messages]
         if data_cfg.chat_template and tokenizer.chat_template:
@@ -182,7 +184,7 @@ def build_prompts(rows: list[dict], tokenizer, data_cfg, log=print) -> list[Prom
             continue
         answer = row.get(data_cfg.answer_field) if data_cfg.answer_field else None
         columns = {k: v for k, v in row.items() if k != key}  # the answer column also under its own name
-        prompts.append(Prompt(i, text, ids, None if answer is None else str(answer), columns))
+        prompts.append(Prompt(i, text, ids, None if answer is None else str(answer), columns, source))
     if too_long:
         msg = (
             f"{len(too_long)} of {len(rows)} prompts are longer than data.max_prompt_length="

@@ -3,7 +3,9 @@
     def my_reward(completions: list[str], **kwargs) -> list[float | None]
 
 kwargs hold `prompts`, `completion_ids`, `answer` and every other dataset column, one value
-per completion (the same keywords TRL passes, so TRL reward functions work unchanged).
+per completion (the same keywords TRL passes, so TRL reward functions work unchanged; with
+conversational data user functions get prompts as message lists and completions as assistant
+messages, as in TRL: see runner.RewardInputs).
 Return one float per completion. A config names a built-in (`accuracy`) or any importable
 function (`my_pkg.rewards:my_reward`).
 """

@@ -7,8 +7,10 @@ updated (so no checkpoint ever holds weights trained on a broken reward).
 Scoring returns its cost with its values (a RewardReport: seconds and timeouts per reward,
 the sandbox's executions), so the caller decides which calls count towards a training step.
 User reward functions are called as TRL calls them, `fn(completions=..., prompts=..., **columns,
-**kwargs)`; only a function marked `needs_sandbox` (the code rewards) also gets `sandbox=`,
-the run's Sandbox.
+**kwargs)`: `prompts` as the dataset gave them (strings, or lists of chat messages), and for
+conversational data (chat messages) each completion as `[{"role": "assistant", "content": text}]`,
+else as a string. Built-in rewards always get strings. Only a function marked `needs_sandbox`
+(the code rewards) also gets `sandbox=`, the run's Sandbox.
 """
 
 from __future__ import annotations
@@ -79,10 +81,27 @@ class BoundReward:
     kwargs: dict[str, Any] = field(default_factory=dict)
     timeout_s: float | None = None
     sandbox: Sandbox | None = None  # given to a function that needs_sandbox (None: its default one)
+    builtin: bool = False  # plait's own: completions always as strings
 
     @property
     def needs_sandbox(self) -> bool:
         return getattr(self.fn, "needs_sandbox", False)
+
+
+@dataclass
+class RewardInputs:
+    """What reward functions are called with, one entry per completion: the completion texts,
+    the keyword columns, and whether the prompts are chat messages (then user functions get
+    each completion as an assistant message, TRL's convention)."""
+
+    texts: list[str]
+    kwargs: dict[str, list]
+    conversational: bool = False
+
+    def completions_for(self, reward: BoundReward) -> list:
+        if self.conversational and not reward.builtin:
+            return [[{"role": "assistant", "content": t}] for t in self.texts]
+        return self.texts
 
 
 def bind_rewards(specs, sandbox: Sandbox | None = None) -> list[BoundReward]:
@@ -100,14 +119,14 @@ def _bind(
     name: str, sandbox: Sandbox | None, weight: float = 1.0, kwargs: dict | None = None, timeout_s: float | None = None
 ) -> BoundReward:
     """The reward called `name`; only a function that needs_sandbox is given the sandbox."""
-    from plait.rewards import resolve_reward
+    from plait.rewards import BUILTIN, resolve_reward
 
     fn = resolve_reward(name)
     box = sandbox if getattr(fn, "needs_sandbox", False) else None
-    return BoundReward(name, fn, weight, kwargs or {}, timeout_s, box)
+    return BoundReward(name, fn, weight, kwargs or {}, timeout_s, box, builtin=name in BUILTIN)
 
 
-def reward_inputs(groups: list[Group]) -> tuple[list[str], dict[str, list]]:
+def reward_inputs(groups: list[Group]) -> RewardInputs:
     """Completion texts and the keyword columns (one entry per completion) for reward calls."""
     texts, kwargs = [], {"prompts": [], "completion_ids": [], "answer": []}
     # every dataset column by its own name; `answer` is always the reference (data.answer_field)
@@ -117,12 +136,12 @@ def reward_inputs(groups: list[Group]) -> tuple[list[str], dict[str, list]]:
     for g in groups:
         for c in g.completions:
             texts.append(c.text)
-            kwargs["prompts"].append(g.prompt.text)
+            kwargs["prompts"].append(g.prompt.text if g.prompt.source is None else g.prompt.source)
             kwargs["completion_ids"].append(c.token_ids)
             kwargs["answer"].append(g.prompt.answer)
             for k in extra:
                 kwargs[k].append(g.prompt.columns.get(k))
-    return texts, kwargs
+    return RewardInputs(texts, kwargs, any(isinstance(g.prompt.source, list) for g in groups))
 
 
 def _sample(texts: list[str], i: int) -> str:
@@ -130,17 +149,18 @@ def _sample(texts: list[str], i: int) -> str:
     return repr(t if len(t) <= 120 else t[:117] + "...")
 
 
-def call_reward(reward: BoundReward, texts: list[str], kwargs: dict[str, list]) -> list[float | None]:
+def call_reward(reward: BoundReward, inputs: RewardInputs) -> list[float | None]:
     """One reward over all completions, checked: len == len(texts), finite floats or None."""
-    return _timed_call(reward, texts, kwargs)[0]
+    return _timed_call(reward, inputs)[0]
 
 
-def _timed_call(reward: BoundReward, texts: list[str], kwargs: dict[str, list]) -> tuple[list[float | None], float]:
+def _timed_call(reward: BoundReward, inputs: RewardInputs) -> tuple[list[float | None], float]:
     """call_reward, and the seconds it took."""
     extra = {"sandbox": reward.sandbox} if reward.needs_sandbox and reward.sandbox is not None else {}
+    texts = inputs.texts
     t0 = time.perf_counter()
     try:
-        values = reward.fn(completions=texts, **kwargs, **reward.kwargs, **extra)
+        values = reward.fn(completions=inputs.completions_for(reward), **inputs.kwargs, **reward.kwargs, **extra)
         if inspect.isawaitable(values):  # an async reward: run it to completion on this thread
             values = asyncio.run(_awaited(values))
     except Exception as err:
@@ -188,7 +208,7 @@ async def _awaited(awaitable):
 
 
 def call_rewards(
-    rewards: list[BoundReward], texts: list[str], kwargs: dict[str, list], sandbox: Sandbox | None = None
+    rewards: list[BoundReward], inputs: RewardInputs, sandbox: Sandbox | None = None
 ) -> tuple[dict[str, list[float | None]], RewardReport]:
     """Every reward over the same completions, all at once (one thread each, so a slow judge
     or sandbox doesn't hold up the rest), and what that cost. A call past its timeout_s gives
@@ -203,11 +223,11 @@ def call_rewards(
     before = [box.counts() for box in boxes]
     report = RewardReport()
     if len(rewards) == 1 and rewards[0].timeout_s is None:
-        values, seconds = _timed_call(rewards[0], texts, kwargs)
+        values, seconds = _timed_call(rewards[0], inputs)
         out = {rewards[0].name: values}
         report.seconds[rewards[0].name] = seconds
     else:
-        out = _call_in_parallel(rewards, texts, kwargs, report)
+        out = _call_in_parallel(rewards, inputs, report)
     for box, counts in zip(boxes, before):
         now = box.counts()
         report.sandbox = _add(report.sandbox, {k: now[k] - counts[k] for k in SANDBOX_COUNTS})
@@ -215,12 +235,13 @@ def call_rewards(
 
 
 def _call_in_parallel(
-    rewards: list[BoundReward], texts: list[str], kwargs: dict[str, list], report: RewardReport
+    rewards: list[BoundReward], inputs: RewardInputs, report: RewardReport
 ) -> dict[str, list[float | None]]:
+    texts = inputs.texts
     pool = ThreadPoolExecutor(max_workers=len(rewards), thread_name_prefix="plait-reward")
     try:
         t0 = time.perf_counter()
-        futures = {r.name: pool.submit(_timed_call, r, texts, kwargs) for r in rewards}
+        futures = {r.name: pool.submit(_timed_call, r, inputs) for r in rewards}
         out = {}
         for r in rewards:
             try:
@@ -247,8 +268,7 @@ def score_groups(groups: list[Group], rewards: list[BoundReward], sandbox: Sandb
     None means "not applicable": it adds nothing to the total (and is left out of that
     reward's logged mean).
     """
-    texts, kwargs = reward_inputs(groups)
-    per_reward, report = call_rewards(rewards, texts, kwargs, sandbox)
+    per_reward, report = call_rewards(rewards, reward_inputs(groups), sandbox)
     i = 0
     for g in groups:
         n = len(g.completions)

@@ -125,7 +125,7 @@ def step_accuracy(groups: list[Group], metric: BoundReward, sampling: SamplingSt
         return None
     if metric.name in groups[0].rewards:
         return [v or 0.0 for g in groups for v in g.rewards[metric.name]]
-    values, report = call_rewards([metric], *reward_inputs(groups))
+    values, report = call_rewards([metric], reward_inputs(groups))
     sampling.rewards = sampling.rewards.merge(report)
     return [v or 0.0 for v in values[metric.name]]
 

@@ -67,7 +67,7 @@ def test_field_mapping_chat_template_and_columns():
     from plait.rewards.runner import reward_inputs
     from plait.types import Completion, Group
 
-    _, kwargs = reward_inputs([Group(p, [Completion(p.index, [1], "x", [0.0], False, "eos")])])
+    kwargs = reward_inputs([Group(p, [Completion(p.index, [1], "x", [0.0], False, "eos")])]).kwargs
     assert kwargs["answer"] == ["4"] and kwargs["solution"] == [4] and kwargs["level"] == ["easy"]
 
 
@@ -137,3 +137,36 @@ def test_check_reads_the_data_and_reports_every_problem_at_once(tmp_path, capsys
         "data.path: row 1's 'messages' is not a list of {role, content} messages (1 such rows)"
     ]
     assert data_problems(DataConfig()) == []  # the built-in task: no files to read
+
+
+def test_rewards_get_trl_s_conventions_for_conversational_and_standard_data():
+    """Open-R1's rewards read completion[0]["content"] and the `solution` column; with
+    conversational data TRL passes prompts as message lists and completions as assistant
+    messages, with standard data both as strings. plait's built-ins always get strings."""
+    from plait.rewards.runner import BoundReward, score_groups
+    from plait.types import Completion, Group
+
+    seen = {}
+
+    def open_r1_style(completions, solution, prompts, **_):
+        seen["prompts"], seen["completions"] = prompts, completions
+        return [float(c[0]["content"].strip() == str(s)) for c, s in zip(completions, solution)]
+
+    def plain(completions, prompts, **_):
+        seen["plain"] = (prompts, completions)
+        return [float(c.strip() == "4") for c in completions]
+
+    chat_rows = [{"messages": [{"role": "user", "content": "What is 2 + 2?"}], "solution": 4}]
+    chat = build_prompts(chat_rows, FakeTokenizer(), DataConfig(path="x", messages_field="messages"))
+    builtin = BoundReward("boxed_format", lambda completions, **_: [float(isinstance(c, str)) for c in completions])
+    builtin.builtin = True
+    group = Group(chat[0], [Completion(0, [1], t, [0.0], False, "eos") for t in ("4", " 5")])
+    score_groups([group], [BoundReward("openr1", open_r1_style), builtin])
+    assert group.rewards == {"openr1": [1.0, 0.0], "boxed_format": [1.0, 1.0]}
+    assert seen["completions"] == [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": " 5"}]]
+    assert seen["prompts"] == [chat_rows[0]["messages"]] * 2  # the messages, not the templated text
+
+    std = build_prompts(ROWS[:1], FakeTokenizer(), DataConfig(path="x", prompt_field="question"))
+    group = Group(std[0], [Completion(0, [1], "4", [0.0], False, "eos")])
+    score_groups([group], [BoundReward("plain", plain)])
+    assert seen["plain"] == (["What is 2 + 2?"], ["4"]) and group.rewards["plain"] == [1.0]
