@@ -546,7 +546,9 @@ class ClusterConfig(Section):
 
 
 class Config(Section):
-    name: str = Field("arithmetic-smollm2", description="Run name.")
+    name: str | None = Field(
+        None, description="Run name (null = from the data and the model, e.g. arithmetic-smollm2-135m-instruct)."
+    )
     output_dir: str | None = Field(None, description="Run directory; null = runs/NAME-TIMESTAMP.")
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
     resume: str = Field(

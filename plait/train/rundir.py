@@ -11,9 +11,17 @@ from plait.cluster import comm
 from plait.config import ConfigError
 
 
+def run_name(cfg) -> str:
+    """`name`, else the data's (the built-in task, or the prompt file's stem) and the model's."""
+    if cfg.name:
+        return cfg.name
+    data = cfg.data.task or Path(cfg.data.path or "data").stem
+    return f"{data}-{Path(cfg.model.name_or_path.rstrip('/')).name}"
+
+
 def default_run_dir(cfg) -> Path:
     """output_dir, else runs/NAME-TIMESTAMP."""
-    return Path(cfg.output_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return Path(cfg.output_dir or f"runs/{run_name(cfg)}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def prepare_run_dir(cfg) -> tuple[Path, Path | None]:

@@ -318,3 +318,13 @@ def test_a_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys):
         load_config(str(bad), [])
     assert main(["check", str(bad)]) == 2
     assert "run.yaml:3:15: not valid YAML" in capsys.readouterr().err
+
+
+def test_a_run_is_named_after_its_data_and_model():
+    from plait.train.rundir import default_run_dir, run_name
+
+    assert run_name(load_config(None, [])) == "arithmetic-smollm2-135m-instruct"
+    own = load_config(None, ["data.path=/data/gsm8k_train.jsonl", "model.name_or_path=/models/Qwen2.5-0.5B/"])
+    assert run_name(own) == "gsm8k_train-Qwen2.5-0.5B"
+    assert default_run_dir(own).name.startswith("gsm8k_train-Qwen2.5-0.5B-")
+    assert run_name(load_config(None, ["name=mine"])) == "mine"
