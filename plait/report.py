@@ -19,7 +19,7 @@ import matplotlib.ticker
 matplotlib.use("Agg")  # files only: no display, no GUI toolkit
 import matplotlib.pyplot as plt  # noqa: E402
 
-from plait.telemetry.advice import suggestion  # noqa: E402
+from plait.telemetry.advice import health_notes, suggestion  # noqa: E402
 from plait.train.metrics import phase_summary  # noqa: E402
 
 
@@ -279,7 +279,16 @@ def summary_rows(history: list[dict], evals: list[dict], metric: str) -> list[tu
 
 
 def render(
-    run_dir: Path, figures: list[Figure], history, evals, samples, config_text: str, cluster, tip, metric
+    run_dir: Path,
+    figures: list[Figure],
+    history,
+    evals,
+    samples,
+    config_text: str,
+    cluster,
+    tip,
+    metric,
+    health: list[str] | None = None,
 ) -> str:
     parts = [
         f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>plait report: {_esc(run_dir.name)}</title>",
@@ -291,6 +300,8 @@ def render(
     parts.append("</table>")
     if tip:
         parts.append(f"<p class='tip' id='suggestion'><b>Suggestion:</b> {_esc(tip)}</p>")
+    for note in health or []:
+        parts.append(f"<p class='tip health'><b>Learning:</b> {_esc(note)}</p>")
     for f in figures:
         data = base64.b64encode(f.png).decode()
         parts.append(
@@ -362,6 +373,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     for f in figures:
         (out_dir / "figures" / f"{f.name}.png").write_bytes(f.png)
     tip = suggestion(phase_summary(history)[1], cfg) if cfg is not None else None
+    health = health_notes(history, evals, cfg, metric)
     page = out_dir / "index.html"
-    page.write_text(render(run_dir, figures, history, evals, samples, config_text, cluster, tip, metric))
+    page.write_text(render(run_dir, figures, history, evals, samples, config_text, cluster, tip, metric, health))
     return page

@@ -150,6 +150,17 @@ def check_vllm(cfg: Config, env: Env) -> list[str]:
     return out
 
 
+def check_keep_best(cfg: Config, env: Env) -> list[str]:
+    """keep_best needs evaluations to compare."""
+    e = cfg.eval
+    if cfg.checkpoint.keep_best and not (e.every_steps or e.after):
+        return [
+            "checkpoint.keep_best=true keeps the best evaluated model, but nothing is evaluated during the run: "
+            "set eval.every_steps (e.g. 10) and/or eval.after=true"
+        ]
+    return []
+
+
 def check_async(cfg: Config, env: Env) -> list[str]:
     """Asynchronous generation needs an engine off the training process; in-flight weight
     updates need async generation with the HF generation process."""
@@ -519,6 +530,7 @@ CHECKS: tuple[Check, ...] = (
     check_generation_devices,
     check_vllm,
     check_async,
+    check_keep_best,
     check_log_sinks,
     check_restarts,
     check_sampling,

@@ -449,6 +449,11 @@ class CheckpointConfig(Section):
         "(local, ddp, fsdp2; deepspeed saves synchronously). The end of the run waits for it.",
     )
     save_final_model: bool = Field(True, description="Write the trained model as a HF folder to OUTPUT_DIR/final.")
+    keep_best: bool = Field(
+        False,
+        description="Also keep the model of the best evaluation so far (eval.metric; evaluations before, every "
+        "eval.every_steps and after) as a HF folder in OUTPUT_DIR/best, with best.json saying which step.",
+    )
 
 
 class EvalConfig(Section):

@@ -1,4 +1,6 @@
-"""The end-of-run suggestion: when one phase dominates the step, what to change first."""
+"""The end-of-run advice: when one phase dominates the step, what to change first; and what the
+learning curves say (a reward past its peak, collapsing entropy, climbing clip fraction or
+gradient norm), with what to try."""
 
 from __future__ import annotations
 
@@ -65,3 +67,75 @@ def suggestion(shares: dict[str, float], cfg) -> str | None:
     if share < DOMINANT or phase not in SUGGESTIONS:
         return None
     return f"{phase} is {share:.0%} of step time: {SUGGESTIONS[phase](cfg)}"
+
+
+# ---------------------------------------------------------------- learning health
+
+MIN_ROUNDS = 6  # fewer rounds say nothing about trends
+
+
+def _smooth(values: list[float]) -> list[float]:
+    """A trailing moving average over about a tenth of the run (at least 3 rounds)."""
+    w = max(3, len(values) // 10)
+    return [sum(values[max(0, i - w + 1) : i + 1]) / len(values[max(0, i - w + 1) : i + 1]) for i in range(len(values))]
+
+
+def _thirds(values: list[float]) -> tuple[float, float]:
+    n = max(1, len(values) // 3)
+    return sum(values[:n]) / n, sum(values[-n:]) / n
+
+
+def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None = None) -> list[str]:
+    """What the run's curves say about its learning, with what to try: a reward that fell far
+    from its peak, an evaluation that ended below its best, entropy that collapsed, clip
+    fraction or gradient norm climbing. [] for a healthy (or too short) run."""
+    notes = []
+    lr = cfg.train.learning_rate if cfg is not None else None
+    lower_lr = f"a lower train.learning_rate (now {lr:g})" if lr else "a lower learning rate"
+    steps = [
+        m.get("step", i + 1) for i, m in enumerate(history) if "reward/total/mean" in m
+    ]  # the run's history has no "step"
+    rewards = [m["reward/total/mean"] for m in history if "reward/total/mean" in m]
+    if len(rewards) >= MIN_ROUNDS:
+        smooth = _smooth(rewards)
+        top = max(range(len(smooth)), key=smooth.__getitem__)
+        rise = smooth[top] - min(smooth[: top + 1])
+        fall = smooth[top] - smooth[-1]
+        if rise > 0 and fall >= 0.5 * rise and top < len(smooth) - 1:
+            notes.append(
+                f"the reward fell from its peak ({smooth[top]:.3f}, smoothed, around step {steps[top]}) to "
+                f"{smooth[-1]:.3f} at the end: the policy degraded. Try {lower_lr}, a KL term (algo.beta > 0), "
+                "and checkpoint.keep_best=true to keep the best evaluated model"
+            )
+    scored = [(e["step"], e[metric]) for e in evals if metric and e.get(metric) is not None]
+    if len(scored) >= 2:
+        best = max(scored, key=lambda e: e[1])
+        if scored[-1][1] < best[1] - 0.05:
+            notes.append(
+                f"the evaluation ({metric}) peaked at {best[1]:.3f} (step {best[0]}) and ended at "
+                f"{scored[-1][1]:.3f}: checkpoint.keep_best=true keeps the best model; try {lower_lr}"
+            )
+    entropy = [m["entropy"] for m in history if m.get("entropy") is not None]
+    if len(entropy) >= MIN_ROUNDS and entropy[0] > 0 and _thirds(entropy)[1] < 0.2 * _thirds(entropy)[0]:
+        notes.append(
+            f"entropy collapsed ({_thirds(entropy)[0]:.3f} -> {_thirds(entropy)[1]:.3f}, first vs last third): the "
+            "policy is settling on few answers. Try clip-higher (algo.epsilon_high > algo.epsilon), "
+            f"an entropy bonus (algo.entropy_coeff), or {lower_lr}"
+        )
+    clip = [m["clip/fraction"] for m in history if m.get("clip/fraction") is not None]
+    if len(clip) >= MIN_ROUNDS:
+        first, last = _thirds(clip)
+        if last > 0.2 and last > 2 * first:
+            notes.append(
+                f"the clipped share of tokens climbed ({first:.2f} -> {last:.2f}): updates move the policy too far. "
+                f"Try {lower_lr} or fewer algo.num_iterations"
+            )
+    norms = [m["grad_norm"] for m in history if m.get("grad_norm") is not None]
+    if len(norms) >= MIN_ROUNDS:
+        first, last = _thirds(norms)
+        if first > 0 and last > 3 * first:
+            notes.append(
+                f"the gradient norm climbed ({first:.3g} -> {last:.3g}, first vs last third): training is getting "
+                f"unstable. Try {lower_lr} or a smaller train.max_grad_norm"
+            )
+    return notes

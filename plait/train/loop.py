@@ -15,6 +15,8 @@ evaluation and the end-of-run summary sit beside the loop, not inside the round.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -24,7 +26,7 @@ from plait.config import Config, ConfigError, resolve_backend, validate
 from plait.data import data_problems
 from plait.evaluate import evaluate
 from plait.rewards.runner import BoundReward, call_rewards, reward_inputs
-from plait.telemetry.advice import suggestion
+from plait.telemetry.advice import health_notes, suggestion
 from plait.train.backends import make_backend, resolve_device
 from plait.train.batch import collate
 from plait.train.guard import Preempted, StopSignal
@@ -173,7 +175,27 @@ def run_eval(run: Run, tag: str, version: int) -> float:
     if comm.is_main():
         with (run.run_dir / "eval.jsonl").open("a") as f:
             f.write(json.dumps({"tag": tag, "step": version, cfg.eval.metric: accuracy, "n": int(n)}) + "\n")
+    if cfg.checkpoint.keep_best:
+        keep_if_best(run, version, accuracy)
     return accuracy
+
+
+def keep_if_best(run: Run, version: int, accuracy: float) -> None:
+    """checkpoint.keep_best: export the model to RUN_DIR/best when this evaluation beats the
+    best so far (every process takes part; the old folder is replaced only once the new one is
+    complete)."""
+    best, record = run.run_dir / "best", run.run_dir / "best" / "best.json"
+    metric = run.cfg.eval.metric
+    previous = json.loads(record.read_text())[metric] if record.is_file() else None
+    if comm.broadcast_object(previous is not None and accuracy <= previous):
+        return
+    tmp = run.run_dir / "best.tmp"
+    run.backend.export(tmp, run.tokenizer)
+    if comm.is_main():
+        (tmp / "best.json").write_text(json.dumps({"step": version, metric: accuracy}) + "\n")
+        shutil.rmtree(best, ignore_errors=True)
+        os.replace(tmp, best)
+        run.say(f"best {metric} so far ({accuracy:.3f} at step {version}): model kept in {best}")
 
 
 def save(run: Run, step: int, blocking: bool = True) -> None:
@@ -230,6 +252,10 @@ def _summary(run: Run) -> None:
     tip = suggestion(shares, cfg)
     if tip:
         say(f"[bold yellow]suggestion[/]: {tip}")
+    path = run_dir / "eval.jsonl"  # written by rank 0, which prints the notes
+    evals = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    for note in health_notes(result.history, evals, cfg, cfg.eval.metric):
+        say(f"[bold yellow]learning[/]: {note}")
     report = f"report: `plait report {run_dir}` (HTML + figures)"
     say(f"{report}; TensorBoard: `tensorboard --logdir {run_dir}`" if cfg.log.tensorboard else report)
     if result.eval_before is not None and result.eval_after is not None:

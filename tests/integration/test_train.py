@@ -202,3 +202,40 @@ def test_cli_eval_scores_a_model_folder(tiny_model_path, prompts_jsonl, helper_e
         [sys.executable, "-m", "plait.cli", "eval", "/no/such/model"], capture_output=True, text=True, env=helper_env
     )
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_keep_best_keeps_the_best_evaluated_model(tiny_model_path, prompts_jsonl, tmp_path, monkeypatch):
+    """checkpoint.keep_best: RUN_DIR/best holds the model of the best evaluation (here the one
+    after step 2 of 0.1, 0.6, 0.3, 0.2), with best.json naming the step: a run that peaks and
+    degrades keeps its peak."""
+    import plait.train.loop as loop
+    from plait.evaluate import EvalResult
+
+    scores = iter([0.1, 0.6, 0.3, 0.2])
+
+    def fake_evaluate(engine, prompts, metric, tokens, stop):
+        return EvalResult(next(scores), 10)
+
+    monkeypatch.setattr(loop, "evaluate", fake_evaluate)
+    out = tmp_path / "run"
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tiny_model_path,
+            prompts_jsonl,
+            out,
+            "checkpoint.keep_best=true",
+            "eval.before=true",
+            "eval.after=true",
+            "eval.every_steps=2",
+            "checkpoint.save_steps=2",
+            "checkpoint.keep_last=5",
+        ),
+    )
+    loop.train(cfg)
+    assert json.loads((out / "best" / "best.json").read_text()) == {"step": 2, "boxed_accuracy": 0.6}
+    best = load_file(str(out / "best" / "model.safetensors"))
+    at_2 = load_file(str(out / "checkpoints" / "step_00000002" / "model.safetensors"))
+    shared = [k for k in at_2 if k in best]
+    assert shared and all(torch.equal(best[k], at_2[k]) for k in shared)  # the weights after step 2
+    assert not (out / "best.tmp").exists()
