@@ -25,6 +25,7 @@ the data position after them, so a resumed run trains exactly the samples an unb
 from __future__ import annotations
 
 import threading
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -77,18 +78,12 @@ class SyncRollouts:
         if step in self.ahead:
             groups, sampling = self.ahead.pop(step).shares[comm.rank()]
             return groups, sampling, {}
-        with run.timer("weight_sync"):  # HF: gather sharded weights once for the round; vLLM: copy them in
-            with run.engine.weights_for_step(step - 1):
-                groups, sampling = collect_groups(
-                    run.engine,
-                    run.take_prompts,
-                    run.prompts_per_round,
-                    run.cfg,
-                    step,
-                    run.rewards,
-                    run.timer,
-                    run.sandbox,
-                )
+        with ExitStack() as weights:
+            with run.timer("weight_sync"):  # HF: gather sharded weights once for the round; vLLM: copy them in
+                weights.enter_context(run.engine.weights_for_step(step - 1))
+            groups, sampling = collect_groups(  # timed as generate and score (phases never nest)
+                run.engine, run.take_prompts, run.prompts_per_round, run.cfg, step, run.rewards, run.timer, run.sandbox
+            )
         return groups, sampling, {}
 
     def publish(self, run, step: int) -> None:
