@@ -85,6 +85,36 @@ def _thirds(values: list[float]) -> tuple[float, float]:
     return sum(values[:n]) / n, sum(values[-n:]) / n
 
 
+# (metric, fires(first third's mean, last third's), the note(first, last, "a lower learning rate"))
+TRENDS = (
+    (
+        "entropy",
+        lambda first, last: first > 0 and last < 0.2 * first,
+        lambda first, last, lr: (
+            f"entropy collapsed ({first:.3f} -> {last:.3f}, first vs last third): the policy is "
+            "settling on few answers. Try clip-higher (algo.epsilon_high > algo.epsilon), an entropy bonus "
+            f"(algo.entropy_coeff), or {lr}"
+        ),
+    ),
+    (
+        "clip/fraction",
+        lambda first, last: last > 0.2 and last > 2 * first,
+        lambda first, last, lr: (
+            f"the clipped share of tokens climbed ({first:.2f} -> {last:.2f}): updates move the "
+            f"policy too far. Try {lr} or fewer algo.num_iterations"
+        ),
+    ),
+    (
+        "grad_norm",
+        lambda first, last: first > 0 and last > 3 * first,
+        lambda first, last, lr: (
+            f"the gradient norm climbed ({first:.3g} -> {last:.3g}, first vs last third): "
+            f"training is getting unstable. Try {lr} or a smaller train.max_grad_norm"
+        ),
+    ),
+)
+
+
 def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None = None) -> list[str]:
     """What the run's curves say about its learning, with what to try: a reward that fell far
     from its peak, an evaluation that ended below its best, entropy that collapsed, clip
@@ -115,27 +145,8 @@ def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None
                 f"the evaluation ({metric}) peaked at {best[1]:.3f} (step {best[0]}) and ended at "
                 f"{scored[-1][1]:.3f}: checkpoint.keep_best=true keeps the best model; try {lower_lr}"
             )
-    entropy = [m["entropy"] for m in history if m.get("entropy") is not None]
-    if len(entropy) >= MIN_ROUNDS and entropy[0] > 0 and _thirds(entropy)[1] < 0.2 * _thirds(entropy)[0]:
-        notes.append(
-            f"entropy collapsed ({_thirds(entropy)[0]:.3f} -> {_thirds(entropy)[1]:.3f}, first vs last third): the "
-            "policy is settling on few answers. Try clip-higher (algo.epsilon_high > algo.epsilon), "
-            f"an entropy bonus (algo.entropy_coeff), or {lower_lr}"
-        )
-    clip = [m["clip/fraction"] for m in history if m.get("clip/fraction") is not None]
-    if len(clip) >= MIN_ROUNDS:
-        first, last = _thirds(clip)
-        if last > 0.2 and last > 2 * first:
-            notes.append(
-                f"the clipped share of tokens climbed ({first:.2f} -> {last:.2f}): updates move the policy too far. "
-                f"Try {lower_lr} or fewer algo.num_iterations"
-            )
-    norms = [m["grad_norm"] for m in history if m.get("grad_norm") is not None]
-    if len(norms) >= MIN_ROUNDS:
-        first, last = _thirds(norms)
-        if first > 0 and last > 3 * first:
-            notes.append(
-                f"the gradient norm climbed ({first:.3g} -> {last:.3g}, first vs last third): training is getting "
-                f"unstable. Try {lower_lr} or a smaller train.max_grad_norm"
-            )
+    for key, fires, note in TRENDS:
+        values = [m[key] for m in history if m.get(key) is not None]
+        if len(values) >= MIN_ROUNDS and fires(*_thirds(values)):
+            notes.append(note(*_thirds(values), lower_lr))
     return notes
