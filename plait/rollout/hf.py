@@ -181,9 +181,10 @@ class HFEngine:
             mask, last_pos = mask.repeat_interleave(n, 0), pos[:, -1:].repeat_interleave(n, 0)
             for t in range(params.max_tokens):
                 token, logp = sample_next(logits, params, gens, active // n)
-                keep = self._record(active.tolist(), token.tolist(), logp.tolist(), tokens, logps, reason, params.stop)
+                live = active.tolist()
+                keep = self._record(live, token.tolist(), logp.tolist(), tokens, logps, reason, params.stop)
                 if versions is not None:
-                    for row in active.tolist():
+                    for row in live:
                         versions[row].append(version)
                 if not keep or t == params.max_tokens - 1:
                     break

@@ -115,7 +115,7 @@ class HFReplica:
                     if staged is None:
                         self.params[name].copy_(t)
                     else:
-                        staged[name] = t.clone()
+                        staged[name] = t  # a view of this bucket's own buffer: no copy needed
 
     def _current_version(self) -> int:
         """Between two decoding steps (in-flight mode): swap in weights that arrived."""

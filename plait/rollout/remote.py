@@ -128,6 +128,7 @@ class RemoteEngine:
         needed = comm.broadcast_object(self.version != version or self._restarted(healths))
         self._last_sync = {}
         if needed:
+            # every process: gathering sharded weights (FSDP2's full_tensor) is a collective
             with self.view() as model, full_weights(model) as weights:
                 if comm.is_main():
                     self.push(weights, version, healths)

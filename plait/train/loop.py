@@ -32,6 +32,7 @@ from plait.train.batch import collate
 from plait.train.guard import Preempted, StopSignal
 from plait.train.hostmem import retained_host_memory
 from plait.train.metrics import across_processes, describe_processes, phase_summary, sample_record, step_rollout_metrics
+from plait.train.rollouts import staleness
 from plait.train.sampling import SamplingStats
 from plait.train.setup import Run, TrainResult, open_run, trainer_state
 from plait.train.update import logprob_prepass, policy_update, step_advantages
@@ -50,7 +51,7 @@ class StepResult:
     accuracy: list[float] | None  # eval.metric on each completion (None: the data has no reference)
     update: dict[str, float]  # policy_update's metrics
     prepass_forwards: int  # forward passes of the log-prob prepass
-    rollout: dict[str, float]  # async generation: staleness, the producer's time (empty when synchronous)
+    rollout: dict[str, float]  # async generation: the producer's time and pushes (empty when synchronous)
 
 
 def train(cfg: Config, console: str | None = None) -> TrainResult:
@@ -144,9 +145,11 @@ def log_step(run: Run, step: int, out: StepResult) -> None:
     metrics = {**step_rollout_metrics(out.groups, out.accuracy), **update, **run.engine.stats()}
     health = out.sampling.rewards.metrics([r.name for r in run.rewards], run.sandbox is not None)
     metrics.update(across_processes(out.sampling.metrics(), health))
-    versions = [c.weight_version for g in out.groups for c in g.completions if c.weight_version is not None]
-    if versions:  # engines holding a copy of the weights: rounds behind the trainer they sampled (0 when synced)
-        metrics["rollout/weight_staleness"] = step - 1 - min(versions)
+    lag = staleness(out.groups, step - 1)
+    if lag:  # engines holding a copy of the weights: rounds behind the trainer they sampled (0 when synced)
+        total, tokens = comm.all_sum([float(sum(lag)), float(len(lag))])
+        metrics["rollout/staleness_mean"] = total / tokens
+        metrics["rollout/weight_staleness"] = comm.all_max([float(max(lag))])[0]
     metrics.update(out.rollout)
     times = run.timer.reset()
     times = dict(zip(times, comm.all_max(list(times.values()))))  # the slowest process sets the pace
@@ -209,7 +212,7 @@ def save(run: Run, step: int, blocking: bool = True) -> None:
         trainer_state(run, consumed),
         run.cfg.checkpoint.keep_last,
         blocking=blocking,
-        rollouts=pending if run.rollouts.asynchronous else None,
+        rollouts=pending,
     )
 
 

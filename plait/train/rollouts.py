@@ -66,8 +66,6 @@ class SyncRollouts:
     """Generate and score each round when it starts (after the rounds a checkpoint of an async
     run held, when resuming one synchronously)."""
 
-    asynchronous = False
-
     def __init__(self):
         self.ahead: dict[int, Rollout] = {}
 
@@ -89,8 +87,10 @@ class SyncRollouts:
     def publish(self, run, step: int) -> None:
         pass
 
-    def pending(self, run, step: int) -> tuple[list[Rollout], list[int] | None]:
-        return [], None
+    def pending(self, run, step: int) -> tuple[None, None]:
+        """Nothing is generated ahead: the checkpoint holds no rounds, and the data positions are
+        the processes' own."""
+        return None, None
 
     def restore(self, rollouts: list[Rollout], consumed: list[int]) -> None:
         self.ahead = {r.step: r for r in rollouts}
@@ -188,9 +188,9 @@ class Producer:
                 found = [v for v in self.snapshots if ready(v)]
                 if found:
                     v = max(found)
-                    for old in [x for x in self.snapshots if x <= v]:  # older ones are never needed again
-                        weights = self.snapshots.pop(old)
-                    return v, weights
+                    for old in [x for x in self.snapshots if x < v]:  # never needed again
+                        del self.snapshots[old]
+                    return v, self.snapshots.pop(v)
                 self.cond.wait()
 
     def _push(self, version: int, weights: list) -> None:
@@ -243,7 +243,7 @@ class Producer:
                 )
             seconds = {k.removeprefix("time/"): v for k, v in timer.reset().items()}
             pushed = self.pushes - pushes_before
-            sync = self.engine.stats() if pushed or got is not None else {}
+            sync = self.engine.stats() if pushed else {}
             rollout = Rollout(step, need, shares, [o.consumed for o in self.orders], seconds, pushed, sync)
             with self.cond:
                 self.produced[step] = rollout
@@ -252,8 +252,6 @@ class Producer:
 
 class AsyncRollouts:
     """The trainer's side of asynchronous generation (every process; rank 0 owns the producer)."""
-
-    asynchronous = True
 
     def __init__(self, run, make_engine):
         self.make_engine = make_engine  # () -> (engine, close): the generation engine of rank 0
@@ -293,17 +291,12 @@ class AsyncRollouts:
             rollout = comm.broadcast_object(rollout)
         self.taken_consumed = rollout.consumed
         groups, sampling = rollout.shares[comm.rank()]
-        everyone = [g for gs, _ in rollout.shares for g in gs]
-        lag = staleness(everyone, step - 1)
         info = {f"async/seconds_{k}": v for k, v in rollout.seconds.items() if k not in ("step", "idle")}
         waited = rollout.seconds.get("wait_for_weights", 0.0)
         info["async/generator_idle_share"] = waited / max(1e-9, rollout.seconds.get("step", 0.0))
         info["async/weight_pushes"] = float(rollout.pushes)
         info["async/scheduled_version"] = float(rollout.version)
         info.update(rollout.sync)
-        if lag:
-            info["rollout/staleness_mean"] = sum(lag) / len(lag)
-            info["rollout/weight_staleness"] = float(max(lag))
         return groups, sampling, info
 
     def publish(self, run, step: int) -> None:
@@ -315,6 +308,7 @@ class AsyncRollouts:
                 self._publish(run, step)
 
     def _publish(self, run, version: int) -> None:
+        # every process: gathering sharded weights (FSDP2's full_tensor) is a collective
         with run.backend.for_generation() as model, full_weights(model) as weights:
             if comm.is_main():
                 copy = [(n, t.detach().to("cpu", self.dtype, copy=True)) for n, t in weights]

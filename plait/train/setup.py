@@ -202,10 +202,7 @@ def resume(run: Run, checkpoint: Path) -> None:
 def trainer_state(run: Run, consumed: list[int] | None = None) -> dict:
     """What a checkpoint needs besides the backend's state: every process's data position
     (`consumed`: rank 0's list of them, when its producer takes every process's prompts)."""
-    if consumed is None:
-        per_rank = [int(c) for c in comm.all_gather_objects(run.order.consumed)]
-    else:
-        per_rank = [int(c) for c in consumed]
+    per_rank = [int(c) for c in (comm.all_gather_objects(run.order.consumed) if consumed is None else consumed)]
     return {
         "prompts_consumed": sum(per_rank),
         "prompts_consumed_per_rank": per_rank,
