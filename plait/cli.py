@@ -28,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="run GRPO training", formatter_class=raw, epilog=_options_table())
     t.add_argument("config", nargs="?", help="YAML config (default: the built-in arithmetic demo)")
+    _recipe_arguments(t)
     t.add_argument(
         "--set",
         dest="overrides",
@@ -105,6 +106,23 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("config", nargs="?")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--world-size", type=int, help="training processes to check against (default: WORLD_SIZE or 1)")
+    _recipe_arguments(c)
+
+    cc = sub.add_parser(
+        "convert-config",
+        help="turn a TRL / Open-R1 GRPO recipe YAML into a plait config; lists every key it could not carry over",
+    )
+    cc.add_argument("recipe", help="the recipe YAML (GRPOConfig, Open-R1's script arguments, ModelConfig keys)")
+    cc.add_argument("-o", "--output", help="write the plait config here (default: print it)")
+    cc.add_argument(
+        "--processes", type=int, default=1, help="training processes TRL would run on (enters the batch arithmetic)"
+    )
+    cc.add_argument(
+        "--trl-defaults",
+        choices=["current", "0.18"],
+        default="current",
+        help="TRL version whose defaults fill the keys the recipe leaves out (Open-R1 pins 0.18)",
+    )
 
     e = sub.add_parser("eval", help="greedy accuracy of a model (folder, run dir or checkpoint) on a task")
     e.add_argument("model", help="model folder, run directory, checkpoint, or 'smollm2-135m-instruct'")
@@ -152,11 +170,39 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(args):
+def _recipe_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trl-config",
+        metavar="RECIPE",
+        help="a TRL / Open-R1 GRPO recipe YAML instead of a plait config (see `plait convert-config`)",
+    )
+    p.add_argument(
+        "--trl-defaults",
+        choices=["current", "0.18"],
+        default="current",
+        help="with --trl-config: the TRL version whose defaults fill keys the recipe leaves out",
+    )
+
+
+def _load(args, overrides: list[str] | None = None):
+    """The config of a command: its YAML file, or the TRL recipe converted (said on stderr)."""
     from plait.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
-    return cfg
+    overrides = args.overrides if overrides is None else overrides
+    if getattr(args, "trl_config", None) is None:
+        return load_config(args.config, overrides)
+    from plait.config import ConfigError
+    from plait.config.load import config_from_dict
+    from plait.config.trl import describe, recipe_to_config
+
+    if args.config is not None:
+        raise ConfigError([f"give a plait config ({args.config}) or --trl-config, not both"])
+    processes = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
+    conv = recipe_to_config(args.trl_config, processes, args.trl_defaults)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"plait: {args.trl_config} as a plait config (`plait convert-config` writes it out):", file=sys.stderr)
+        print(describe(conv), file=sys.stderr)
+    return config_from_dict(conv.config, overrides)
 
 
 def cmd_train(args) -> int:
@@ -178,7 +224,7 @@ def cmd_train(args) -> int:
         overrides.append("cluster.launcher=ray")
         if args.ray:
             overrides.append(f"cluster.ray.address={args.ray}")
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides) if args.trl_config is None else _load(args, overrides)
     if args.resume is not None and cfg.output_dir is None:
         print("plait: --resume needs a run directory: `plait train --resume runs/NAME`", file=sys.stderr)
         return 2
@@ -418,7 +464,25 @@ def cmd_sandbox(args) -> int:
     return 0
 
 
+def cmd_convert_config(args) -> int:
+    from plait.config.load import config_from_dict
+    from plait.config.trl import describe, recipe_to_config, to_yaml
+
+    conv = recipe_to_config(args.recipe, args.processes, args.trl_defaults)
+    config_from_dict(conv.config)  # a conversion that doesn't validate is our bug: say so now
+    text = to_yaml(conv.config, args.recipe)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+        print(f"plait: wrote {args.output}", file=sys.stderr)
+    else:
+        print(text, end="", flush=True)
+    print(describe(conv), file=sys.stderr)
+    return 0
+
+
 COMMANDS = {
+    "convert-config": cmd_convert_config,
     "plan": cmd_plan,
     "report": cmd_report,
     "rollout-server": cmd_rollout_server,

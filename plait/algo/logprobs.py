@@ -7,12 +7,17 @@ from dataclasses import dataclass
 import torch
 
 
-def _logps(lg: torch.Tensor, tokens: torch.Tensor, with_entropy: bool):
-    """log softmax(lg)[tokens] of [..., V] logits in fp32 (and H = logsumexp - sum p * logit)."""
+def _logps(lg: torch.Tensor, tokens: torch.Tensor, with_entropy: bool | str):
+    """log softmax(lg)[tokens] of [..., V] logits in fp32 (and H = logsumexp - sum p * logit;
+    with_entropy="logged": H without a gradient, so nothing vocabulary-sized is kept for backward)."""
     lg = lg.float()
     lse = torch.logsumexp(lg, dim=-1)
     logp = lg.gather(-1, tokens[..., None]).squeeze(-1) - lse
-    return logp, (lse - (torch.softmax(lg, -1) * lg).sum(-1)) if with_entropy else None
+    if not with_entropy:
+        return logp, None
+    if with_entropy == "logged":
+        lse, lg = lse.detach(), lg.detach()
+    return logp, lse - (torch.softmax(lg, -1) * lg).sum(-1)
 
 
 def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -28,9 +33,9 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def selective_log_softmax(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 8, with_entropy: bool = False):
-    """log softmax(logits)[tokens] (and the entropy of each position), `chunk` rows of the
-    first dimension at a time in fp32.
+def selective_log_softmax(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 8, with_entropy: bool | str = False):
+    """log softmax(logits)[tokens] (and the entropy of each position: with_entropy True, or
+    "logged" for one without a gradient), `chunk` rows of the first dimension at a time in fp32.
 
     logits: [B, C, V] or [N, V], tokens: [B, C] or [N] -> that shape (or a pair). Chunking keeps
     the fp32 full-vocabulary copy to `chunk` rows instead of the whole batch.
@@ -41,7 +46,7 @@ def selective_log_softmax(logits: torch.Tensor, tokens: torch.Tensor, chunk: int
 
 
 def completion_logprobs(
-    model, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0, with_entropy: bool = False
+    model, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0, with_entropy: bool | str = False
 ):
     """[B, C] log-probs of the completion tokens (positions >= prompt_len) under `model`
     (and their entropies when asked).
@@ -86,7 +91,7 @@ def shared_prompt_logprobs(
     prompt_len: int,
     runs: list[int],
     temperature: float = 1.0,
-    with_entropy: bool = False,
+    with_entropy: bool | str = False,
 ):
     """completion_logprobs, with each distinct prompt run through the model once: its KV cache
     is handed to the rows that share it (gradients flow back through the shared cache into
@@ -206,7 +211,7 @@ def packed_group_logprobs(
     prompt_len: int,
     runs: list[int],
     temperature: float = 1.0,
-    with_entropy: bool = False,
+    with_entropy: bool | str = False,
 ):
     """completion_logprobs with each group packed into one row (pack_groups): a group's prompt
     goes through the model once and no padding goes through it at all, forward and backward;

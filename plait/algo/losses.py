@@ -41,7 +41,9 @@ class LossSettings:
     importance_sampling_level: str = "token"
     beta: float = 0.0  # KL in the loss; 0 when the KL goes into the reward instead
     kl_estimator: str = "k3"
+    kl_bias_correction: bool = False
     entropy_coeff: float = 0.0
+    cispo_cap: float | None = None
 
     @classmethod
     def from_algo(cls, algo) -> "LossSettings":
@@ -54,12 +56,19 @@ class LossSettings:
             importance_sampling_level=algo.importance_sampling_level,
             beta=0.0 if algo.kl_in_reward else algo.beta,
             kl_estimator=algo.kl_estimator,
+            kl_bias_correction=algo.kl_bias_correction,
             entropy_coeff=algo.entropy_coeff,
+            cispo_cap=algo.cispo_cap,
         )
 
     @property
     def eps_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def weight_cap(self) -> float:
+        """CISPO's cap on the importance weight: cispo_cap, else 1 + eps_high (MiniMax-M1)."""
+        return 1 + self.eps_high if self.cispo_cap is None else self.cispo_cap
 
 
 # ---------------------------------------------------------------- aggregations
@@ -137,12 +146,12 @@ def cispo_objective(logp, log_ratio, advantages, s: LossSettings):
     """CISPO (MiniMax-M1): clip the importance weight itself and stop its gradient, so every
     token keeps a gradient (none is dropped by clipping):
 
-        loss = -sg(min(r, 1 + eps_high)) * A * log pi
+        loss = -sg(min(r, cap)) * A * log pi,   cap = 1 + eps_high unless cispo_cap is set
     """
     ratio = torch.exp(log_ratio)
-    weight = torch.clamp(ratio, max=1 + s.eps_high).detach()
+    weight = torch.clamp(ratio, max=s.weight_cap).detach()
     loss = -weight * advantages[:, None] * logp
-    high = ratio > 1 + s.eps_high
+    high = ratio > s.weight_cap
     return loss, torch.zeros_like(high), high
 
 
@@ -167,17 +176,22 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
+    policy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This micro-batch's share of the step loss, and summed statistics (per token sums).
 
-    logp, old_logp, ref_logp, entropy, token_weights, mask: [B, C]; advantages: [B].
-    token_weights multiply the per-token policy term (the engine-mismatch correction).
+    logp, old_logp, ref_logp, entropy, token_weights, mask, policy_mask: [B, C]; advantages: [B].
+    token_weights multiply the per-token policy term (the engine-mismatch correction);
+    policy_mask keeps the policy term of some tokens only (high_entropy_mask), while the KL
+    term and the normalizers still see every token of `mask`, as in arXiv:2506.01939.
     """
     objective, aggregation = LOSS_TYPES[settings.loss_type]
     log_ratio = importance_log_ratio(logp, old_logp, mask, settings.importance_sampling_level)
     per_token, low, high = OBJECTIVES[objective](logp, log_ratio, advantages, settings)
     if token_weights is not None:
         per_token = per_token * token_weights
+    if policy_mask is not None:
+        per_token = per_token * policy_mask.to(per_token.dtype)
     mask = mask.to(per_token.dtype)
     stats = {
         "clip_low_tokens": (low * mask).sum().detach(),
@@ -188,6 +202,8 @@ def policy_loss(
         if ref_logp is None:
             raise ValueError("beta > 0 needs ref_logp")
         kl = KL_ESTIMATORS[settings.kl_estimator](logp, ref_logp)
+        if settings.kl_bias_correction:  # the KL of pi, not pi_old's: weighted by the ratio, with its gradient
+            kl = kl * torch.exp(log_ratio)
         per_token = per_token + settings.beta * kl
         stats["kl_tokens"] = (kl * mask).sum().detach()
     if settings.entropy_coeff:

@@ -263,6 +263,12 @@ def check_objective(cfg: Config, env: Env) -> list[str]:
         out.append("algo.loss_type=cispo weights each token by its own ratio; use importance_sampling_level=token")
     if a.loss_type == "cispo" and a.delta is not None:
         out.append("algo.delta applies to the clipped objective, not cispo; drop delta")
+    if a.cispo_cap is not None and a.loss_type != "cispo":
+        out.append(f"algo.cispo_cap caps CISPO's weight; with loss_type={a.loss_type} drop it (or use loss_type=cispo)")
+    if a.kl_bias_correction and (a.beta == 0 or a.kl_in_reward):
+        out.append(
+            "algo.kl_bias_correction weights the KL term of the loss: it needs algo.beta > 0 and kl_in_reward=false"
+        )
     if a.entropy_coeff and a.top_entropy_quantile < 1:
         out.append(
             "algo.entropy_coeff with top_entropy_quantile < 1: the bonus would only reach the kept tokens; pick one"
@@ -321,8 +327,10 @@ def _evaluating(cfg: Config) -> bool:
 
 
 def check_rewards(cfg: Config, env: Env) -> list[str]:
-    """At least one reward, each once, not all weighted 0, each one that exists."""
+    """At least one reward, each once, not all weighted 0, each one that exists (and can run
+    where `process` puts it)."""
     from plait.rewards import resolve_reward
+    from plait.rewards.runner import process_target
 
     out = []
     if not cfg.rewards:
@@ -334,9 +342,20 @@ def check_rewards(cfg: Config, env: Env) -> list[str]:
         out.append("rewards: every weight is 0, so every advantage is 0")
     for spec in cfg.rewards:
         try:
-            resolve_reward(spec.name)
+            fn = resolve_reward(spec.name)
         except KeyError as err:
             out.append(f"rewards: {err.args[0]}")
+            continue
+        if spec.process and getattr(fn, "needs_sandbox", False):
+            out.append(
+                f"rewards: '{spec.name}' runs model-written code in the run's sandbox, which stays in the "
+                "trainer: set process: false (or leave it null)"
+            )
+        elif spec.process and process_target(spec.name, fn) is None:
+            out.append(
+                f"rewards: '{spec.name}' has no importable name a process of its own could load "
+                "(give 'module:function'), or set process: false"
+            )
     return out
 
 

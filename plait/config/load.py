@@ -6,6 +6,7 @@ dotted field and the value given. `describe_options` is the body of `plait train
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 from pathlib import Path
@@ -113,6 +114,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         raw = _read_yaml(p)
         if not isinstance(raw, dict):
             raise ConfigError([f"config file '{path}' must hold a mapping at the top level"])
+    return config_from_dict(raw, overrides)
+
+
+def config_from_dict(raw: dict, overrides: list[str] | None = None) -> Config:
+    """A config from its (YAML-shaped) data and `--set` overrides, type-checked."""
+    raw = copy.deepcopy(raw)
     for ov in overrides or []:
         apply_override(raw, ov)
     problems = unknown_keys(raw)

@@ -74,7 +74,15 @@ class DataConfig(Section):
     messages_field: str | None = Field(None, description="Column holding chat messages (overrides prompt_field).")
     answer_field: str | None = Field("answer", description="Column holding the reference answer.")
     system_prompt: str | None = Field(None, description="System message put before every prompt.")
-    chat_template: bool = Field(True, description="Apply the tokenizer's chat template.")
+    chat_template: bool | str = Field(
+        True, description="Apply the tokenizer's chat template (true), none (false), or this Jinja template instead."
+    )
+    conversational: bool | None = Field(
+        None,
+        description="Give reward functions each prompt as chat messages (system prompt included) and each "
+        "completion as [{role: assistant, content}], as TRL does for conversational data; false: as strings. "
+        "null = when messages_field is set.",
+    )
     max_prompt_length: int = Field(256, ge=1, description="Longest prompt in tokens.")
     overlong_prompts: Literal["drop", "error"] = Field(
         "drop", description="What to do with prompts longer than max_prompt_length."
@@ -230,6 +238,12 @@ class RewardSpec(Section):
         description="Time limit for one call over the completions scored together (a round's, or "
         "one sampling batch's); past it the reward is None (excluded) for them, with a warning.",
     )
+    process: bool | None = Field(
+        None,
+        description="Run it in a process of its own, on that process's main thread (signal-based time "
+        "limits such as math-verify's work; a call past timeout_s is killed). null = yes for sync "
+        "functions from your own modules, no for built-ins, async functions and sandboxed ones.",
+    )
 
 
 class SandboxConfig(Section):
@@ -274,6 +288,12 @@ class AlgoConfig(Section):
     epsilon_high: float | None = Field(
         None, gt=0.0, description="Upper clip (DAPO clip-higher; CISPO's weight cap is 1 + this); null = epsilon."
     )
+    cispo_cap: float | None = Field(
+        None,
+        gt=0.0,
+        description="CISPO: cap of the importance weight itself (TRL's epsilon_high for cispo); "
+        "null = 1 + epsilon_high (MiniMax-M1's notation).",
+    )
     delta: float | None = Field(
         None, gt=1.0, description="Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta; null = off."
     )
@@ -283,6 +303,11 @@ class AlgoConfig(Section):
     )
     kl_in_reward: bool = Field(
         False, description="Subtract beta x sequence KL from the reward instead of adding KL to the loss."
+    )
+    kl_bias_correction: bool = Field(
+        False,
+        description="Multiply the per-token KL by the importance ratio pi / pi_old (DeepSeek-V3.2; TRL's "
+        "use_bias_correction_kl): the KL of the current policy, not of the one that sampled.",
     )
     ref_model_sync_steps: int = Field(
         0,
@@ -307,7 +332,11 @@ class AlgoConfig(Section):
     )
     mask_truncated_completions: bool = Field(False, description="Exclude completions cut at max length from the loss.")
     top_entropy_quantile: float = Field(
-        1.0, gt=0.0, le=1.0, description="Train only on this top share of tokens by entropy (1 = all)."
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Policy gradient only from this top share of tokens by entropy (1 = all); the KL term "
+        "and the normalizers still count every token (arXiv:2506.01939).",
     )
     entropy_coeff: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient (0 = none).")
     dynamic_sampling: bool = Field(
@@ -379,6 +408,9 @@ class TrainConfig(Section):
     learning_rate: float = Field(3e-5, gt=0.0, description="Peak AdamW learning rate.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup.")
     warmup_steps: int = Field(2, ge=0, description="Linear LR warmup, in applied optimizer updates (not rounds).")
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Linear and cosine decay end at this share of the peak LR (0 = decay to 0)."
+    )
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     shared_prompt_pass: bool = Field(
         True,

@@ -168,14 +168,17 @@ def build_prompts(rows: list[dict], tokenizer, data_cfg, log=print) -> list[Prom
             )
         if data_cfg.messages_field:
             messages = [dict(m) for m in row[key]]
-            source = messages
         else:
             messages = [{"role": "user", "content": str(row[key])}]
-            source = str(row[key])
         if data_cfg.system_prompt and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": data_cfg.system_prompt}, *messages]
-        if data_cfg.chat_template and tokenizer.chat_template:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        conversational = data_cfg.conversational
+        if conversational is None:
+            conversational = data_cfg.messages_field is not None
+        source = [dict(m) for m in messages] if conversational else str(row[key])
+        own = {"chat_template": data_cfg.chat_template} if isinstance(data_cfg.chat_template, str) else {}
+        if data_cfg.chat_template and (own or tokenizer.chat_template):
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **own)
         else:
             text = "\n".join(m["content"] for m in messages)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -6,13 +6,15 @@ kwargs hold `prompts`, `completion_ids`, `answer` and every other dataset column
 per completion (the same keywords TRL passes, so TRL reward functions work unchanged; with
 conversational data user functions get prompts as message lists and completions as assistant
 messages, as in TRL: see runner.RewardInputs).
-Return one float per completion. A config names a built-in (`accuracy`) or any importable
-function (`my_pkg.rewards:my_reward`).
+Return one float per completion. A config names a built-in (`accuracy`), any importable
+function or class (`my_pkg.rewards:my_reward`), or a local reward-model folder.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import os
 import sys
 from typing import Callable
@@ -45,9 +47,13 @@ BUILTIN: dict[str, RewardFn] = {
 
 
 def resolve_reward(name: str) -> RewardFn:
-    """A built-in by name, or `module:function` imported from the Python path."""
+    """A built-in by name, `module:function` imported from the Python path (a class there is
+    called through an instance made without arguments), or a local reward-model folder (scored
+    by `reward_model`, as TRL takes a model path for a reward function)."""
     if name in BUILTIN:
         return BUILTIN[name]
+    if os.path.isfile(os.path.join(name, "config.json")):
+        return functools.partial(reward_model, path=name)
     if ":" not in name:
         import difflib
 
@@ -68,6 +74,13 @@ def resolve_reward(name: str) -> RewardFn:
             f"reward '{name}' could not be imported: {err} (modules are found on PYTHONPATH and in the "
             "current directory)"
         ) from None
+    if inspect.isclass(fn):
+        try:
+            fn = fn()
+        except Exception as err:
+            raise KeyError(
+                f"reward '{name}' is a class, and making an instance without arguments failed: {err}"
+            ) from None
     if not callable(fn):
         raise KeyError(f"reward '{name}' is not callable")
     return fn

@@ -10,7 +10,13 @@ User reward functions are called as TRL calls them, `fn(completions=..., prompts
 **kwargs)`: `prompts` as the dataset gave them (strings, or lists of chat messages), and for
 conversational data (chat messages) each completion as `[{"role": "assistant", "content": text}]`,
 else as a string. Built-in rewards always get strings. Only a function marked `needs_sandbox`
-(the code rewards) also gets `sandbox=`, the run's Sandbox.
+(the code rewards) also gets `sandbox=`, the run's Sandbox. `trainer_state` says where the run
+is (`global_step`: rounds done, `max_steps`), as TRL passes its TrainerState.
+
+Sync functions from users' modules run in a process of their own (rewards/worker.py), on its
+main thread, as TRL calls them: signal-based time limits (math-verify's defaults) work there,
+and a call past its timeout_s is killed. Built-ins, async functions and sandboxed ones run on
+threads of the trainer.
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ import inspect
 import logging
 import math
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from plait.rewards.worker import RewardCallFailed, RewardProcess
 from plait.types import Group
 
 
@@ -82,6 +90,7 @@ class BoundReward:
     timeout_s: float | None = None
     sandbox: Sandbox | None = None  # given to a function that needs_sandbox (None: its default one)
     builtin: bool = False  # plait's own: completions always as strings
+    process: RewardProcess | None = None  # where it runs when not on the trainer's threads
 
     @property
     def needs_sandbox(self) -> bool:
@@ -95,7 +104,7 @@ class RewardInputs:
     each completion as an assistant message, TRL's convention)."""
 
     texts: list[str]
-    kwargs: dict[str, list]
+    kwargs: dict[str, Any]
     conversational: bool = False
 
     def completions_for(self, reward: BoundReward) -> list:
@@ -107,7 +116,35 @@ class RewardInputs:
 def bind_rewards(specs, sandbox: Sandbox | None = None) -> list[BoundReward]:
     """Config RewardSpecs -> callables (raises KeyError naming any that can't be found); the
     code rewards among them execute in `sandbox`."""
-    return [_bind(s.name, sandbox, s.weight, dict(s.kwargs), s.timeout_s) for s in specs]
+    return [_bind(s.name, sandbox, s.weight, dict(s.kwargs), s.timeout_s, s.process) for s in specs]
+
+
+def close_rewards(rewards: list[BoundReward]) -> None:
+    """End the rewards' own processes."""
+    for r in rewards:
+        if r.process is not None:
+            r.process.close()
+
+
+def runs_in_process(name: str, fn, process: bool | None) -> bool:
+    """Does reward `name` (resolved to `fn`) run in a process of its own? `process` null: yes
+    for a sync function from the user's own module, no for built-ins, async functions and
+    functions that need the sandbox (a Sandbox can't cross processes)."""
+    if process is not None:
+        return process
+    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return ":" in name and not is_async and not getattr(fn, "needs_sandbox", False)
+
+
+def process_target(name: str, fn) -> tuple[str, str] | None:
+    """(module, attribute) a worker process imports to get `fn`, or None when it has no such
+    name (a reward-model folder, a lambda)."""
+    from plait.rewards import BUILTIN
+
+    if name in BUILTIN:
+        return fn.__module__, fn.__name__
+    module, sep, attr = name.partition(":")
+    return (module, attr) if sep and "." not in attr else None
 
 
 def bind_metric(name: str, sandbox: Sandbox | None = None) -> BoundReward:
@@ -116,18 +153,30 @@ def bind_metric(name: str, sandbox: Sandbox | None = None) -> BoundReward:
 
 
 def _bind(
-    name: str, sandbox: Sandbox | None, weight: float = 1.0, kwargs: dict | None = None, timeout_s: float | None = None
+    name: str,
+    sandbox: Sandbox | None,
+    weight: float = 1.0,
+    kwargs: dict | None = None,
+    timeout_s: float | None = None,
+    process: bool | None = None,
 ) -> BoundReward:
     """The reward called `name`; only a function that needs_sandbox is given the sandbox."""
     from plait.rewards import BUILTIN, resolve_reward
 
     fn = resolve_reward(name)
     box = sandbox if getattr(fn, "needs_sandbox", False) else None
-    return BoundReward(name, fn, weight, kwargs or {}, timeout_s, box, builtin=name in BUILTIN)
+    worker = None
+    if runs_in_process(name, fn, process):
+        target = process_target(name, fn)
+        if target is None:
+            raise KeyError(f"reward '{name}' can't run in a process of its own (set process: false)")
+        worker = RewardProcess(name, *target)
+    return BoundReward(name, fn, weight, kwargs or {}, timeout_s, box, builtin=name in BUILTIN, process=worker)
 
 
-def reward_inputs(groups: list[Group]) -> RewardInputs:
-    """Completion texts and the keyword columns (one entry per completion) for reward calls."""
+def reward_inputs(groups: list[Group], step: int | None = None, max_steps: int | None = None) -> RewardInputs:
+    """Completion texts and the keyword columns (one entry per completion) for reward calls;
+    `trainer_state` too when the round `step` is given."""
     texts, kwargs = [], {"prompts": [], "completion_ids": [], "answer": []}
     # every dataset column by its own name; `answer` is always the reference (data.answer_field)
     extra = sorted({k for g in groups for k in g.prompt.columns} - set(kwargs) - {"completions"})
@@ -141,6 +190,8 @@ def reward_inputs(groups: list[Group]) -> RewardInputs:
             kwargs["answer"].append(g.prompt.answer)
             for k in extra:
                 kwargs[k].append(g.prompt.columns.get(k))
+    if step is not None:  # rounds done so far, as TRL's TrainerState.global_step counts optimizer steps
+        kwargs["trainer_state"] = types.SimpleNamespace(global_step=step - 1, max_steps=max_steps)
     return RewardInputs(texts, kwargs, any(isinstance(g.prompt.source, list) for g in groups))
 
 
@@ -158,18 +209,28 @@ def _timed_call(reward: BoundReward, inputs: RewardInputs) -> tuple[list[float |
     """call_reward, and the seconds it took."""
     extra = {"sandbox": reward.sandbox} if reward.needs_sandbox and reward.sandbox is not None else {}
     texts = inputs.texts
+    where = f"(on a batch of {len(texts)} completions; the first was {_sample(texts, 0) if texts else '-'})"
     t0 = time.perf_counter()
     try:
-        values = reward.fn(completions=inputs.completions_for(reward), **inputs.kwargs, **reward.kwargs, **extra)
+        if reward.process is not None:
+            values = reward.process.call(inputs.completions_for(reward), {**inputs.kwargs, **reward.kwargs})
+        else:
+            values = reward.fn(completions=inputs.completions_for(reward), **inputs.kwargs, **reward.kwargs, **extra)
         if inspect.isawaitable(values):  # an async reward: run it to completion on this thread
             values = asyncio.run(_awaited(values))
+    except RewardCallFailed as err:
+        tail = f"\n{err.remote_traceback.rstrip()}" if err.remote_traceback else ""
+        raise RewardError(f"reward '{reward.name}' {_failure(err)} {where}{tail}") from None
     except Exception as err:
-        raise RewardError(
-            f"reward '{reward.name}' raised {type(err).__name__}: {err} "
-            f"(on a batch of {len(texts)} completions; the first was {_sample(texts, 0) if texts else '-'})"
-        ) from err
+        raise RewardError(f"reward '{reward.name}' raised {type(err).__name__}: {err} {where}") from err
     seconds = time.perf_counter() - t0
     return _checked(reward, texts, values), seconds
+
+
+def _failure(err: RewardCallFailed) -> str:
+    if err.kind in ("WorkerDied", "Killed"):
+        return f"failed: {err}"
+    return f"raised {err.kind}: {err}"
 
 
 def _checked(reward: BoundReward, texts: list[str], values) -> list[float | None]:
@@ -213,7 +274,8 @@ def call_rewards(
     """Every reward over the same completions, all at once (one thread each, so a slow judge
     or sandbox doesn't hold up the rest), and what that cost. A call past its timeout_s gives
     None for that step (excluded, not 0), a warning and a count in the report's timeouts (its
-    seconds are those waited for it); the thread is left to finish. The report's sandbox counts
+    seconds are those waited for it); a reward in a process of its own is killed there (the
+    next call starts a new one), one on a thread is left to finish. The report's sandbox counts
     are `sandbox`'s executions during this call (default: those of the sandbox the rewards
     are bound to)."""
     if sandbox is not None:
@@ -247,6 +309,8 @@ def _call_in_parallel(
             try:
                 out[r.name], report.seconds[r.name] = futures[r.name].result(timeout=r.timeout_s)
             except FutureTimeout:
+                if r.process is not None:
+                    r.process.kill()  # its thread sees the end and returns; the next call restarts it
                 report.timeouts[r.name] = report.timeouts.get(r.name, 0) + 1
                 report.seconds[r.name] = time.perf_counter() - t0
                 log.warning(
@@ -261,14 +325,20 @@ def _call_in_parallel(
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def score_groups(groups: list[Group], rewards: list[BoundReward], sandbox: Sandbox | None = None) -> RewardReport:
+def score_groups(
+    groups: list[Group],
+    rewards: list[BoundReward],
+    sandbox: Sandbox | None = None,
+    step: int | None = None,
+    max_steps: int | None = None,
+) -> RewardReport:
     """Fill each group's per-reward scores and weighted total in place; return what scoring
     cost (see call_rewards).
 
     None means "not applicable": it adds nothing to the total (and is left out of that
     reward's logged mean).
     """
-    per_reward, report = call_rewards(rewards, reward_inputs(groups), sandbox)
+    per_reward, report = call_rewards(rewards, reward_inputs(groups, step, max_steps), sandbox)
     i = 0
     for g in groups:
         n = len(g.completions)

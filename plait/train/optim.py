@@ -1,4 +1,4 @@
-"""AdamW and the LR schedule (linear warmup, then constant / linear / cosine decay to 0)."""
+"""AdamW and the LR schedule (linear warmup, then constant / linear / cosine decay to min_lr_ratio)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import math
 import torch
 
 
-def lr_factor(step: int, warmup: int, total: int, kind: str) -> float:
-    """Multiplier of the peak LR for optimizer step `step` (0-based)."""
+def lr_factor(step: int, warmup: int, total: int, kind: str, floor: float = 0.0) -> float:
+    """Multiplier of the peak LR for optimizer step `step` (0-based); linear and cosine decay
+    from 1 to `floor` (transformers' cosine_with_min_lr with min_lr_rate = floor)."""
     if warmup and step < warmup:
         return (step + 1) / warmup
     if kind == "constant":
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if kind == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    decay = 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return floor + (1.0 - floor) * decay
 
 
 def can_fuse(params: list[torch.Tensor]) -> bool:
@@ -45,5 +45,7 @@ def make_optimizer(model, cfg, fused: bool = True) -> tuple[torch.optim.Optimize
         fused=True if fused and can_fuse(params) else None,
     )
     total = t.max_steps * cfg.algo.num_iterations * cfg.algo.steps_per_generation
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t.warmup_steps, total, t.lr_scheduler))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, t.warmup_steps, total, t.lr_scheduler, t.min_lr_ratio)
+    )
     return opt, sched

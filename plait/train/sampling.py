@@ -99,7 +99,9 @@ def collect_groups(
             outs = engine.generate(prompts, sampling_params(cfg, step, stats.rounds), n=cfg.rollout.num_generations)
         groups = [Group(p, cs) for p, cs in zip(prompts, outs)]
         with timer("score"):
-            report = score_groups(groups, rewards, sandbox)  # RewardError names the function and sample
+            report = score_groups(
+                groups, rewards, sandbox, step, cfg.train.max_steps
+            )  # RewardError names the function and sample
         stats.rewards = stats.rewards.merge(report)
         stats.rounds += 1
         stats.generated_groups += len(groups)
@@ -143,7 +145,7 @@ def collect_two_stage(
             outs = engine.generate(groups_prompts, sampling_params(cfg, step, round_), n=k)
         groups = [Group(p, cs) for p, cs in zip(groups_prompts, outs)]
         with timer("score"):
-            report = score_groups(groups, rewards, sandbox)
+            report = score_groups(groups, rewards, sandbox, step, cfg.train.max_steps)
         stats.rewards = stats.rewards.merge(report)
         return groups, report
 

@@ -23,7 +23,7 @@ from plait.data import PromptOrder, build_prompts, load_rows
 from plait.models import load_tokenizer
 from plait.plan import BatchPlan
 from plait.rewards.code import Sandbox, uses_sandbox
-from plait.rewards.runner import BoundReward, bind_metric, bind_rewards
+from plait.rewards.runner import BoundReward, bind_metric, bind_rewards, close_rewards
 from plait.rollout import RolloutEngine, make_engine, make_generator
 from plait.telemetry import MetricsSink, PhaseTimer
 from plait.telemetry.flops import device_peak, model_cost
@@ -97,12 +97,15 @@ def open_run(cfg: Config, plan: BatchPlan, backend: Backend, console: str | None
     if main:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
         sink.open(run_dir, cfg.log, cfg.model_dump(mode="json"))
+    run = None
     try:
         run = build_run(cfg, plan, backend, sink, run_dir)
         if resume_from is not None:
             resume(run, resume_from)
         yield run
     finally:
+        if run is not None:
+            close_rewards([*run.rewards, run.metric])
         sink.finish()
 
 

@@ -40,7 +40,7 @@ def shares_prompts(cfg, backend: Backend) -> bool:
     return cfg.train.shared_prompt_pass and backend.shares_prompt_pass and not cfg.model.gradient_checkpointing
 
 
-def sequence_logprobs(model, mb: Batch, temperature: float, with_entropy: bool = False, shared: bool = False):
+def sequence_logprobs(model, mb: Batch, temperature: float, with_entropy: bool | str = False, shared: bool = False):
     """[B, C] completion log-probs (and entropies) of a micro-batch; with `shared`, rows with
     the same prompt share one prompt pass, and (where the model allows) each group is packed
     into one row without padding (same numbers to float rounding, fewer FLOPs)."""
@@ -124,25 +124,30 @@ def train_micro_batch(
 ) -> dict[str, float]:
     """Forward, loss and backward for one micro-batch; returns its summed statistics."""
     a = cfg.algo
-    with_entropy = a.top_entropy_quantile < 1 or a.entropy_coeff > 0
+    # the entropy is always logged (as TRL does); it carries a gradient only when the loss uses it
+    with_entropy = True if a.top_entropy_quantile < 1 or a.entropy_coeff > 0 else "logged"
     with backend.autocast():
-        out = sequence_logprobs(model, mb, cfg.rollout.temperature or 1.0, with_entropy, shares_prompts(cfg, backend))
-    logp, entropy = (out[0].float(), out[1].float()) if with_entropy else (out.float(), None)
+        logp, entropy = sequence_logprobs(
+            model, mb, cfg.rollout.temperature or 1.0, with_entropy, shares_prompts(cfg, backend)
+        )
+    logp, entropy = logp.float(), entropy.float()
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()  # one pass: ratio is exactly 1
-    if entropy is not None:
-        mask = high_entropy_mask(entropy.detach(), mb.completion_mask, a.top_entropy_quantile)
-    else:
-        mask = mb.completion_mask
+    mask = mb.completion_mask
+    keep = None  # tokens whose policy term counts (all of them unless filtered by entropy)
+    if a.top_entropy_quantile < 1:
+        keep = high_entropy_mask(entropy.detach(), mask, a.top_entropy_quantile)
     weights = engine_mismatch_weights(old, mb.sampling_logprobs, a.engine_is_cap) if a.engine_is_correction else None
-    loss, parts = policy_loss(logp, old, mb.advantages, mask, counts, settings, mb.ref_logprobs, entropy, weights)
+    bonus = entropy if with_entropy is True else None
+    loss, parts = policy_loss(
+        logp, old, mb.advantages, mask, counts, settings, mb.ref_logprobs, bonus, weights, policy_mask=keep
+    )
     backend.backward(loss)
     real = mb.completion_mask.float()
     extra = {
         "logprob_gap_tokens": ((logp.detach() - mb.sampling_logprobs).abs() * real).sum(),
-        "trained_tokens": mask.float().sum(),
+        "trained_tokens": (mask if keep is None else keep).float().sum(),
     }
-    if entropy is not None:
-        extra["entropy_tokens"] = (entropy.detach() * real).sum()
+    extra["entropy_tokens"] = (entropy.detach() * real).sum()
     named = {"loss": loss.detach(), **parts, **extra}
     return dict(zip(named, torch.stack(list(named.values())).tolist()))  # one device->host sync
 

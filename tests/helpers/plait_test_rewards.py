@@ -62,9 +62,10 @@ async def async_vowel_share(completions, **kwargs):
 
 
 def vowel_share_die_once(completions, **kwargs):
-    """vowel_share, but the process whose RANK is $PLAIT_TEST_DIE_RANK SIGKILLs itself on its
-    call number $PLAIT_TEST_DIE_CALL, once per marker file $PLAIT_TEST_DIE_MARKER (a trainer
-    dying for good, e.g. out of memory; the restarted job must get past that step)."""
+    """vowel_share, but the training process whose RANK is $PLAIT_TEST_DIE_RANK is SIGKILLed on
+    its call number $PLAIT_TEST_DIE_CALL, once per marker file $PLAIT_TEST_DIE_MARKER (a trainer
+    dying for good, e.g. out of memory; the restarted job must get past that step). The reward
+    runs in a process of its own, whose parent is the trainer."""
     import os
     import signal
 
@@ -77,5 +78,5 @@ def vowel_share_die_once(completions, **kwargs):
         and os.environ.get("RANK", "0") == os.environ.get("PLAIT_TEST_DIE_RANK", "0")
     ):
         open(marker, "w").close()
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getppid() if os.environ.get("PLAIT_REWARD_WORKER") else os.getpid(), signal.SIGKILL)
     return vowel_share(completions, **kwargs)

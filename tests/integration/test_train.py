@@ -101,7 +101,8 @@ def test_resume_after_a_crash_is_exact(tiny_model_path, prompts_jsonl, tmp_path)
             prompts_jsonl,
             crashed,
             "checkpoint.save_steps=2",
-            "rewards=[{name: 'plait_test_rewards:vowel_share_crashing'}]",
+            # on the trainer's thread, where the CALLS set below is seen
+            "rewards=[{name: 'plait_test_rewards:vowel_share_crashing', process: false}]",
         ),
     )
     plait_test_rewards.CALLS.update(n=0, crash_at=3)  # the reward call of step 3 raises

@@ -184,9 +184,13 @@ def test_algorithm_options_are_checked_against_each_other():
             "algo.delta=1.1",
             "algo.entropy_coeff=0.01",
             "algo.top_entropy_quantile=0.2",
+            "algo.cispo_cap=5",
+            "algo.kl_bias_correction=true",
         ]
     )
     text = "\n".join(probs)
+    assert "algo.cispo_cap caps CISPO's weight; with loss_type=dapo drop it" in text
+    assert "algo.kl_bias_correction weights the KL term of the loss: it needs algo.beta > 0" in text
     assert "ref_model_sync_steps > 0 but algo.beta = 0: there is no reference model" in text
     assert "kl_in_reward=true needs algo.beta > 0" in text
     assert "algo.delta=1.1 must exceed 1 + epsilon_high = 1.2" in text

@@ -1,5 +1,6 @@
 """The optimizer: fused AdamW where it applies, the same update as the reference loop."""
 
+import pytest
 import torch
 
 from plait.config import load_config
@@ -29,3 +30,16 @@ def test_only_plain_float_parameters_are_fused():
     assert can_fuse([torch.nn.Parameter(torch.zeros(3))])
     assert not can_fuse([torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)])
     assert not can_fuse([])
+
+
+def test_lr_schedules_by_hand():
+    from plait.train.optim import lr_factor
+
+    assert [lr_factor(s, 2, 10, "constant") for s in (0, 1, 5)] == [0.5, 1.0, 1.0]
+    assert lr_factor(6, 2, 10, "linear") == pytest.approx(0.5)
+    assert lr_factor(6, 2, 10, "cosine") == pytest.approx(0.5)
+    assert lr_factor(10, 2, 10, "cosine") == pytest.approx(0.0)
+    # transformers' cosine_with_min_lr (min_lr_rate=0.1): factor * 0.9 + 0.1
+    assert lr_factor(6, 2, 10, "cosine", floor=0.1) == pytest.approx(0.55)
+    assert lr_factor(10, 2, 10, "cosine", floor=0.1) == pytest.approx(0.1)
+    assert lr_factor(10, 2, 10, "linear", floor=0.1) == pytest.approx(0.1)

@@ -68,6 +68,54 @@ def test_cispo_clipped_weight_with_stop_gradient():
     assert float(stats["clip_high_tokens"]) == 2
 
 
+def test_cispo_cap_given_as_trl_gives_it():
+    """TRL caps CISPO's weight at epsilon_high itself; plait's cispo_cap is that number, so
+    TRL's epsilon_high=1.3 and plait's cispo_cap=1.3 are the same loss (default: 1 + 0.28)."""
+    loss, stats = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("cispo", cispo_cap=1.3))
+    w = torch.tensor([[1.0, 1.3, 0.5], [0.5, 1.3, 1.0]])
+    assert float(loss) == pytest.approx(float((-(w * ADV[:, None] * LOGP) * MASK).sum() / 5), abs=1e-6)
+    assert float(stats["clip_high_tokens"]) == 2
+    loss, stats = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("cispo", cispo_cap=2.0))
+    assert float(stats["clip_high_tokens"]) == 0  # 1.5 < 2: nothing capped
+
+
+def test_kl_bias_correction_weights_the_kl_by_the_ratio_with_its_gradient():
+    """use_bias_correction_kl (TRL, DeepSeek-V3.2): per-token KL x r, r = pi / pi_old, not detached."""
+    ref = torch.zeros_like(LOGP)
+    k3 = torch.exp(ref - LOGP) - (ref - LOGP) - 1
+    plain, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("dapo", beta=0.5), ref)
+    logp = LOGP.clone().requires_grad_(True)
+    fixed, stats = policy_loss(logp, OLD, ADV, MASK, COUNTS, settings("dapo", beta=0.5, kl_bias_correction=True), ref)
+    assert float(stats["kl_tokens"]) == pytest.approx(float((k3 * RATIOS * MASK).sum()), rel=1e-6)
+    assert float(fixed.detach()) - float(plain) == pytest.approx(
+        0.5 * float((k3 * (RATIOS - 1) * MASK).sum()) / 5, abs=1e-6
+    )
+    # d/dlogp of r k3 = r k3 + r (1 - exp(ref - logp)): the ratio carries gradient too
+    (g,) = torch.autograd.grad(fixed, logp)
+    (g_plain,) = torch.autograd.grad(
+        policy_loss(logp, OLD, ADV, MASK, COUNTS, settings("dapo", beta=0.5), ref)[0], logp
+    )
+    kl_grad = 0.5 * (RATIOS * k3 + RATIOS * (1 - torch.exp(ref - LOGP))) * MASK / 5
+    plain_kl_grad = 0.5 * (1 - torch.exp(ref - LOGP)) * MASK / 5
+    assert torch.allclose(g - g_plain, kl_grad - plain_kl_grad, atol=1e-6)
+
+
+def test_entropy_filtering_masks_the_policy_term_only():
+    """arXiv:2506.01939 (and TRL): dropped tokens lose their policy gradient, but the KL term
+    and the normalizer still count every real token."""
+    keep = torch.tensor([[0, 1, 1], [1, 0, 0]])
+    ref = torch.zeros_like(LOGP)
+    s = settings("dapo", beta=0.5)
+    loss, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, s, ref, policy_mask=keep)
+    policy, _ = policy_loss(LOGP, OLD, ADV, MASK * keep, COUNTS, settings("dapo"))  # kept tokens / 5
+    k3 = torch.exp(ref - LOGP) - (ref - LOGP) - 1
+    assert float(loss) == pytest.approx(float(policy) + 0.5 * float((k3 * MASK).sum()) / 5, abs=1e-6)
+    # grpo: each sequence still divides by all its real tokens
+    g, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("grpo"), policy_mask=keep)
+    # row 0 keeps r=1.5 (clipped to 1.28) and r=0.5 (A>0); row 1 keeps r=0.5 (A<0: clipped to 0.8)
+    assert float(g) == pytest.approx((-(1.28 + 0.5) / 3 + 0.8 / 2) / 2, abs=1e-6)
+
+
 def test_kl_estimators_by_hand():
     x = torch.tensor([0.5, -0.2])  # logp - ref
     assert torch.allclose(kl_k1(x, torch.zeros(2)), x)
