@@ -93,7 +93,7 @@ REWARD_NOTES = {
 UNSUPPORTED_REWARDS = {
     "length": "Kimi 1.5's length reward is not built in (give yours as module:function)",
     "code": "Open-R1 runs verification_info stdin/stdout cases on E2B/Morph; plait's code_pass runs assert tests "
-    "from a `tests` column in its local sandbox (docs/code.md)",
+    "from a `tests` column in its local sandbox (docs/sandbox.md)",
     "binary_code": "as for code: plait's code_pass runs assert tests from a `tests` column",
     "ioi_code": "IOI scoring (Piston) is not built in",
     "cf_code": "Codeforces scoring (Piston) is not built in",
