@@ -272,3 +272,15 @@ def test_reward_model_errors(tiny_rm_path, tmp_path):
             reward_model(["x"], prompts=["p"], path=tiny_rm_path, **kwargs)
     with pytest.raises(ValueError, match=r"one prompt per completion"):
         reward_model(["x", "y"], prompts=["p"], path=tiny_rm_path)
+
+
+def test_a_reward_model_folder_is_a_reward_by_its_path(tiny_rm_path):
+    """As TRL takes a model path in reward_funcs: rewards: [{name: ./folder}] scores with it."""
+    from plait.config.schema import RewardSpec
+    from plait.rewards.runner import RewardInputs, bind_rewards, call_rewards
+
+    (bound,) = bind_rewards([RewardSpec(name=str(tiny_rm_path), kwargs={"batch_size": 2})])
+    assert bound.process is None  # a folder runs on the trainer's threads (its model is cached there)
+    inputs = RewardInputs(COMPLETIONS, {"prompts": PROMPTS})
+    values, _ = call_rewards([bound], inputs)
+    assert values[str(tiny_rm_path)] == pytest.approx(reward_model(COMPLETIONS, prompts=PROMPTS, path=tiny_rm_path))
