@@ -1,21 +1,30 @@
 """Chaos: kill a training run again and again; it must end exactly where an unbroken run ends.
 
-    .venv/bin/python bench/chaos.py [--kills 6] [--nproc 2] [--steps 10] [--seed 0] [--async K] [--json out.json]
+    .venv/bin/python bench/chaos.py [--kills 6] [--nproc 2] [--steps 10] [--save-steps 2] [--seed 0] [--async K]
+                                    [--json out.json]
 
 Runs a short GRPO training of a tiny random model once without interruption (the reference),
 then again with the same config while SIGKILLing a random training process `--kills` times at
-random moments: during start-up or resume, in the middle of a step, or while a checkpoint is
-being written (the harness watches for the `.tmp` folder). After each kill it starts the run
-again with `resume=auto`, as a requeueing scheduler would. At the end it compares, bit for bit:
+these moments:
+
+- startup: during start-up or resume;
+- step: in the middle of a step;
+- unsaved: as soon as a round is logged that no committed checkpoint holds yet (before the first
+  checkpoint, too): its records must be dropped and written again;
+- save: while a checkpoint is being written (the harness watches for the `.tmp` folder).
+
+After each kill it starts the run again with `resume=auto`, as a requeueing scheduler would. At
+the end it compares, bit for bit:
 
 - the final weights (final/model.safetensors),
 - every committed checkpoint (weights and optimizer state) with the reference's of that step,
-- the per-step metrics (loss, rewards, grad norm, ...; timings excluded).
+- the per-step metrics (loss, rewards, grad norm, ...; timings excluded), each step logged once.
 
 With `--async K` the run generates asynchronously (rollout.max_staleness=K, the HF engine's
 generation process) and a fourth moment is added: killing the generation process in the middle
 of the run, after which the trainer stops with an error and is relaunched the same way. The
-first kills go through every moment once (in a seeded order), the rest are drawn at random.
+first kills go through every moment once (in a seeded order), the rest are drawn at random;
+the report lists the moments in the order they were hit.
 
 It prints the kills by moment, the resumes, the checkpoints a resume loaded that were not
 identical to the reference's ("corrupt loads", must be 0), the largest weight difference
@@ -49,13 +58,14 @@ from plait.telemetry.meter import is_measurement
 REWARD = """def vowel_share(completions, **_):
     return [sum(ch in "aeiouAEIOU" for ch in t) / max(1, len(t)) for t in completions]
 """
-MOMENTS = ("startup", "step", "save")
+MOMENTS = ("startup", "step", "unsaved", "save")
 ASYNC_MOMENTS = (*MOMENTS, "generation")
 
 
 @dataclass
 class Report:
     kills: dict = field(default_factory=lambda: {m: 0 for m in ASYNC_MOMENTS})
+    moments: list = field(default_factory=list)  # in the order they were hit
     launches: int = 0
     resumes: int = 0
     corrupt_loads: int = 0
@@ -91,7 +101,7 @@ def setup(work: Path) -> tuple[Path, Path]:
     return model, data
 
 
-def overrides(model: Path, data: Path, out: Path, steps: int, seed: int) -> list[str]:
+def overrides(model: Path, data: Path, out: Path, steps: int, seed: int, save_steps: int = 2) -> list[str]:
     return [
         f"model.name_or_path={model}",
         "data.task=null",
@@ -109,7 +119,7 @@ def overrides(model: Path, data: Path, out: Path, steps: int, seed: int) -> list
         "rewards=[{name: 'chaos_rewards:vowel_share'}]",
         "eval.before=false",
         "eval.after=false",
-        "checkpoint.save_steps=1",
+        f"checkpoint.save_steps={save_steps}",
         "checkpoint.keep_last=1000",
         "log.console=plain",
         f"output_dir={out}",
@@ -164,12 +174,32 @@ def committed(out: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if (p / "COMMITTED").is_file())
 
 
-def metrics_lines(out: Path) -> int:
+def logged_this_launch(out: Path, launched: float, resumed_at: int) -> int:
+    """The newest round this launch logged (0: none yet). A launch first cuts metrics.jsonl
+    back to the round it resumes from (rewriting the file), then appends a line per round."""
     path = out / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.is_file() else 0
+    try:
+        if path.stat().st_mtime < launched:
+            return 0  # not cut back yet: the lines are the killed launch's
+        steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+    except (FileNotFoundError, ValueError):
+        return 0
+    newest = max(steps, default=0)
+    return newest if newest > resumed_at else 0
 
 
-def wait_for_moment(proc, out: Path, moment: str, rng: random.Random, nproc: int) -> bool:
+def wait_for_round(proc, out: Path, launched: float, resumed_at: int, unsaved: bool = False) -> bool:
+    """Block until this launch logged a round (one no committed checkpoint holds, if `unsaved`);
+    False if the run ended first."""
+    while proc.poll() is None:
+        step = logged_this_launch(out, launched, resumed_at)
+        if step and (not unsaved or step > max(committed(out), default=0)):
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def wait_for_moment(proc, out: Path, moment: str, rng: random.Random, launched: float, resumed_at: int) -> bool:
     """Block until the moment to kill (True), or until the run ends first (False)."""
     start = time.monotonic()
     if moment == "startup":
@@ -179,12 +209,11 @@ def wait_for_moment(proc, out: Path, moment: str, rng: random.Random, nproc: int
                 return False
             time.sleep(0.01)
         return True
+    if moment == "unsaved":
+        return wait_for_round(proc, out, launched, resumed_at, unsaved=True)
     if moment in ("step", "generation"):
-        lines = metrics_lines(out)
-        while metrics_lines(out) <= lines:  # training is under way in this launch
-            if proc.poll() is not None:
-                return False
-            time.sleep(0.02)
+        if not wait_for_round(proc, out, launched, resumed_at):  # training is under way in this launch
+            return False
         delay = rng.uniform(0.0, 0.4)
         end = time.monotonic() + delay
         while time.monotonic() < end:
@@ -192,7 +221,7 @@ def wait_for_moment(proc, out: Path, moment: str, rng: random.Random, nproc: int
                 return False
             time.sleep(0.005)
         return True
-    root, launched = out / "checkpoints", time.time()
+    root = out / "checkpoints"
     while True:  # save: a step_X.tmp this launch created (an earlier kill may have left one) is being written
         if proc.poll() is not None:
             return False
@@ -235,13 +264,17 @@ def chaos_run(
     planned = rng.sample(moments, len(moments))  # every moment once first
     while True:
         with log_path.open("a") as log:
+            launched, resumed_at = time.time(), max(committed(out), default=0)
             proc = launch(cmd, work, log)
             report.launches += 1
             if done_kills < kills:
-                moment = planned[done_kills] if done_kills < len(planned) else rng.choice(moments)
-                if steps - max(committed(out), default=0) < 3:  # too close to the end to hit a step reliably
-                    moment = "startup"
-                if wait_for_moment(proc, out, moment, rng, nproc):
+                if done_kills < len(planned):  # every moment once, whatever it takes
+                    moment = planned[done_kills]
+                else:
+                    moment = rng.choice(moments)
+                    if steps - max(committed(out), default=0) < 3:  # too close to the end to hit a step reliably
+                        moment = "startup"
+                if wait_for_moment(proc, out, moment, rng, launched, resumed_at):
                     victims = generators(proc) if moment == "generation" else trainers(proc, nproc)
                     while not victims and proc.poll() is None:  # torchrun is still starting its workers
                         time.sleep(0.05)
@@ -252,6 +285,7 @@ def chaos_run(
                             victim.send_signal(signal.SIGKILL)
                             done_kills += 1
                             report.kills[moment] += 1
+                            report.moments.append(moment)
                             say(
                                 f"kill {done_kills}/{kills}: SIGKILL pid {victim.pid} at {moment} "
                                 f"(committed checkpoints: {committed(out)[-3:]})"
@@ -328,6 +362,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kills", type=int, default=6)
     ap.add_argument("--nproc", type=int, default=2, choices=[1, 2])
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--save-steps", type=int, default=2, help="checkpoint every N rounds")
     ap.add_argument("--seed", type=int, default=0, help="seeds the kill schedule (the training seed is fixed)")
     ap.add_argument(
         "--async", dest="staleness", type=int, default=0, metavar="K", help="asynchronous generation, max_staleness K"
@@ -346,12 +381,14 @@ def main(argv=None) -> int:
         extra = [f"rollout.max_staleness={args.staleness}"] if args.staleness else []
         moments = ASYNC_MOMENTS if args.staleness else MOMENTS
         run_to_end(
-            command(args.nproc, overrides(model, data, ref, args.steps, 0) + extra), work, work / "reference.log"
+            command(args.nproc, overrides(model, data, ref, args.steps, 0, args.save_steps) + extra),
+            work,
+            work / "reference.log",
         )
         say(f"reference run done ({time.monotonic() - t0:.0f}s)")
         report = Report()
         chaos_run(
-            command(args.nproc, overrides(model, data, out, args.steps, 0) + extra),
+            command(args.nproc, overrides(model, data, out, args.steps, 0, args.save_steps) + extra),
             work,
             out,
             args.kills,
@@ -365,7 +402,8 @@ def main(argv=None) -> int:
         compare(ref, out, work, report)
         report.seconds = round(time.monotonic() - t0, 1)
         say(
-            f"kills: {sum(report.kills.values())} ({', '.join(f'{k} {v}' for k, v in report.kills.items())}); "
+            f"kills: {sum(report.kills.values())} ({', '.join(f'{k} {v}' for k, v in report.kills.items())}; "
+            f"in order: {', '.join(report.moments)}); "
             f"launches {report.launches}; resumes {report.resumes}"
         )
         say(

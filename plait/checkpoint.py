@@ -241,9 +241,23 @@ def resume_position(state: dict, rank: int, world: int, say) -> int:
     return reached // world
 
 
+def checkpoint_step(path: Path) -> int:
+    """The round a checkpoint folder (step_00000010) was saved after."""
+    return int(Path(path).name.removeprefix("step_"))
+
+
+def _written_before(row: dict, step: int) -> bool:
+    """Was this log record written before the checkpoint of round `step` committed? Rounds up to
+    it log first; the evaluation before training (step 0) and after it (tag "after") run again
+    when a run restarts from scratch or from its last checkpoint."""
+    return step > 0 and row.get("step", 0) <= step and row.get("tag") != "after"
+
+
 def trim_logs(run_dir: Path, step: int) -> int:
-    """On resume: keep the lines of metrics/samples/eval.jsonl up to `step` (the steps after
-    it run again and log again) and drop a line a crash cut short. Returns lines dropped."""
+    """On a (re)start from round `step` (0: from scratch): keep the lines of metrics/samples/
+    eval.jsonl up to `step` (the rounds after it run again and log again; so does the final
+    evaluation, written after the last checkpoint) and drop a line a crash cut short. Returns
+    lines dropped."""
     dropped = 0
     for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
         path = Path(run_dir) / name
@@ -255,7 +269,7 @@ def trim_logs(run_dir: Path, step: int) -> int:
                 row = json.loads(line)
             except ValueError:
                 row = None
-            if isinstance(row, dict) and row.get("step", 0) <= step:
+            if isinstance(row, dict) and _written_before(row, step):
                 kept.append(line)
             else:
                 dropped += 1

@@ -130,7 +130,7 @@ def clipped_objective(logp, log_ratio, advantages, s: LossSettings):
     eps_high > eps is DAPO's clip-higher. With `delta` (INTELLECT-2 two-sided clipping,
     arXiv:2505.07291) the unclipped term's ratio is also capped at delta, bounding the update
     on negative-advantage tokens whose ratio has grown large.
-    Returns (loss, low-clip mask, high-clip mask).
+    Returns (loss, low-clip mask, high-clip mask, delta-capped mask).
     """
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
@@ -139,7 +139,8 @@ def clipped_objective(logp, log_ratio, advantages, s: LossSettings):
     loss = -torch.min(unclipped_ratio * adv, clipped)
     low = (ratio < 1 - s.epsilon) & (adv < 0)
     high = (ratio > 1 + s.eps_high) & (adv > 0)
-    return loss, low, high
+    capped = (ratio > s.delta) & (adv < 0) if s.delta is not None else torch.zeros_like(low)
+    return loss, low, high, capped
 
 
 def cispo_objective(logp, log_ratio, advantages, s: LossSettings):
@@ -152,7 +153,8 @@ def cispo_objective(logp, log_ratio, advantages, s: LossSettings):
     weight = torch.clamp(ratio, max=s.weight_cap).detach()
     loss = -weight * advantages[:, None] * logp
     high = ratio > s.weight_cap
-    return loss, torch.zeros_like(high), high
+    none = torch.zeros_like(high)
+    return loss, none, high, none
 
 
 OBJECTIVES = {"clipped": clipped_objective, "cispo": cispo_objective}
@@ -187,7 +189,7 @@ def policy_loss(
     """
     objective, aggregation = LOSS_TYPES[settings.loss_type]
     log_ratio = importance_log_ratio(logp, old_logp, mask, settings.importance_sampling_level)
-    per_token, low, high = OBJECTIVES[objective](logp, log_ratio, advantages, settings)
+    per_token, low, high, capped = OBJECTIVES[objective](logp, log_ratio, advantages, settings)
     if token_weights is not None:
         per_token = per_token * token_weights
     if policy_mask is not None:
@@ -196,6 +198,7 @@ def policy_loss(
     stats = {
         "clip_low_tokens": (low * mask).sum().detach(),
         "clip_high_tokens": (high * mask).sum().detach(),
+        "delta_capped_tokens": (capped * mask).sum().detach(),
         "ratio_tokens": (torch.exp(log_ratio) * mask).sum().detach(),
     }
     if settings.beta:

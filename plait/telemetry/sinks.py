@@ -50,10 +50,14 @@ def _sample_rows(records: list[dict]) -> tuple[list[str], list[list]]:
 class TensorBoardWriter:
     """Scalars under their metric names; sample completions as a markdown table (TEXT tab)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, start: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), flush_secs=30)
+        # a restarted run hides the events of the rounds it runs again (TensorBoard's purge_step):
+        # those after its checkpoint, or all of them (the evaluation at step 0 too) from scratch
+        restarted = (run_dir / "tensorboard").is_dir()
+        purge = (start + 1 if start else 0) if restarted else None
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), flush_secs=30, purge_step=purge)
 
     def log(self, step: int, metrics: dict) -> None:
         # one event holding every scalar of the step: far cheaper than an add_scalar per metric
@@ -78,7 +82,9 @@ class TensorBoardWriter:
 
 class WandbWriter:
     """A W&B run, offline by default (RUN_DIR/wandb, `wandb sync` later); a resumed plait run
-    continues the same W&B run (its id is kept in RUN_DIR/wandb_id)."""
+    continues the same W&B run (its id is kept in RUN_DIR/wandb_id). W&B keeps the first value
+    logged at a step, so the rounds a resumed run repeats keep the values logged before the
+    kill (the same numbers: resume is exact)."""
 
     def __init__(self, run_dir: Path, settings, config: dict):
         import wandb
@@ -138,11 +144,12 @@ class MetricsSink:
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step)
             self.progress.start()
 
-    def open(self, run_dir: Path, log_cfg, config: dict) -> None:
-        """Start writing to the run directory: metrics.jsonl, and TensorBoard / W&B as configured."""
+    def open(self, run_dir: Path, log_cfg, config: dict, start: int = 0) -> None:
+        """Start writing to the run directory: metrics.jsonl, and TensorBoard / W&B as configured;
+        `start`: the round the run (re)starts after."""
         self.path = Path(run_dir) / "metrics.jsonl"
         if log_cfg.tensorboard:
-            self.writers.append(TensorBoardWriter(Path(run_dir)))
+            self.writers.append(TensorBoardWriter(Path(run_dir), start))
         if log_cfg.wandb is not None:
             self.writers.append(WandbWriter(Path(run_dir), log_cfg.wandb, config))
 

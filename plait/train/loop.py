@@ -75,8 +75,13 @@ def train(cfg: Config, console: str | None = None) -> TrainResult:
 
 
 def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
-    """Rounds start+1 .. max_steps, each followed by its checkpoint (when due), its log line
-    and its evaluation (when due); then the end of the run."""
+    """Rounds start+1 .. max_steps, each followed by its log line, its evaluation and its
+    checkpoint (when due); then the end of the run.
+
+    The checkpoint comes last, so every record of a round is written before the round can be
+    resumed from: a kill before the commit reruns the round (and its records, trimmed on
+    restart), a kill after it loses none. Checkpoint and evaluation time count in the next
+    round's time."""
     cfg = run.cfg
     try:
         run.rollouts.start(run)  # async: the producer starts generating the first rounds now
@@ -86,17 +91,18 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
         for step in range(run.start + 1, cfg.train.max_steps + 1):
             out = train_step(run, step)
             stopping, due = _save_due(cfg, step, stop, last_save)
+            log_step(run, step, out)
+            evaluate = cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.train.max_steps
+            if evaluate and not stopping:  # a preempted round saves at once instead
+                with run.timer("eval"):
+                    run_eval(run, f"step {step}", step)
             if due:
                 with run.timer("checkpoint"):  # async: only the copy to CPU (and waiting for the previous save)
                     save(run, step, blocking=stopping or not cfg.checkpoint.async_save)
                 last_save = time.monotonic()
-            log_step(run, step, out)
             if stopping:
                 run.sink.close()
                 raise Preempted(run.run_dir, step, stop.requested or "a stop signal on another process")
-            if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.train.max_steps:
-                with run.timer("eval"):  # counted in the next round's time
-                    run_eval(run, f"step {step}", step)
     finally:
         run.rollouts.close()
     finish_run(run)

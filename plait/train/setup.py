@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from plait.checkpoint import load_checkpoint, load_rollouts, resume_position, trim_logs
+from plait.checkpoint import checkpoint_step, load_checkpoint, load_rollouts, resume_position, trim_logs
 from plait.cluster import comm
 from plait.config import Config
 from plait.data import PromptOrder, build_prompts, load_rows
@@ -96,7 +96,12 @@ def open_run(cfg: Config, plan: BatchPlan, backend: Backend, console: str | None
     cfg = resolved_config(cfg, plan, backend, sink.print)
     if main:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
-        sink.open(run_dir, cfg.log, cfg.model_dump(mode="json"))
+        # the rounds after the restart point run (and log) again; before any checkpoint, all of them
+        start = 0 if resume_from is None else checkpoint_step(resume_from)
+        dropped = trim_logs(run_dir, start)
+        if dropped:
+            sink.print(f"{dropped} log line(s) after step {start} dropped: those rounds run again")
+        sink.open(run_dir, cfg.log, cfg.model_dump(mode="json"), start)
     run = None
     try:
         run = build_run(cfg, plan, backend, sink, run_dir)
@@ -193,11 +198,7 @@ def resume(run: Run, checkpoint: Path) -> None:
         )
     run.rollouts.restore(ahead, [int(c) for c in comm.all_gather_objects(run.order.consumed)])
     run.result.eval_before = state.get("eval_before")
-    dropped = trim_logs(run.run_dir, run.start) if comm.is_main() else 0
-    run.say(
-        f"resumed from {checkpoint} (step {run.start})"
-        + (f"; {dropped} log line(s) after it dropped (those steps run again)" if dropped else "")
-    )
+    run.say(f"resumed from {checkpoint} (step {run.start})")
     if run.sink.progress is not None:
         run.sink.progress.update(run.sink.task, completed=run.start)
 

@@ -211,6 +211,7 @@ _PER_PROCESS = (
     "loss",
     "clip_low_tokens",
     "clip_high_tokens",
+    "delta_capped_tokens",
     "ratio_tokens",
     "logprob_gap_tokens",
     "trained_tokens",
@@ -236,6 +237,8 @@ def update_metrics(sums: dict[str, float], cfg) -> dict[str, float]:
     out["clip/low"] = sums["clip_low_tokens"] / tokens
     out["clip/high"] = sums["clip_high_tokens"] / tokens
     out["clip/fraction"] = out["clip/low"] + out["clip/high"]
+    if a.delta is not None:  # negative-advantage tokens whose ratio the two-sided clip capped at delta
+        out["clip/delta"] = sums["delta_capped_tokens"] / tokens
     out["ratio/mean"] = sums["ratio_tokens"] / tokens
     out["logprob_gap"] = sums["logprob_gap_tokens"] / tokens  # engine vs trainer, mean |diff|
     out["tokens/trained_share"] = sums["trained_tokens"] / tokens

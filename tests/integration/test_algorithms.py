@@ -1,6 +1,8 @@
 """Every loss type and algorithm option, end to end on a tiny model, plus the invariances
 that make them trustworthy (micro-batch split, ratio exactly 1 on a first pass)."""
 
+import math
+
 import pytest
 import torch
 from test_train import tiny_overrides
@@ -36,64 +38,110 @@ def test_first_pass_ratio_is_exactly_one(tiny_model_path, prompts_jsonl, tmp_pat
         assert m["ratio/mean"] == 1.0 and m["clip/fraction"] == 0.0
 
 
-@pytest.mark.parametrize(
-    "extra, check",
-    [
-        (["algo.importance_sampling_level=sequence", "algo.num_iterations=2", "algo.loss_type=grpo"], "ratio/mean"),
-        (["algo.delta=1.5", "algo.num_iterations=2"], "clip/fraction"),
-        (["algo.beta=0.05", "algo.kl_in_reward=true", "algo.kl_estimator=k1"], None),
-        (
-            ["algo.beta=0.05", "algo.ref_model_sync_steps=1", "algo.ref_model_mixup_alpha=0.5", "algo.kl_estimator=k2"],
-            "ref_syncs",
-        ),
-        (["algo.top_entropy_quantile=0.2"], "tokens/trained_share"),
-        (["algo.entropy_coeff=0.01"], "entropy"),
-        (["algo.engine_is_correction=true", "algo.engine_is_cap=2.0"], "logprob_gap"),
-        (["algo.steps_per_generation=2", "algo.num_iterations=2"], "lr"),
-        (
-            [
-                "algo.reward_aggregation=normalize_then_sum",
-                "rewards=[{name: 'plait_test_rewards:vowel_share'}, "
-                "{name: length_penalty, weight: 0.1, kwargs: {max_tokens: 12}}]",
-            ],
-            None,
-        ),
-        (
-            [
-                "rewards=[{name: soft_overlong_punishment, kwargs: {max_length: 12, cache: 4}}, "
-                "{name: 'plait_test_rewards:vowel_share'}]"
-            ],
-            None,
-        ),
-    ],
-    ids=[
-        "gspo",
-        "delta",
-        "kl-in-reward",
-        "ref-sync",
-        "entropy-filter",
-        "entropy-bonus",
-        "engine-is",
-        "steps-per-generation",
-        "gdpo",
-        "overlong",
-    ],
+TWO_REWARDS = (
+    "rewards=[{name: 'plait_test_rewards:vowel_share'}, {name: length_penalty, weight: 0.1, kwargs: {max_tokens: 12}}]"
 )
-def test_options_train(tiny_model_path, prompts_jsonl, tmp_path, extra, check):
-    result = run(tiny_model_path, prompts_jsonl, tmp_path, *extra)
+
+
+def _weights_moved_apart(a, b) -> bool:
+    return any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def _final(result):
+    from safetensors.torch import load_file
+
+    return load_file(str(result.run_dir / "final" / "model.safetensors"))
+
+
+# Each option against the same run without it (the baseline's extra settings), and what the
+# option must do beyond changing the weights.
+OPTIONS = {
+    "gspo": (
+        ["algo.importance_sampling_level=sequence", "algo.num_iterations=2", "algo.loss_type=grpo"],
+        ["algo.num_iterations=2", "algo.loss_type=grpo"],
+        lambda h, b: all(m["ratio/mean"] != 1.0 for m in h),  # the second pass sees a moved policy
+    ),
+    "delta": (
+        ["algo.delta=1.21", "algo.num_iterations=2", "train.learning_rate=0.01"],
+        ["algo.num_iterations=2", "train.learning_rate=0.01"],
+        lambda h, b: sum(m["clip/delta"] for m in h) > 0,  # some ratio passed delta and was capped
+    ),
+    "kl-in-reward": (
+        ["algo.beta=0.05", "algo.kl_in_reward=true", "algo.kl_estimator=k1"],
+        ["algo.beta=0.05", "algo.kl_estimator=k1"],
+        # the penalty is in the advantages, not the loss: the loss holds no KL term
+        lambda h, b: "kl" not in h[-1] and b[-1]["kl"] != 0.0,
+    ),
+    "ref-sync": (
+        ["algo.beta=0.05", "algo.ref_model_sync_steps=1", "algo.ref_model_mixup_alpha=0.5", "algo.kl_estimator=k2"],
+        ["algo.beta=0.05", "algo.kl_estimator=k2"],
+        # one sync per round, and the reference pulled halfway to the policy: less KL than without
+        lambda h, b: [m["ref_syncs"] for m in h] == [1.0, 1.0] and h[-1]["kl"] < b[-1]["kl"],
+    ),
+    "entropy-filter": (
+        ["algo.top_entropy_quantile=0.2"],
+        [],
+        lambda h, b: all(0.1 < m["tokens/trained_share"] < 0.5 for m in h),  # about 20% of tokens trained on
+    ),
+    "entropy-bonus": (
+        ["algo.entropy_coeff=0.5"],
+        [],
+        # the bonus is subtracted from the loss: at the first round (same policy) by coeff x entropy
+        lambda h, b: h[0]["loss"] == pytest.approx(b[0]["loss"] - 0.5 * h[0]["entropy"], rel=1e-4, abs=1e-6),
+    ),
+    "engine-is": (
+        ["algo.engine_is_correction=true", "algo.engine_is_cap=2.0"],
+        ["algo.engine_is_correction=false"],
+        lambda h, b: all(m["logprob_gap"] > 0 for m in h),  # there is a gap to correct
+    ),
+    "steps-per-generation": (
+        ["algo.steps_per_generation=2", "algo.num_iterations=2"],
+        [],
+        # 4 updates a round: round 1's mean LR over warmup (0.5, 1) and cosine (1, cos(pi/6))
+        lambda h, b: (
+            h[0]["lr"] == pytest.approx(1e-3 * (0.5 + 1 + 1 + (1 + math.cos(math.pi / 6)) / 2) / 4)
+            and b[0]["lr"] == pytest.approx(0.5e-3)
+        ),
+    ),
+    "gdpo": (
+        ["algo.reward_aggregation=normalize_then_sum", TWO_REWARDS],
+        [TWO_REWARDS],
+        lambda h, b: h[0]["reward/total/mean"] == b[0]["reward/total/mean"],  # same samples, other advantages
+    ),
+    "overlong": (
+        [
+            "rewards=[{name: soft_overlong_punishment, kwargs: {max_length: 12, cache: 4}}, "
+            "{name: 'plait_test_rewards:vowel_share'}]"
+        ],
+        [],
+        # completions of 9..12 tokens are punished (a random model rarely stops before 12)
+        lambda h, b: all(m["reward/soft_overlong_punishment/mean"] < 0 for m in h),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def baselines(tiny_model_path, prompts_jsonl, tmp_path_factory):
+    """The runs without each option, cached by their settings (several options share one)."""
+    cache = {}
+
+    def get(extra: list[str]):
+        key = tuple(extra)
+        if key not in cache:
+            cache[key] = run(tiny_model_path, prompts_jsonl, tmp_path_factory.mktemp("baseline"), *extra)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_each_option_has_its_effect(tiny_model_path, prompts_jsonl, tmp_path, baselines, name):
+    extra, without, effect = OPTIONS[name]
+    result, base = run(tiny_model_path, prompts_jsonl, tmp_path, *extra), baselines(without)
     assert len(result.history) == 2
-    m = result.history[-1]
-    assert all(v == v for v in m.values() if isinstance(v, float)), m  # no NaN
-    if check == "ref_syncs":
-        assert m["ref_syncs"] == 1.0
-    elif check == "tokens/trained_share":
-        assert 0.1 < m["tokens/trained_share"] < 0.5  # about 20% of tokens trained on
-    elif check == "ratio/mean":
-        assert m["ratio/mean"] != 1.0  # the second pass sees a moved policy
-    elif check == "lr":
-        assert result.history[-1]["lr"] > 0
-    elif check is not None:
-        assert check in m
+    assert all(v == v for m in result.history for v in m.values() if isinstance(v, float))  # no NaN
+    assert _weights_moved_apart(_final(result), _final(base))  # the option changed the training
+    assert effect(result.history, base.history), (result.history, base.history)
 
 
 def test_dynamic_sampling_refills_and_reports(tiny_model_path, prompts_jsonl, tmp_path):

@@ -254,14 +254,15 @@ def test_time_based_saves(tiny_model_path, prompts_jsonl, tmp_path):
 
 
 def test_chaos_harness_finds_no_difference(tmp_path):
-    """bench/chaos.py, short: 3 SIGKILLs of a 2-process run at random moments (seeded)."""
+    """bench/chaos.py, short: 4 SIGKILLs of a 2-process run, one at each moment it names (start-up,
+    mid-step, a logged round no checkpoint holds yet, mid-save), in a seeded order."""
     out = tmp_path / "chaos.json"
     res = subprocess.run(
         [
             sys.executable,
             str(ROOT / "bench" / "chaos.py"),
             "--kills",
-            "3",
+            "4",
             "--steps",
             "6",
             "--nproc",
@@ -277,7 +278,9 @@ def test_chaos_harness_finds_no_difference(tmp_path):
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert sum(report["kills"].values()) == 3 and report["launches"] == 4 and report["resumes"] >= 1
-    assert report["corrupt_loads"] == 0 and report["checkpoints_differing"] == 0 and report["checkpoints_compared"] >= 6
+    print("chaos kill moments, in order:", report["moments"])
+    assert sorted(report["moments"]) == ["save", "startup", "step", "unsaved"]  # each one, and each happened
+    assert report["launches"] == 5 and report["resumes"] >= 1
+    assert report["corrupt_loads"] == 0 and report["checkpoints_differing"] == 0 and report["checkpoints_compared"] >= 3
     assert report["max_weight_diff"] == 0.0 and report["optimizer_identical"] and report["metrics_differing"] == []
     assert report["steps_logged"] == [1, 2, 3, 4, 5, 6]

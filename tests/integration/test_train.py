@@ -148,15 +148,11 @@ def test_existing_run_dir_is_not_overwritten(tiny_model_path, prompts_jsonl, tmp
     [
         ["algo.beta=0.1", "algo.loss_type=grpo"],
         ["algo.num_iterations=2", "algo.loss_type=dr_grpo", "algo.epsilon_high=0.28"],
-        [
-            "model.lora={r: 4, alpha: 8}",
-            "algo.beta=0.05",
-            "algo.loss_type=bnpo",
-            "algo.mask_truncated_completions=true",
-        ],
+        ["model.lora={r: 4, alpha: 8}", "algo.beta=0.05", "algo.loss_type=bnpo"],
         ["train.precision=bf16", "algo.scale_rewards=batch"],
+        ["algo.mask_truncated_completions=true"],
     ],
-    ids=["kl", "iterations", "lora", "bf16"],
+    ids=["kl", "iterations", "lora", "bf16", "mask-truncated"],
 )
 def test_variants_train(tiny_model_path, prompts_jsonl, tmp_path, extra):
     out = tmp_path / "run"
@@ -165,9 +161,17 @@ def test_variants_train(tiny_model_path, prompts_jsonl, tmp_path, extra):
     for m in result.history:
         assert all(v == v for v in m.values() if isinstance(v, float))  # no NaN anywhere
     if "algo.beta=0.1" in extra or "algo.beta=0.05" in extra:
-        assert "kl" in result.history[0] and result.history[1]["kl"] >= 0
+        # the policy is the reference before the first update (LoRA: adapters start at zero), then moves
+        assert result.history[0]["kl"] == pytest.approx(0.0, abs=1e-7) and result.history[1]["kl"] > 1e-7
+    if "algo.mask_truncated_completions=true" in extra:
+        # the random model never stops within 12 tokens: every completion is truncated, so nothing
+        # is trained on and the weights stay the initial ones
+        assert all(m["completion/truncated"] == 1.0 and m["grad_norm"] == 0.0 for m in result.history)
+        start, end = load_file(str(tiny_model_path / "model.safetensors")), final_weights(out)
+        assert all(torch.equal(start[k], end[k]) for k in start)
     if "algo.num_iterations=2" in extra:
-        assert result.history[0]["clip/fraction"] >= 0
+        # the second pass is against the old log-probs of a policy one update behind: ratio != 1
+        assert all(abs(m["ratio/mean"] - 1.0) > 1e-6 for m in result.history)
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out / "final")  # LoRA runs export merged weights

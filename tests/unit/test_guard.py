@@ -37,6 +37,21 @@ def test_trim_logs_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_pa
     assert trim_logs(tmp_path / "nothing-here", 3) == 0
 
 
+def test_a_restart_reruns_the_evaluations_written_after_its_checkpoint(tmp_path):
+    """From scratch (a kill before the first checkpoint committed) every record goes, the
+    evaluation before training included; from the last checkpoint, the final evaluation goes
+    (it ran after that checkpoint and runs again)."""
+    evals = [{"tag": "before", "step": 0}, {"tag": "step 2", "step": 2}, {"tag": "after", "step": 4}]
+    write = lambda: (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))  # noqa: E731
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    write()
+    assert trim_logs(tmp_path, 0) == 4
+    assert (tmp_path / "metrics.jsonl").read_text() == "" and (tmp_path / "eval.jsonl").read_text() == ""
+    write()
+    trim_logs(tmp_path, 4)
+    assert [json.loads(x)["tag"] for x in (tmp_path / "eval.jsonl").read_text().splitlines()] == ["before", "step 2"]
+
+
 def test_torchrun_restarts_need_a_fixed_output_dir(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
     assert any("torchrun --max-restarts" in p and "set output_dir" in p for p in problems_of([]))

@@ -29,7 +29,8 @@ def S(loss_type="dapo", **kw):
 
 
 def test_clipped_surrogate_both_sides():
-    loss, low, high = clipped_objective(LOGP, LOGP - OLD, ADV, LossSettings(epsilon=EPS, epsilon_high=EPS_HIGH))
+    loss, low, high, capped = clipped_objective(LOGP, LOGP - OLD, ADV, LossSettings(epsilon=EPS, epsilon_high=EPS_HIGH))
+    assert not capped.any()  # no delta, nothing capped
     assert torch.allclose(loss, PER_TOKEN, atol=1e-6)
     assert low.tolist() == [[False, False, False], [True, False, False]]
     assert high.tolist() == [[False, True, False], [False, False, False]]

@@ -52,8 +52,9 @@ def test_gspo_clips_whole_sequences():
 
 def test_two_sided_delta_clipping():
     # row 1 token 1 (A=-1, r=1.5): max(min(r, delta)=1.4, clip=1.28) = 1.4 instead of 1.5; row 0 unchanged
-    loss, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo", delta=1.4))
+    loss, stats = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo", delta=1.4))
     assert float(loss) == pytest.approx((-1 - 1.28 - 0.5 + 0.8 + 1.4) / 5, abs=1e-6)
+    assert float(stats["delta_capped_tokens"]) == 1  # that one token (logged as clip/delta)
 
 
 def test_cispo_clipped_weight_with_stop_gradient():
