@@ -19,7 +19,7 @@ from test_vllm import metrics_of, train_cmd
 
 import plait.train.loop as loop
 from plait.config import load_config
-from plait.train.guard import PREEMPTED_EXIT, TrainingDiverged
+from plait.train.guard import DIVERGED_EXIT, PREEMPTED_EXIT, TrainingDiverged
 
 
 pytestmark = pytest.mark.slow
@@ -284,3 +284,42 @@ def test_chaos_harness_finds_no_difference(tmp_path):
     assert report["corrupt_loads"] == 0 and report["checkpoints_differing"] == 0 and report["checkpoints_compared"] >= 3
     assert report["max_weight_diff"] == 0.0 and report["optimizer_identical"] and report["metrics_differing"] == []
     assert report["steps_logged"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_diverging_run_exits_3_from_the_command_line(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    """No fault injection: a learning rate of 1e12 blows the weights up in one update, every
+    later gradient is non-finite, and after max_nonfinite_steps skipped updates in a row
+    `plait train` stops with exit code 3 and says why."""
+    run = tmp_path / "run"
+    args = tiny_overrides(
+        tiny_model_path,
+        prompts_jsonl,
+        run,
+        "train.learning_rate=1e12",
+        "train.warmup_steps=0",
+        "train.max_grad_norm=null",
+        "train.max_nonfinite_steps=2",
+        "train.max_steps=8",
+        "checkpoint.save_steps=1",
+    )
+    res = subprocess.run(train_cmd(1, args), env=helper_env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == DIVERGED_EXIT == 3, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "had a non-finite gradient norm" in res.stderr and "train.max_nonfinite_steps=2" in res.stderr
+    assert [m["nonfinite_steps"] for m in metrics_of(run)][1:3] == [1, 1]  # skipped, then the third stops the run
+    assert not (run / "final").exists()
+
+
+def test_a_second_signal_stops_at_once_with_exit_130(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    """SIGTERM asks for a clean stop after the step; a second signal (here SIGINT: two SIGTERMs
+    sent back to back may merge into one) stops at once, exit 130, no checkpoint for that step."""
+    run = tmp_path / "run"
+    args = tiny_overrides(tiny_model_path, prompts_jsonl, run, "train.max_steps=200", "log.console=plain")
+    proc = start(train_cmd(1, args), helper_env, tmp_path / "log")
+    wait_for_steps(run, 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    shown = (tmp_path / "log").read_text()
+    assert "interrupted (no checkpoint written for the step in progress)" in shown, shown[-2000:]
+    assert "SIGTERM received: finishing this step" in shown  # the first signal was heard...
+    assert "with a checkpoint; continue with" not in shown  # ...but the second did not wait for the clean stop

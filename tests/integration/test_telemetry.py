@@ -54,10 +54,12 @@ def test_every_step_has_phases_throughput_mfu_and_memory(run_dir):
         assert m["tokens/s_train"] > 0 and m["tokens/s_generate"] > 0
         assert 0 < m["mfu/train"] < 2 and 0 < m["mfu/step"] < 2  # against a measured CPU peak: a sane fraction
         assert m["flops/step"] > 0
-        assert m["memory/rss_gb"] > 0.05 and m["memory/peak_rss_gb"] >= m["memory/rss_gb"] * 0.5
+        # the step's peak (VmHWM) includes the RSS read just before it (16 MiB: other threads may free
+        # memory between the two reads); tests/unit/test_flops_and_timing.py checks it is per step
+        assert m["memory/rss_gb"] > 0.05 and m["memory/peak_rss_gb"] >= m["memory/rss_gb"] - 16 / 1024
         assert m["reward/plait_test_rewards:vowel_share/seconds"] >= 0
         assert m["comm/seconds"] == 0.0  # one process: no collective ran
-    assert "time/checkpoint" in rows[1]  # save_steps=2
+    assert "time/checkpoint" in rows[2]  # save_steps=2: step 2's save, counted in the next round's time
 
 
 def test_tensorboard_events_hold_the_scalars_and_samples(run_dir):
@@ -96,11 +98,19 @@ def report_page(run_dir, tmp_path):
 def test_report_is_self_contained(run_dir, tmp_path):
     page = report_page(run_dir, tmp_path)
     html = page.read_text()
+    import base64
+    import re
+
     for name in ("rewards", "length", "policy", "time", "throughput", "memory"):
         png = page.parent / "figures" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
-        assert f"id='fig-{name}'" in html
-    assert "src='http" not in html and 'src="http' not in html and "<link" not in html  # nothing fetched: opens offline
+        # inlined: the page carries the PNG itself, byte for byte, as a data URI
+        inlined = re.search(rf"id='fig-{name}'[^>]*src='data:image/png;base64,([^']+)'", html)
+        assert inlined and base64.b64decode(inlined.group(1)) == png.read_bytes(), name
+    srcs = re.findall(r"""src=['"]([^'"]*)""", html)
+    assert srcs and all(src.startswith("data:") for src in srcs)  # nothing fetched: opens offline
+    assert "<link" not in html and "<script" not in html.lower() and "javascript:" not in html.lower()
+    assert not re.search(r"<[^>]*\son[a-z]+\s*=", html)  # no event handler in any tag: no script at all
     assert html.count("<tr><td class='num'>") >= 6  # the sample table's rows
 
 

