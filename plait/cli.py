@@ -5,6 +5,7 @@ Under torchrun: `torchrun --nproc_per_node 8 -m plait train CONFIG.yaml` (docs/s
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 import textwrap
@@ -503,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     from plait.rewards.sandbox import SandboxUnavailable
     from plait.rollout.remote import RolloutServerError
 
+    faulthandler.enable()  # a crash in native code (SIGSEGV...) still prints every thread's Python stack
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # plait never reaches a hub at run time
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from plait.train.guard import DIVERGED_EXIT, PREEMPTED_EXIT, Preempted, TrainingDiverged
