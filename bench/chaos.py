@@ -23,8 +23,9 @@ the end it compares, bit for bit:
 With `--async K` the run generates asynchronously (rollout.max_staleness=K, the HF engine's
 generation process) and a fourth moment is added: killing the generation process in the middle
 of the run, after which the trainer stops with an error and is relaunched the same way. The
-first kills go through every moment once (in a seeded order), the rest are drawn at random;
-the report lists the moments in the order they were hit.
+first kills go through every moment once (in a seeded order); the rest are drawn at random,
+each once its launch has committed a checkpoint, so those runs resume from one. The report lists
+the moments in the order they were hit.
 
 It prints the kills by moment, the resumes, the checkpoints a resume loaded that were not
 identical to the reference's ("corrupt loads", must be 0), the largest weight difference
@@ -148,12 +149,12 @@ def command(nproc: int, sets: list[str]) -> list[str]:
 
 
 def trainers(proc: subprocess.Popen, nproc: int) -> list[psutil.Process]:
+    """The training processes: the launched one, or torchrun's workers (its own children; not
+    the generation process or the rewards' processes they start)."""
     try:
-        below = psutil.Process(proc.pid).children(recursive=True)
-        generators = [c for c in below if "plait.rollout.server" in " ".join(c.cmdline())]
         if nproc == 1:
             return [psutil.Process(proc.pid)]
-        return [c for c in below if "plait" in " ".join(c.cmdline()) and c not in generators]
+        return [c for c in psutil.Process(proc.pid).children() if " plait " in f" {' '.join(c.cmdline())} "]
     except psutil.Error:
         return []
 
@@ -171,7 +172,9 @@ def committed(out: Path) -> list[int]:
     root = out / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if (p / "COMMITTED").is_file())
+    # a step_X.tmp holds its marker for a moment before the rename that commits it
+    done = [p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / "COMMITTED").is_file()]
+    return sorted(int(p.name.split("_")[1]) for p in done)
 
 
 def logged_this_launch(out: Path, launched: float, resumed_at: int) -> int:
@@ -196,6 +199,15 @@ def wait_for_round(proc, out: Path, launched: float, resumed_at: int, unsaved: b
         if step and (not unsaved or step > max(committed(out), default=0)):
             return True
         time.sleep(0.005)
+    return False
+
+
+def wait_for_commit(proc, out: Path, resumed_at: int) -> bool:
+    """Block until this launch committed a checkpoint; False if the run ended first."""
+    while proc.poll() is None:
+        if max(committed(out), default=0) > resumed_at:
+            return True
+        time.sleep(0.01)
     return False
 
 
@@ -270,11 +282,11 @@ def chaos_run(
             if done_kills < kills:
                 if done_kills < len(planned):  # every moment once, whatever it takes
                     moment = planned[done_kills]
-                else:
-                    moment = rng.choice(moments)
-                    if steps - max(committed(out), default=0) < 3:  # too close to the end to hit a step reliably
-                        moment = "startup"
-                if wait_for_moment(proc, out, moment, rng, launched, resumed_at):
+                else:  # then at random, each after this launch committed a checkpoint (so resumes happen)
+                    moment = "step" if steps - resumed_at >= 3 else "startup"
+                    moment = rng.choice(moments) if moment == "step" else moment
+                ready = done_kills < len(planned) or moment == "startup" or wait_for_commit(proc, out, resumed_at)
+                if ready and wait_for_moment(proc, out, moment, rng, launched, resumed_at):
                     victims = generators(proc) if moment == "generation" else trainers(proc, nproc)
                     while not victims and proc.poll() is None:  # torchrun is still starting its workers
                         time.sleep(0.05)
