@@ -164,4 +164,33 @@ def test_a_run_reaches_no_host_with_the_network_blocked(tiny_model_path, prompts
 
 @pytest.mark.skipif(not (default_model_dir() / "config.json").is_file(), reason="run `plait prepare-model` first")
 def test_the_bundled_model_learns_in_a_few_rounds(tmp_path):
-    pytest.skip("measured below")
+    """The real thing, small: SmolLM2-135M-Instruct on the built-in arithmetic prompts, rewarded
+    only for putting an answer in \\boxed{}. It rarely does at first and learns it within 6
+    rounds (measured on a 2-core AVX2 EPYC: 0.03, 0.06, 0.06, 0.22, 0.34, 0.66; ~100 s)."""
+    out = tmp_path / "run"
+    sets = [
+        f"output_dir={out}",
+        "rollout.prompts_per_step=4",
+        "rollout.num_generations=8",
+        "rollout.max_completion_length=48",
+        "train.max_steps=6",
+        "train.learning_rate=2e-5",
+        "train.warmup_steps=0",
+        "rewards=[{name: boxed_format}]",
+        "eval.before=false",
+        "eval.after=false",
+        "checkpoint.save_final_model=false",
+        "log.console=plain",
+    ]
+    res = subprocess.run(
+        [sys.executable, "-m", "plait", "train", *sum((["--set", s] for s in sets), [])],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    reward = [json.loads(line)["reward/total/mean"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(reward) == 6
+    first, last = sum(reward[:2]) / 2, sum(reward[-2:]) / 2
+    assert last > first + 0.15 and reward[-1] > 0.2, reward
