@@ -497,6 +497,15 @@ COMMANDS = {
 }
 
 
+def _enable_faulthandler() -> None:
+    """A crash in native code (SIGSEGV...) still prints every thread's Python stack, on the
+    process's real stderr (main() may run where sys.stderr is no file: a notebook, a test)."""
+    try:
+        faulthandler.enable(file=sys.__stderr__)
+    except (AttributeError, ValueError, OSError):  # no real stderr at all
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     from plait.config import ConfigError
     from plait.data import DataError
@@ -504,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     from plait.rewards.sandbox import SandboxUnavailable
     from plait.rollout.remote import RolloutServerError
 
-    faulthandler.enable()  # a crash in native code (SIGSEGV...) still prints every thread's Python stack
+    _enable_faulthandler()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # plait never reaches a hub at run time
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from plait.train.guard import DIVERGED_EXIT, PREEMPTED_EXIT, Preempted, TrainingDiverged
