@@ -68,3 +68,26 @@ def test_the_first_signal_asks_to_stop_the_second_interrupts():
         assert signal.getsignal(signal.SIGTERM) is not stop._handle  # the second one restored the old handlers
     finally:
         stop.uninstall()
+
+
+@pytest.mark.parametrize("start", [0, 2])
+def test_a_restart_hides_the_tensorboard_events_of_the_rounds_it_reruns(tmp_path, start):
+    """A run killed after logging rounds 1-4 restarts from `start` (its checkpoint, or from scratch):
+    TensorBoard then shows each round once, with the rerun's values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from plait.telemetry.sinks import TensorBoardWriter
+
+    killed = TensorBoardWriter(tmp_path)
+    for step in range(0 if start == 0 else 1, 5):
+        killed.log(step, {"loss": float(step)})
+    killed.close()
+    rerun = TensorBoardWriter(tmp_path, start)
+    for step in range(start if start == 0 else start + 1, 7):
+        rerun.log(step, {"loss": 10.0 + step})
+    rerun.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    events = [(e.step, e.value) for e in acc.Scalars("loss")]
+    kept = [(s, float(s)) for s in range(1, start + 1)]  # the rounds before the checkpoint, as first logged
+    assert events == kept + [(s, 10.0 + s) for s in range(start if start == 0 else start + 1, 7)]
