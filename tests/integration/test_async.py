@@ -61,20 +61,21 @@ def test_async_rounds_are_generated_k_versions_behind_and_runs_reproduce(tiny_mo
 
 
 def test_async_chaos_kills_at_every_moment_and_the_run_ends_bitwise_equal(tmp_path):
-    """bench/chaos.py --async 1: SIGKILL the trainer at start-up, mid-step and mid-save, and the
-    generation process mid-run; each relaunch resumes (with the rounds generated ahead from the
-    checkpoint), and weights, optimizer state and metrics equal an unbroken async run's."""
+    """bench/chaos.py --async 1: SIGKILL the trainer at start-up, mid-step, right after logging a
+    round no checkpoint holds yet and mid-save, and the generation process mid-run; each relaunch
+    resumes (with the rounds generated ahead from the checkpoint), and weights, optimizer state
+    and metrics equal an unbroken async run's."""
     out = tmp_path / "chaos.json"
     res = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "chaos.py"), "--async", "1", "--nproc", "1"]
-        + ["--kills", "4", "--steps", "8", "--seed", "3", "--json", str(out)],
+        + ["--kills", "5", "--steps", "8", "--save-steps", "1", "--seed", "3", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=1200,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["kills"] == {"startup": 1, "step": 1, "save": 1, "generation": 1}, res.stdout[-2000:]
+    assert report["kills"] == {"startup": 1, "step": 1, "unsaved": 1, "save": 1, "generation": 1}, res.stdout[-2000:]
     assert report["resumes"] >= 3 and report["corrupt_loads"] == 0 and report["checkpoints_differing"] == 0
     assert report["max_weight_diff"] == 0.0 and report["optimizer_identical"] and report["metrics_differing"] == []
     assert report["steps_logged"] == list(range(1, 9))
