@@ -322,5 +322,7 @@ def test_a_second_signal_stops_at_once_with_exit_130(tiny_model_path, prompts_js
     assert proc.wait(timeout=120) == 130
     shown = (tmp_path / "log").read_text()
     assert "interrupted (no checkpoint written for the step in progress)" in shown, shown[-2000:]
-    assert "SIGTERM received: finishing this step" in shown  # the first signal was heard...
+    # the first signal handled was heard (Python runs pending handlers in signal-number order, so
+    # when both arrive together SIGINT's goes first)...
+    assert "received: finishing this step" in shown
     assert "with a checkpoint; continue with" not in shown  # ...but the second did not wait for the clean stop
