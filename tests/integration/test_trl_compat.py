@@ -9,14 +9,15 @@ import subprocess
 import sys
 
 import yaml
+from open_r1_rewards import ACCURACY_REWARD
 
 
-REWARDS = '''
+REWARDS = (
+    ACCURACY_REWARD
+    + '''
 import json
 import os
 import threading
-
-from math_verify import LatexExtractionConfig, parse, verify
 
 
 def _record(**fields):
@@ -25,16 +26,8 @@ def _record(**fields):
 
 
 def accuracy_reward(completions, solution, **kwargs):
-    """Open-R1's accuracy reward, unchanged in substance: parse with the default timeouts."""
-    contents = [completion[0]["content"] for completion in completions]
-    rewards = []
-    for content, sol in zip(contents, solution):
-        gold = parse(sol, extraction_mode="first_match")
-        if len(gold) != 0:
-            answer = parse(content, extraction_config=[LatexExtractionConfig()], extraction_mode="first_match")
-            rewards.append(float(verify(gold, answer)))
-        else:
-            rewards.append(None)
+    """Open-R1's accuracy reward, unchanged, and a record of how it was called."""
+    rewards = open_r1_accuracy(completions, solution, **kwargs)
     _record(
         completion=type(completions[0]).__name__,
         role=completions[0][0]["role"],
@@ -50,6 +43,7 @@ def length_reward(completions, **kwargs):
     """A shaping reward so the tiny random model's groups differ."""
     return [len(c[0]["content"]) / 100 for c in completions]
 '''
+)
 
 
 def _tiny(model):

@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+from open_r1_rewards import ACCURACY_REWARD
 
 from plait.config import Config
 from plait.config.checks import check_rewards
@@ -16,26 +17,17 @@ from plait.rewards.runner import RewardError, RewardInputs, bind_rewards, call_r
 
 # An Open-R1-style reward file: conversational completions, the `solution` column, math-verify
 # with its default timeouts (signal.alarm: main thread only), and a reward class.
-REWARDS = '''
+REWARDS = (
+    ACCURACY_REWARD
+    + '''
 import os
 import sys
 import threading
-from math_verify import LatexExtractionConfig, parse, verify
 
 CALLS = []
 
 
-def accuracy_reward(completions, solution, **kwargs):
-    contents = [completion[0]["content"] for completion in completions]
-    rewards = []
-    for content, sol in zip(contents, solution):
-        gold = parse(sol, extraction_mode="first_match")
-        if len(gold) != 0:
-            answer = parse(content, extraction_config=[LatexExtractionConfig()], extraction_mode="first_match")
-            rewards.append(float(verify(gold, answer)))
-        else:
-            rewards.append(None)
-    return rewards
+accuracy_reward = open_r1_accuracy
 
 
 def where(completions, **kwargs):
@@ -81,6 +73,7 @@ def not_a_list(completions, **kwargs):
 async def awaited(completions, **kwargs):
     return [float(threading.current_thread() is threading.main_thread())] * len(completions)
 '''
+)
 
 
 @pytest.fixture()
