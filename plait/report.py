@@ -204,6 +204,19 @@ def fig_async(history) -> bytes | None:
     return _png(fig)
 
 
+def fig_tools(history) -> bytes | None:
+    """Multi-turn tool use: how often the model calls, and how the calls go."""
+    if not series(history, "tools/calls_per_completion")[0]:
+        return None
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.4))
+    use = [("tools/calls_per_completion", "calls per completion"), ("tools/turns_mean", "model turns per completion")]
+    _lines(ax, history, use + [("tools/used_share", "share of completions with a call")], "per completion")
+    ax.set_title("tool use")
+    _lines(ax2, history, [("tools/error_share", "share of calls that failed or timed out")], "share")
+    ax2.set_title("tool errors")
+    return _png(fig)
+
+
 def fig_memory(history) -> bytes | None:
     keys = sorted({k for m in history for k in m if k.startswith("memory/")})
     if not keys:
@@ -222,6 +235,7 @@ def make_figures(history: list[dict], evals: list[dict], metric: str) -> list[Fi
         ("time", "Time per phase", fig_time(history)),
         ("throughput", "Throughput and MFU", fig_throughput(history)),
         ("async", "Asynchronous generation", fig_async(history)),
+        ("tools", "Tool use (tools/calls_per_completion, tools/used_share, tools/error_share)", fig_tools(history)),
         ("memory", "Memory", fig_memory(history)),
     ]
     return [Figure(n, t, png) for n, t, png in made if png is not None]
@@ -240,6 +254,14 @@ img{max-width:100%} pre{background:#f7f7f7;padding:.8em;overflow:auto;font-size:
 .tip{background:#fff6d6;border-left:4px solid #e0b000;padding:.5em .8em} .muted{color:#777}
 td.text{white-space:pre-wrap;font-family:ui-monospace,monospace;max-width:460px}
 """
+
+
+def _conversation(sample: dict) -> str:
+    """A sample's completion; a multi-turn one turn by turn, each under its role."""
+    turns = sample.get("conversation")
+    if not turns:
+        return _esc(sample.get("completion", ""))
+    return "\n".join(f"<b>[{_esc(t.get('role'))}]</b>\n{_esc(t.get('content', ''))}" for t in turns)
 
 
 def _esc(v) -> str:
@@ -334,7 +356,7 @@ def render(
             cells = "".join(f"<td class='num'>{_fmt(s['rewards'].get(n, '-'))}</td>" for n in names)
             parts.append(
                 f"<tr><td class='num'>{_esc(s.get('step'))}</td><td class='text'>{_esc(s.get('prompt', ''))}</td>"
-                f"<td class='text'>{_esc(s.get('completion', ''))}</td><td>{_esc(s.get('answer'))}</td>{cells}</tr>"
+                f"<td class='text'>{_conversation(s)}</td><td>{_esc(s.get('answer'))}</td>{cells}</tr>"
             )
         parts.append("</table>")
     if cluster:

@@ -30,6 +30,9 @@ class Prompt:
     # the prompt as the dataset gave it: a string, or a list of chat messages (conversational
     # data); reward functions get it as `prompts`, as TRL passes it (None: use `text`)
     source: Any = None
+    # the chat messages `text` was rendered from (None: no chat template); multi-turn tool use
+    # renders each tool turn after them
+    messages: list[dict] | None = None
 
 
 @dataclass
@@ -64,6 +67,13 @@ class Completion:
     weight_version: int | None = None
     # with in-flight weight updates: the version of the weights that sampled each token
     token_versions: list[int] | None = None
+    # multi-turn tool use: 1 where the model sampled the token, 0 where plait appended it (a
+    # tool's output, the chat template's markup around it); only sampled tokens are trained on
+    sampled_mask: list[int] | None = None
+    # multi-turn: the conversation after the prompt, as chat messages (assistant and tool turns)
+    messages: list[dict] | None = None
+    # multi-turn: calls, errors, timeouts, turns, seconds of this completion's tool use
+    tool_stats: dict[str, float] | None = None
 
     @property
     def staleness_versions(self) -> list[int]:

@@ -359,6 +359,46 @@ def check_rewards(cfg: Config, env: Env) -> list[str]:
     return out
 
 
+def check_tools(cfg: Config, env: Env) -> list[str]:
+    """rollout.tools: some tool to call, room for a call, a format that can carry the tools,
+    and functions that exist, describe themselves and (untrusted) can travel to the sandbox."""
+    import inspect
+
+    from plait.tools.calls import function_schema, resolve_function
+
+    t = cfg.rollout.tools
+    if t is None:
+        return []
+    out = []
+    if not t.python and not t.functions:
+        out.append("rollout.tools offers no tool: set python: true or list functions ['module:function']")
+    if t.max_turns < 2:
+        out.append(f"rollout.tools.max_turns={t.max_turns} leaves no turn after a tool call: use 2 or more")
+    if t.functions and t.format != "hermes":
+        out.append(
+            "rollout.tools.functions are called as <tool_call> JSON: set rollout.tools.format=hermes "
+            "(format python runs ```python blocks only)"
+        )
+    if t.format == "hermes" and cfg.data.chat_template is False:
+        out.append("rollout.tools.format=hermes renders tool turns with the chat template: set data.chat_template")
+    for spec in t.functions:
+        try:
+            fn = resolve_function(spec)
+            function_schema(fn)
+        except (ImportError, ValueError, TypeError) as err:
+            out.append(f"rollout.tools.functions: {err}")
+            continue
+        if not t.trusted_functions:
+            try:
+                inspect.getsource(inspect.getmodule(fn))
+            except (OSError, TypeError):
+                out.append(
+                    f"rollout.tools.functions: the source of {spec} can't be read to run it in the sandbox; "
+                    "set rollout.tools.trusted_functions=true if it is safe to run in the trainer"
+                )
+    return out
+
+
 def check_eval_metric(cfg: Config, env: Env) -> list[str]:
     """The evaluation metric is a reward function that exists."""
     from plait.rewards import resolve_reward
@@ -559,6 +599,7 @@ CHECKS: tuple[Check, ...] = (
     check_clip_higher,
     check_warmup,
     check_rewards,
+    check_tools,
     check_eval_metric,
     check_task,
     check_data_files,

@@ -172,6 +172,47 @@ class TwoStageConfig(Section):
     threshold: float = Field(1.0, description="A candidate counts as correct when that reward is >= this.")
 
 
+class ToolsConfig(Section):
+    format: Literal["python", "hermes"] = Field(
+        "python",
+        description="How the model calls a tool: 'python' (a fenced ```python block ends its turn; the block runs "
+        'in the sandbox) or \'hermes\' (<tool_call>{"name": ..., "arguments": {...}}</tool_call>, the native '
+        "format of Qwen2.5/Qwen3/Hermes chat templates; the tools are described to the model through the template).",
+    )
+    max_turns: int = Field(
+        4,
+        ge=1,
+        description="Model turns per completion at most (so at most max_turns - 1 tool turns); every generate call "
+        "counts, also one that resumes a turn cut at a stop string without a complete call.",
+    )
+    python: bool = Field(
+        True,
+        description="Offer the Python tool: a session in the sandbox whose state lasts across the calls of one "
+        "completion (format hermes: a function `python(code)`).",
+    )
+    functions: list[str] = Field(
+        default_factory=list,
+        description="Python functions offered as tools, as 'module:function' (format hermes); the schema comes "
+        "from the type hints and the docstring, as in TRL.",
+    )
+    trusted_functions: bool = Field(
+        False,
+        description="Run `functions` in the trainer's process (your own code, known safe). false = in the sandbox, "
+        "from their module's source (standard library imports only).",
+    )
+    max_output_chars: int = Field(
+        1000, ge=16, description="A tool's output (stdout, then stderr) is cut to this many characters."
+    )
+    timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit of one tool call.")
+    role: str = Field(
+        "tool", description="Chat role of a tool's output ('user' for templates that know no 'tool' role)."
+    )
+    plain_output: str = Field(
+        "```output\n{output}\n```\n",
+        description="Without a chat template: the text appended after a call ({output} is the tool's output).",
+    )
+
+
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm"] = Field(
         "hf", description="Generation engine: 'hf' (transformers, in the training process) or 'vllm'."
@@ -219,6 +260,11 @@ class RolloutConfig(Section):
         description="Async, engine hf: new weights reach the generation process as soon as they exist and are "
         "swapped in between two decoding steps (PipelineRL), instead of after the running round; every token "
         "keeps the version of the weights that sampled it. Fresher samples, but not reproducible from the seed.",
+    )
+    tools: ToolsConfig | None = Field(
+        None,
+        description="Multi-turn tool use (docs/tools.md): the model's turn stops at a tool call, plait runs it "
+        "and appends its output (masked out of the loss), and the model goes on.",
     )
     generator_threads: int | None = Field(
         None,

@@ -157,8 +157,9 @@ def load_rows(data_cfg, split: str, seed: int = 0) -> list[dict]:
     return read_file(path, data_cfg.format, data_cfg.split)
 
 
-def build_prompts(rows: list[dict], tokenizer, data_cfg, log=print) -> list[Prompt]:
-    """Map fields, apply the chat template, and drop (or reject) prompts that are too long."""
+def build_prompts(rows: list[dict], tokenizer, data_cfg, log=print, tools: list[dict] | None = None) -> list[Prompt]:
+    """Map fields, apply the chat template (describing `tools`, JSON schemas, to the model where
+    the template can), and drop (or reject) prompts that are too long."""
     prompts, too_long = [], []
     key = data_cfg.messages_field or data_cfg.prompt_field
     for i, row in enumerate(rows):
@@ -177,8 +178,11 @@ def build_prompts(rows: list[dict], tokenizer, data_cfg, log=print) -> list[Prom
             conversational = data_cfg.messages_field is not None
         source = [dict(m) for m in messages] if conversational else str(row[key])
         own = {"chat_template": data_cfg.chat_template} if isinstance(data_cfg.chat_template, str) else {}
-        if data_cfg.chat_template and (own or tokenizer.chat_template):
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **own)
+        templated = bool(data_cfg.chat_template and (own or tokenizer.chat_template))
+        if templated:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **({"tools": tools} if tools else {}), **own
+            )
         else:
             text = "\n".join(m["content"] for m in messages)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -187,7 +191,8 @@ def build_prompts(rows: list[dict], tokenizer, data_cfg, log=print) -> list[Prom
             continue
         answer = row.get(data_cfg.answer_field) if data_cfg.answer_field else None
         columns = {k: v for k, v in row.items() if k != key}  # the answer column also under its own name
-        prompts.append(Prompt(i, text, ids, None if answer is None else str(answer), columns, source))
+        reference = None if answer is None else str(answer)
+        prompts.append(Prompt(i, text, ids, reference, columns, source, messages if templated else None))
     if too_long:
         msg = (
             f"{len(too_long)} of {len(rows)} prompts are longer than data.max_prompt_length="

@@ -45,6 +45,35 @@ def arithmetic(split: str, n: int, seed: int = 0, low: int = 1, high: int = 50) 
     return rows
 
 
+MULTIPLY_PROMPT = (
+    "What is {a} * {b}? You can run Python: write a ```python code block and you will see what it prints. "
+    "Put the final answer in \\boxed{{}}."
+)
+
+
+def multiply_capacity(split: str) -> int:
+    return 5_000 if split == "eval" else 50_000
+
+
+def multiply(split: str, n: int, seed: int = 0) -> list[dict]:
+    """`n` products a * b (a: 3-4 digits, b: 3 digits), for multi-turn tool use (docs/tools.md).
+
+    Beyond a small model's mental arithmetic, one line of Python. Split by a hash of the
+    problem, as `arithmetic`."""
+    if n > multiply_capacity(split):
+        raise ValueError(f"multiply: {n} {split} problems asked, at most {multiply_capacity(split)} fit")
+    rng = random.Random(f"multiply/{split}/{seed}")
+    rows, seen = [], set()
+    while len(rows) < n:
+        a, b = rng.randint(100, 9999), rng.randint(100, 999)
+        key = f"{a}*{b}"
+        if key in seen or _split_of(key) != split:
+            continue
+        seen.add(key)
+        rows.append({"prompt": MULTIPLY_PROMPT.format(a=a, b=b), "answer": str(a * b), "a": a, "b": b})
+    return rows
+
+
 HUMANEVAL_PROMPT = (
     "Complete the following Python function. Reply with the complete function (signature included) "
     "in one ```python code block.\n\n```python\n{code}```"
@@ -91,8 +120,12 @@ def humaneval_capacity(split: str) -> int:
     return len(_humaneval_rows(split))
 
 
-TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic, "humaneval": humaneval}
-CAPACITY: dict[str, Callable[[str], int]] = {"arithmetic": arithmetic_capacity, "humaneval": humaneval_capacity}
+TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic, "humaneval": humaneval, "multiply": multiply}
+CAPACITY: dict[str, Callable[[str], int]] = {
+    "arithmetic": arithmetic_capacity,
+    "humaneval": humaneval_capacity,
+    "multiply": multiply_capacity,
+}
 
 
 def task_rows(name: str, split: str, n: int, seed: int = 0) -> list[dict]:

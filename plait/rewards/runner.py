@@ -8,8 +8,9 @@ Scoring returns its cost with its values (a RewardReport: seconds and timeouts p
 the sandbox's executions), so the caller decides which calls count towards a training step.
 User reward functions are called as TRL calls them, `fn(completions=..., prompts=..., **columns,
 **kwargs)`: `prompts` as the dataset gave them (strings, or lists of chat messages), and for
-conversational data (chat messages) each completion as `[{"role": "assistant", "content": text}]`,
-else as a string. Built-in rewards always get strings. Only a function marked `needs_sandbox`
+conversational data (chat messages) each completion as `[{"role": "assistant", "content": text}]`
+(a multi-turn completion as its whole conversation, tool turns included), else as a string (the
+whole text, tool output included). Built-in rewards always get strings. Only a function marked `needs_sandbox`
 (the code rewards) also gets `sandbox=`, the run's Sandbox. `trainer_state` says where the run
 is (`global_step`: rounds done, `max_steps`), as TRL passes its TrainerState.
 
@@ -106,10 +107,12 @@ class RewardInputs:
     texts: list[str]
     kwargs: dict[str, Any]
     conversational: bool = False
+    messages: list[list[dict] | None] | None = None  # multi-turn completions as their whole conversation
 
     def completions_for(self, reward: BoundReward) -> list:
         if self.conversational and not reward.builtin:
-            return [[{"role": "assistant", "content": t}] for t in self.texts]
+            messages = self.messages or [None] * len(self.texts)
+            return [m or [{"role": "assistant", "content": t}] for t, m in zip(self.texts, messages)]
         return self.texts
 
 
@@ -177,7 +180,7 @@ def _bind(
 def reward_inputs(groups: list[Group], step: int | None = None, max_steps: int | None = None) -> RewardInputs:
     """Completion texts and the keyword columns (one entry per completion) for reward calls;
     `trainer_state` too when the round `step` is given."""
-    texts, kwargs = [], {"prompts": [], "completion_ids": [], "answer": []}
+    texts, messages, kwargs = [], [], {"prompts": [], "completion_ids": [], "answer": []}
     # every dataset column by its own name; `answer` is always the reference (data.answer_field)
     extra = sorted({k for g in groups for k in g.prompt.columns} - set(kwargs) - {"completions"})
     for k in extra:
@@ -185,6 +188,7 @@ def reward_inputs(groups: list[Group], step: int | None = None, max_steps: int |
     for g in groups:
         for c in g.completions:
             texts.append(c.text)
+            messages.append(c.messages)
             kwargs["prompts"].append(g.prompt.text if g.prompt.source is None else g.prompt.source)
             kwargs["completion_ids"].append(c.token_ids)
             kwargs["answer"].append(g.prompt.answer)
@@ -192,7 +196,8 @@ def reward_inputs(groups: list[Group], step: int | None = None, max_steps: int |
                 kwargs[k].append(g.prompt.columns.get(k))
     if step is not None:  # rounds done so far, as TRL's TrainerState.global_step counts optimizer steps
         kwargs["trainer_state"] = types.SimpleNamespace(global_step=step - 1, max_steps=max_steps)
-    return RewardInputs(texts, kwargs, any(isinstance(g.prompt.source, list) for g in groups))
+    conversational = any(isinstance(g.prompt.source, list) for g in groups)
+    return RewardInputs(texts, kwargs, conversational, messages if any(messages) else None)
 
 
 def _sample(texts: list[str], i: int) -> str:

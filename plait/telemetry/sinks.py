@@ -19,6 +19,7 @@ CONSOLE_COLUMNS = [
     ("accuracy", "acc", "{:.2f}"),
     ("completion/length_mean", "len", "{:.1f}"),
     ("completion/truncated", "trunc", "{:.2f}"),
+    ("tools/calls_per_completion", "tools", "{:.2f}"),
     ("loss", "loss", "{:+.4f}"),
     ("kl", "kl", "{:.4f}"),
     ("clip/fraction", "clip", "{:.3f}"),

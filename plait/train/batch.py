@@ -12,15 +12,17 @@ def collate(groups: list[Group], pad_id: int, mask_truncated: bool = False) -> B
     """One row per completion: [left-padded prompt | right-padded completion].
 
     Advantages start at zero; the loop fills them in. With `mask_truncated`, completions cut at
-    max_completion_length keep their row but contribute no tokens to the loss.
+    max_completion_length keep their row but contribute no tokens to the loss. Tokens the model
+    did not sample (a tool's output in a multi-turn completion) are context only: masked out.
     """
-    prompts, completions, truncated, sampling = [], [], [], []
+    prompts, completions, truncated, sampling, sampled = [], [], [], [], []
     for g in groups:
         for c in g.completions:
             prompts.append(g.prompt.token_ids)
             completions.append(c.token_ids)
             truncated.append(c.truncated)
             sampling.append(c.logprobs)
+            sampled.append(c.sampled_mask)
     p_ids, p_mask = left_pad(prompts, pad_id)
     width = max(1, max(len(c) for c in completions))
     c_ids = torch.full((len(completions), width), pad_id, dtype=torch.long)
@@ -31,6 +33,9 @@ def collate(groups: list[Group], pad_id: int, mask_truncated: bool = False) -> B
         c_mask[i, : len(c)] = 1
         s_lp[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
     loss_mask = c_mask.clone()
+    for i, m in enumerate(sampled):
+        if m is not None:
+            loss_mask[i, : len(m)] = torch.tensor(m, dtype=torch.long)
     if mask_truncated:
         loss_mask[torch.tensor(truncated, dtype=torch.bool)] = 0
     return Batch(

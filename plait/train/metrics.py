@@ -38,10 +38,35 @@ def rollout_metrics(groups: list[Group], accuracy: list[float] | None = None) ->
     out["completion/length_mean"] = statistics.fmean(lengths) if lengths else 0.0
     out["completion/length_max"] = float(max(lengths, default=0))
     out["completion/truncated"] = sum(c.truncated for g in groups for c in g.completions) / max(1, len(lengths))
-    out["tokens/generated"] = float(sum(lengths))
+    out["tokens/generated"] = float(sum(_sampled(c) for g in groups for c in g.completions))
+    out.update(tool_metrics([c for g in groups for c in g.completions]))
     if accuracy is not None:
         out["accuracy"] = statistics.fmean(accuracy) if accuracy else float("nan")
     return out
+
+
+def _sampled(c) -> int:
+    """Tokens the model sampled (a multi-turn completion also holds tool output)."""
+    return len(c.token_ids) if c.sampled_mask is None else sum(c.sampled_mask)
+
+
+def tool_metrics(completions: list) -> dict[str, float]:
+    """Multi-turn tool use over a round's completions (none without rollout.tools)."""
+    stats = [c.tool_stats for c in completions if c.tool_stats is not None]
+    if not stats:
+        return {}
+    n = len(stats)
+    calls = sum(s["calls"] for s in stats)
+    return {
+        "tools/calls_per_completion": calls / n,
+        "tools/used_share": sum(s["calls"] > 0 for s in stats) / n,
+        "tools/turns_mean": sum(s["turns"] for s in stats) / n,
+        "tools/errors": sum(s["errors"] for s in stats),
+        "tools/timeouts": sum(s["timeouts"] for s in stats),
+        "tools/error_share": sum(s["errors"] + s["timeouts"] for s in stats) / calls if calls else 0.0,
+        "tools/call_seconds": sum(s["seconds"] for s in stats),
+        "tools/output_tokens": float(sum(len(c.token_ids) - _sampled(c) for c in completions)),
+    }
 
 
 def sample_record(step: int, group: Group) -> dict:
@@ -55,6 +80,7 @@ def sample_record(step: int, group: Group) -> dict:
         "rewards": {k: v[0] for k, v in group.rewards.items()},
         # the weight versions that sampled it (several: new weights arrived mid-completion)
         "weight_versions": sorted(set(c.staleness_versions)),
+        **({"conversation": c.messages} if c.messages else {}),
     }
 
 

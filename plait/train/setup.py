@@ -29,6 +29,7 @@ from plait.telemetry import MetricsSink, PhaseTimer
 from plait.telemetry.flops import device_peak, model_cost
 from plait.telemetry.memory import MemoryMeter
 from plait.telemetry.meter import StepMeter
+from plait.tools import check_tools, tool_sandbox, tool_schemas, tools_need_sandbox, with_tools
 from plait.train.backends.base import Backend
 from plait.train.guard import NonFiniteGuard
 from plait.train.metrics import describe_processes
@@ -160,24 +161,39 @@ def build_run(cfg: Config, plan: BatchPlan, backend: Backend, sink: MetricsSink,
             f"sandbox: model-written code runs under isolation tier '{sandbox.tier}' (minimum "
             f"'{cfg.sandbox.min_tier}'; `plait sandbox` shows why)"
         )
+    tool_box = None
+    if tools_need_sandbox(cfg.rollout.tools):
+        tool_box = tool_sandbox(cfg)
+        say(f"tools: the model's tool calls run under sandbox tier '{tool_box.tier}'")
     rewards, metric = bind_rewards(cfg.rewards, sandbox), bind_metric(cfg.eval.metric, sandbox)
     tokenizer = load_tokenizer(cfg.model.name_or_path)
-    prompts = build_prompts(load_rows(cfg.data, "train", cfg.seed), tokenizer, cfg.data, log=say)
+    schemas = tool_schemas(cfg.rollout.tools)
+    prompts = build_prompts(load_rows(cfg.data, "train", cfg.seed), tokenizer, cfg.data, log=say, tools=schemas)
     evaluating = cfg.eval.before or cfg.eval.after or cfg.eval.every_steps
     eval_prompts = (
-        build_prompts(load_rows(cfg.data, "eval", cfg.seed), tokenizer, cfg.data, log=say) if evaluating else []
+        build_prompts(load_rows(cfg.data, "eval", cfg.seed), tokenizer, cfg.data, log=say, tools=schemas)
+        if evaluating
+        else []
     )
+    if cfg.rollout.tools is not None:
+        check_tools(cfg, tokenizer, prompts)  # the chat template must append turns
     backend.load(cfg)  # model (+ reference) + optimizer, sharded as the backend does it
     describe_processes(backend, run_dir, say)
     order = PromptOrder(len(prompts), cfg.seed, cfg.data.shuffle, rank=comm.rank(), stride=comm.world_size())
     run = Run(cfg, plan, backend, sink, run_dir, tokenizer, rewards, metric, sandbox, prompts, eval_prompts, order)
     run.meter = make_meter(cfg, backend, say)
     if generates_elsewhere(cfg):  # the producer generates; this process's own HF engine evaluates
-        run.engine = make_engine(_in_process(cfg), backend.module, tokenizer, view=backend.for_generation)
-        run.rollouts = AsyncRollouts(run, lambda: make_generator(cfg, tokenizer, backend.device))
+        engine = make_engine(_in_process(cfg), backend.module, tokenizer, view=backend.for_generation)
+
+        def generator():
+            engine, close = make_generator(cfg, tokenizer, backend.device)
+            return with_tools(cfg, engine, tokenizer, tool_box), close
+
+        run.rollouts = AsyncRollouts(run, generator)
     else:
-        run.engine = make_engine(cfg, backend.module, tokenizer, view=backend.for_generation, device=backend.device)
+        engine = make_engine(cfg, backend.module, tokenizer, view=backend.for_generation, device=backend.device)
         run.rollouts = SyncRollouts()
+    run.engine = with_tools(cfg, engine, tokenizer, tool_box)
     run.guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
     run.result = TrainResult(run_dir)
     return run

@@ -80,3 +80,12 @@ def vowel_share_die_once(completions, **kwargs):
         open(marker, "w").close()
         os.kill(os.getppid() if os.environ.get("PLAIT_REWARD_WORKER") else os.getpid(), signal.SIGKILL)
     return vowel_share(completions, **kwargs)
+
+
+def used_a_tool(completions, **kwargs):
+    """1.0 for a multi-turn completion with a tool turn: checks that rewards get the whole
+    conversation (a list of messages, assistant and tool turns) for conversational data."""
+    for c in completions:
+        if not (isinstance(c, list) and c and all({"role", "content"} <= set(m) for m in c)):
+            raise TypeError(f"expected a conversation (a list of messages), got {c!r:.200}")
+    return [1.0 if any(m["role"] == "tool" for m in c) else 0.0 for c in completions]

@@ -1,0 +1,98 @@
+"""Multi-turn tool use (docs/tools.md): the model calls tools mid-answer and learns from it.
+
+calls.py     finding calls in a turn (python blocks, hermes <tool_call>), running them
+template.py  the text between turns, and the check that the chat template appends
+engine.py    ToolEngine: any rollout engine, made multi-turn (token in, token out)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from plait.tools.calls import PYTHON_TOOL_DOC, ToolRunner, function_schema, resolve_function
+from plait.tools.engine import ToolEngine
+from plait.tools.template import ChatTurns, TemplateMismatch, check_template
+
+
+__all__ = ["ToolEngine", "ChatTurns", "TemplateMismatch", "with_tools", "tool_schemas", "chat_turns", "check_tools"]
+
+# the conversation the template check plays (an earlier turn with reasoning in it, as templates
+# that drop earlier reasoning would show)
+PROBE_TURNS = {
+    "python": ["<think>\nMultiply.\n</think>\nLet me compute it.\n```python\nprint(6 * 7)\n```\n", "So \\boxed{42}."],
+    "hermes": [
+        '<think>\nMultiply.\n</think>\n<tool_call>\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n'
+        "</tool_call>",
+        "So \\boxed{42}.",
+    ],
+}
+
+
+def tools_need_sandbox(tools_cfg) -> bool:
+    """Does something the model writes run? (the Python tool, or functions not marked trusted)"""
+    return tools_cfg is not None and (
+        tools_cfg.python or (bool(tools_cfg.functions) and not tools_cfg.trusted_functions)
+    )
+
+
+def tool_functions(tools_cfg) -> dict[str, Callable]:
+    """The configured function tools by name."""
+    fns = [resolve_function(spec) for spec in tools_cfg.functions]
+    return {fn.__name__: fn for fn in fns}
+
+
+def tool_schemas(tools_cfg) -> list[dict] | None:
+    """What the chat template describes to the model: the JSON schema of every tool (format
+    hermes); None for format python (the prompt says how to write a python block)."""
+    if tools_cfg is None or tools_cfg.format != "hermes":
+        return None
+    schemas = [PYTHON_TOOL_DOC] if tools_cfg.python else []
+    return schemas + [function_schema(fn) for fn in tool_functions(tools_cfg).values()]
+
+
+def chat_turns(cfg, tokenizer) -> ChatTurns | None:
+    """Tool turns rendered by the run's chat template; None when prompts are plain text."""
+    own = cfg.data.chat_template if isinstance(cfg.data.chat_template, str) else None
+    if not cfg.data.chat_template or not (own or tokenizer.chat_template):
+        return None
+    return ChatTurns(tokenizer, own, tool_schemas(cfg.rollout.tools), cfg.rollout.tools.role)
+
+
+def check_tools(cfg, tokenizer, prompts) -> None:
+    """Before any model loads: the chat template must render a conversation by appending (see
+    template.py); ValueError says why not and what to do."""
+    t = cfg.rollout.tools
+    turns = chat_turns(cfg, tokenizer)
+    if turns is None:
+        if t.format == "hermes":
+            raise ValueError("rollout.tools.format=hermes needs a chat template (data.chat_template true or a string)")
+        return
+    first = prompts[0]
+    try:
+        check_template(turns, first.messages, first.text, PROBE_TURNS[t.format])
+    except TemplateMismatch as err:
+        raise ValueError(
+            f"rollout.tools: this chat template can't be used for multi-turn rollouts: {err}. Training on it would "
+            "use contexts the model never sees when the conversation is rendered whole. Give a template that "
+            "renders by appending (data.chat_template: a Jinja string), or set data.chat_template: false."
+        ) from err
+
+
+def tool_sandbox(cfg):
+    """The sandbox tool calls run in: the run's sandbox settings with the tools' time limit
+    (built, and its isolation tier checked, now: fail closed before any model loads)."""
+    from plait.rewards.code import Sandbox, sandbox_settings
+
+    settings = sandbox_settings(cfg.sandbox)
+    settings.limits = dataclasses.replace(settings.limits, timeout_s=cfg.rollout.tools.timeout_s)
+    return Sandbox(settings)
+
+
+def with_tools(cfg, engine, tokenizer, sandbox=None):
+    """`engine` as it is without rollout.tools, else wrapped in a ToolEngine."""
+    t = cfg.rollout.tools
+    if t is None:
+        return engine
+    runner = ToolRunner(t, sandbox, tool_functions(t))
+    return ToolEngine(engine, tokenizer, t, runner, chat_turns(cfg, tokenizer), workers=cfg.sandbox.workers)

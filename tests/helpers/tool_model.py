@@ -1,0 +1,69 @@
+"""A tiny model that has learned to call the Python tool: for tests of multi-turn rollouts.
+
+A random tiny model never writes a ```python block, so nothing multi-turn would happen. This
+fine-tunes one (a few hundred steps of plain supervised learning, seconds on a CPU) on
+conversations of the built-in `multiply` task in the chat template: the assistant writes a
+python block, the tool prints the product, the assistant answers in \\boxed{}. Sampled at
+temperature 1 it calls the tool most of the time, with code (and numbers) of its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+CALL = "Let me compute it.\n```python\nprint({a} * {b})\n```\n"
+ANSWER = "The answer is \\boxed{{{product}}}."
+
+
+def conversation(row: dict) -> list[dict]:
+    q = row["prompt"]
+    return [
+        {"role": "user", "content": q},
+        {"role": "assistant", "content": CALL.format(**row)},
+        {"role": "tool", "content": f"{row['a'] * row['b']}\n"},
+        {"role": "assistant", "content": ANSWER.format(product=row["a"] * row["b"])},
+    ]
+
+
+def teach_tool_calls(
+    path: str | Path, out: str | Path, steps: int = 120, rows: int = 64, batch: int = 8, seed: int = 0
+) -> Path:
+    """Fine-tune the model at `path` to call the tool; save it to `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from plait.data.tasks import multiply
+
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    seqs = []
+    for row in multiply("train", rows, seed):
+        conv = conversation(row)
+        prompt = tok.apply_chat_template(conv[:1], add_generation_prompt=True, tokenize=False)
+        whole = tok.apply_chat_template(conv, tokenize=False)
+        ids = tok(whole, add_special_tokens=False)["input_ids"]
+        labels = list(ids)
+        labels[: len(tok(prompt, add_special_tokens=False)["input_ids"])] = [-100] * len(
+            tok(prompt, add_special_tokens=False)["input_ids"]
+        )
+        seqs.append((ids, labels))
+    width = max(len(i) for i, _ in seqs)
+    ids = torch.tensor([i + [tok.pad_token_id or 0] * (width - len(i)) for i, _ in seqs])
+    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in seqs])
+    mask = (torch.arange(width)[None] < torch.tensor([len(i) for i, _ in seqs])[:, None]).long()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for step in range(steps):
+        pick = torch.randint(0, len(seqs), (batch,))
+        hidden = model.model(input_ids=ids[pick], attention_mask=mask[pick]).last_hidden_state[:, :-1]
+        target = labels[pick][:, 1:]
+        taught = target != -100  # the vocabulary projection only where there is a label: most of the cost
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[taught]), target[taught])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return Path(out)
