@@ -42,9 +42,9 @@ def tok(tiny_model_path):
 
 
 @pytest.fixture(scope="session")
-def tool_model(tiny_model_path, tmp_path_factory):
-    """The tiny model, fine-tuned to call the Python tool."""
-    return teach_tool_calls(tiny_model_path, tmp_path_factory.mktemp("tools") / "model")
+def tool_model(vllm_model, tmp_path_factory):
+    """The tiny model vLLM can run, fine-tuned to call the Python tool."""
+    return teach_tool_calls(vllm_model, tmp_path_factory.mktemp("tools") / "model")
 
 
 def python_runner(box, **cfg):
@@ -194,6 +194,34 @@ def test_tool_turns_are_masked_and_the_tokens_are_the_whole_conversation(tok, bo
     assert [p.index for p in later] == [3 * 2, 3 * 2 + 1] and params.seed != 5
 
 
+def test_hermes_calls_reach_functions_and_the_python_session(tok, box):
+    from tool_functions import multiply
+
+    script = [
+        '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>',
+        '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7 + 1)"}}</tool_call>',
+        '<tool_call>{"name": "divide", "arguments": {}}</tool_call>',
+        "So \\boxed{42}.<eos>",
+    ]
+    cfg = ToolsConfig(format="hermes", functions=["tool_functions:multiply"], trusted_functions=True)
+    runner = ToolRunner(cfg, box, {"multiply": multiply})
+    tools = ToolEngine(Scripted(tok, script), tok, cfg, runner, ChatTurns(tok))
+    prompt = chat_prompt(tok)
+    ((c,),) = tools.generate([prompt], SamplingParams(max_tokens=300), n=1)
+    said = [m for m in c.messages if m["role"] == "tool"]
+    assert [(m["name"], m["content"].strip()) for m in said[:2]] == [("multiply", "42"), ("python", "43")]
+    assert said[2]["content"].startswith("there is no tool named 'divide'")
+    assert c.messages[0]["tool_calls"] == [
+        {"type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}
+    ]
+    assert c.tool_stats["calls"] == 3 and c.tool_stats["errors"] == 1
+    rendered = [{k: v for k, v in m.items() if k != "tool_calls"} for m in c.messages]  # the raw call is the content
+    whole = tok.apply_chat_template(prompt.messages + rendered, tokenize=False)
+    assert tok(whole, add_special_tokens=False)["input_ids"][: len(prompt.token_ids) + len(c.token_ids)] == (
+        prompt.token_ids + c.token_ids
+    )
+
+
 def test_without_a_chat_template_the_output_goes_in_as_text_and_eos_ends(tok, box):
     prompt = Prompt(0, "Q: 6 * 7?\nA:", tok("Q: 6 * 7?\nA:", add_special_tokens=False)["input_ids"])
     tools = ToolEngine(Scripted(tok, SCRIPT), tok, ToolsConfig(), python_runner(box), None)
@@ -228,6 +256,39 @@ def test_a_stop_without_a_whole_call_resumes_the_same_turn(tok, box):
     assert [m["role"] for m in c.messages] == ["assistant", "tool", "assistant"]
     # the opening fence of a plain block stopped the turn; the same turn went on from there
     assert c.messages[0]["content"] == "Here:\n```\n" + script[1] and c.messages[1]["content"] == "2\n"
+
+
+def test_vllm_and_the_hf_engine_hold_the_same_conversations(tool_model, box):
+    """Greedy multi-turn rollouts through the colocated vLLM engine equal the HF engine's: the
+    same tokens in every turn, the same calls, the same tool output (vLLM's stop strings and
+    token ids, turn by turn, agree with plait's own decoding)."""
+    from transformers import AutoModelForCausalLM
+
+    from plait.config import load_config
+    from plait.data import build_prompts, load_rows
+    from plait.models import load_tokenizer
+    from plait.rollout import make_engine
+
+    tok = load_tokenizer(tool_model)
+    cfg = load_config(None, [f"model.name_or_path={tool_model}", "rollout.engine=vllm", "train.precision=fp32"])
+    model = AutoModelForCausalLM.from_pretrained(tool_model, dtype=torch.float32)
+    prompts = build_prompts(load_rows(cfg.data.model_copy(update={"task": "multiply"}), "eval")[:4], tok, cfg.data)
+    runner, turns = python_runner(box), ChatTurns(tok)
+    hf = ToolEngine(
+        make_engine(load_config(None, ["train.precision=fp32"]), model, tok), tok, ToolsConfig(), runner, turns
+    )
+    vllm = ToolEngine(make_engine(cfg, model, tok), tok, ToolsConfig(), runner, turns)
+    greedy = SamplingParams(max_tokens=64, temperature=0.0)
+    try:
+        with vllm.weights_for_step(0):
+            ours = vllm.generate(prompts, greedy)
+    finally:
+        vllm.close()
+    theirs = hf.generate(prompts, greedy)
+    assert sum(a[0].tool_stats["calls"] for a in ours) > 0
+    for a, b in zip(ours, theirs):
+        assert a[0].token_ids == b[0].token_ids and a[0].sampled_mask == b[0].sampled_mask
+        assert a[0].messages == b[0].messages
 
 
 # ---- training runs -------------------------------------------------------------------------
