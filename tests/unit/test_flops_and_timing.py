@@ -170,3 +170,34 @@ def test_shared_prompt_pass_gives_the_plain_log_probs_and_gradients(tiny, way):
     g_shared = torch.autograd.grad((shared * real).sum(), params)
     for a, b in zip(g_plain, g_shared):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decode_roofline_counts_what_a_decode_step_reads_and_computes(tiny_model_path, tied):
+    """The bound's inputs against the real thing: the KV bytes are the cache's own tensors after
+    `context` positions, the weights are every parameter a step multiplies (an untied input
+    embedding only gathers rows), the FLOPs are what torch's counter sees for one decode step."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from plait.telemetry.bandwidth import decode_cost, gpu_bandwidth
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, tie_word_embeddings=tied)
+    assert (model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()) == tied
+    cost = decode_cost(model)
+    rows, context = 3, 21
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 1000, (rows, context - 1)), past_key_values=cache, use_cache=True)
+        with FlopCounterMode(display=False) as fc:
+            model(input_ids=torch.randint(0, 1000, (rows, 1)), past_key_values=cache, use_cache=True)
+    kv = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    assert rows * context * cost.kv_bytes_per_position == kv
+    embedding = model.model.embed_tokens.weight
+    all_params = {p.data_ptr(): p for p in model.parameters()}.values()
+    expected = sum(p.nbytes for p in all_params) - (0 if tied else embedding.nbytes)
+    assert cost.weight_bytes == expected
+    assert cost.flops(rows, context) == pytest.approx(fc.get_total_flops(), rel=0.02)
+    seconds, kind = cost.bound(rows, context, bandwidth=1e9, peak=1e15)
+    assert kind == "memory" and seconds == pytest.approx(cost.bytes(rows, context) / 1e9)
+    assert cost.bound(rows, context, bandwidth=1e15, peak=1e9)[1] == "compute"
+    assert gpu_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12 and gpu_bandwidth("NVIDIA H100 PCIe") == 2.0e12

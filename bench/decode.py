@@ -1,0 +1,90 @@
+"""Decode speed of the HF engine against the roofline: how far one decode step is from the bound.
+
+    .venv/bin/python bench/decode.py [--model smollm2-135m-instruct] [--rows 1,8,64] [--tokens 64]
+                                     [--dtype float32|bfloat16] [--device cpu|cuda]
+
+For each batch size the engine samples `rows` completions of exactly --tokens tokens (EOS is
+ignored for the measurement, so every row decodes every step) and each step's time is taken
+between two forward passes (the engine's per-token hook), sampling included. The bound of a
+step is max(bytes read / bandwidth, FLOPs / peak): every multiplied weight plus the KV cache
+at the step's context, over the measured read bandwidth on CPU or the datasheet's on GPU
+(plait/telemetry/bandwidth.py); FLOPs over the measured matmul peak on CPU or the datasheet's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from plait.models import load_tokenizer, resolve_model_path
+from plait.rollout.hf import HFEngine
+from plait.telemetry.bandwidth import decode_cost, device_bandwidth
+from plait.telemetry.flops import device_peak
+from plait.types import Prompt, SamplingParams
+
+
+def step_times(engine: HFEngine, prompts: list[Prompt], params: SamplingParams, n: int) -> list[float]:
+    """Seconds between consecutive forward passes of one generate call (decode steps only)."""
+    stamps: list[float] = []
+
+    def on_token() -> int:
+        stamps.append(time.perf_counter())
+        return 0
+
+    engine.on_token = on_token
+    try:
+        engine.generate(prompts, params, n)
+    finally:
+        engine.on_token = None
+    return [b - a for a, b in zip(stamps[1:], stamps[2:])]  # stamps[0] precedes the prefill
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--rows", default="1,8,64", help="batch sizes (rows decoding together), comma-separated")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--reps", type=int, default=2)
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(args.model)
+    dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device)
+    tok = load_tokenizer(str(path))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    engine = HFEngine(model, tok, batch_size=max(int(r) for r in args.rows.split(",")))
+    engine.eos_ids = []  # every row decodes every step
+    cost = decode_cost(model)
+    bandwidth, bw_source = device_bandwidth(device)
+    peak, peak_source = device_peak(device, "bf16" if dtype == torch.bfloat16 else "fp32")
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    params = SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=1)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{args.model} {args.dtype} on {where}: {cost.weight_bytes / 1e6:.0f} MB of weights read per step")
+    print(f"bandwidth {bandwidth / 1e9:.1f} GB/s ({bw_source}); peak {(peak or 0) / 1e12:.2f} TFLOP/s ({peak_source})\n")
+    print("| rows | ms per step | tokens/s | bound ms (kind) | x off the bound |\n|---|---|---|---|---|")
+    for rows in [int(r) for r in args.rows.split(",")]:
+        step_times(engine, [Prompt(0, "", prompt)], params, rows)  # warm-up
+        times = []
+        for _ in range(args.reps):
+            times += step_times(engine, [Prompt(0, "", prompt)], params, rows)
+        ms = statistics.median(times)
+        context = len(prompt) + args.tokens // 2  # the middle step's context
+        bound, kind = cost.bound(rows, context, bandwidth, peak)
+        print(f"| {rows} | {ms * 1e3:.1f} | {rows / ms:.0f} | {bound * 1e3:.1f} ({kind}) | {ms / bound:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
