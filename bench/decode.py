@@ -73,7 +73,9 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=1)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{args.model} {args.dtype} on {where}: {cost.weight_bytes / 1e6:.0f} MB of weights read per step")
-    print(f"bandwidth {bandwidth / 1e9:.1f} GB/s ({bw_source}); peak {(peak or 0) / 1e12:.2f} TFLOP/s ({peak_source})\n")
+    print(
+        f"bandwidth {bandwidth / 1e9:.1f} GB/s ({bw_source}); peak {(peak or 0) / 1e12:.2f} TFLOP/s ({peak_source})\n"
+    )
     print("| rows | ms per step | tokens/s | bound ms (kind) | x off the bound |\n|---|---|---|---|---|")
     for rows in [int(r) for r in args.rows.split(",")]:
         step_times(engine, [Prompt(0, "", prompt)], params, rows)  # warm-up

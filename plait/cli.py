@@ -144,7 +144,27 @@ def _parser() -> argparse.ArgumentParser:
         "--tp", type=int, help="tensor parallel size: devices per replica (default rollout.vllm.tensor_parallel_size)"
     )
     r.add_argument("--dp", type=int, help="data parallel size: replicas (default rollout.vllm.data_parallel_size)")
-    r.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
+    r.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 for trainers on other machines: "
+        "every request still needs the token)",
+    )
+    r.add_argument(
+        "--token-file",
+        help="file with the token trainers must send (default rollout.vllm.token_file, else "
+        "~/.cache/plait/rollout-token, created if missing); PLAIT_ROLLOUT_TOKEN overrides it",
+    )
+    r.add_argument(
+        "--weights-from",
+        action="append",
+        default=[],
+        metavar="ADDRESS",
+        help="an address a weight-group join may name besides the caller's own (a trainer behind NAT); repeatable",
+    )
+    r.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body (default 64)")
+    r.add_argument("--max-prompts", type=int, default=4096, help="most prompts in one request (default 4096)")
+    r.add_argument("--max-n", type=int, default=512, help="most completions per prompt (default 512)")
     r.add_argument(
         "--port",
         type=int,
@@ -415,6 +435,7 @@ def cmd_rollout_server(args) -> int:
     import torch
 
     from plait.models import model_path_problem, resolve_model_path
+    from plait.rollout.auth import TokenError, resolve_token
     from plait.rollout.server import run_servers
     from plait.rollout.vllm_engine import engine_kwargs
 
@@ -442,7 +463,23 @@ def cmd_rollout_server(args) -> int:
             file=sys.stderr,
         )
         return 2
-    return run_servers(engine_kwargs(cfg, str(resolve_model_path(model)), device, tp), dp, args.host, port)
+    try:
+        token, source = resolve_token(args.token_file or v.token_file)
+    except TokenError as e:
+        print(f"plait rollout-server: {e}", file=sys.stderr)
+        return 2
+    print(f"rollout server: requests need the token in {source}", file=sys.stderr)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"rollout server: listening on {args.host}, reachable from other machines: keep the token secret, "
+            "and see docs/security.md for isolating the weight broadcast",
+            file=sys.stderr,
+        )
+    limits = dict(
+        max_body_mb=args.max_body_mb, max_prompts=args.max_prompts, max_n=args.max_n, join_from=args.weights_from
+    )
+    kwargs = engine_kwargs(cfg, str(resolve_model_path(model)), device, tp)
+    return run_servers(kwargs, dp, args.host, port, token, limits)
 
 
 def cmd_prepare_model(_args) -> int:

@@ -465,6 +465,14 @@ def render(p: Placement, cfg) -> list[str]:
         "vllm server": f"{len(p.replicas) * tp} generate (vLLM: {replicas} x tp {tp})",
     }[p.generation]
     lines = [f"placement: {n_train} train ({shard}) + {gen}"]
+    if p.generation == "vllm external":
+        where = cfg.rollout.vllm.token_file or "~/.cache/plait/rollout-token"
+        lines.append(
+            f"  the servers' token: $PLAIT_ROLLOUT_TOKEN, else {where} (the server's file: copy it to training "
+            "nodes that don't share it; docs/security.md)"
+        )
+    elif p.generation == "vllm server":
+        lines.append("  the replicas' token: a fresh one per run, handed to the trainers by the launcher")
     width = max(len(n.name) for n in p.nodes)
     for i, n in enumerate(p.nodes):
         ranks = [r for r, s in enumerate(p.train) if s.node == i]

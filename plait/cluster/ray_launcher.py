@@ -170,11 +170,17 @@ class Trainer:
             "port": free_port(""),
         }
 
-    def run(self, cfg_json: str, master: str, port: int, console: str | None) -> dict:
+    def run(self, cfg_json: str, master: str, port: int, console: str | None, token: str | None) -> dict:
+        """`token`: the generation replicas' token when this job started them (it reaches the
+        trainer through its environment, never the config written to the run directory)."""
         import ray
+
+        from plait.rollout.auth import ENV
 
         node_id = ray.get_runtime_context().get_node_id()
         os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), PLAIT_NODE_ID=node_id)
+        if token:
+            os.environ[ENV] = token
         from plait.config import Config
         from plait.train.loop import train
 
@@ -192,24 +198,18 @@ class GenerationServer:
     def __init__(self, index: int):
         self.index, self.proc = index, None
 
-    def start(self, engine_kwargs: dict, timeout_s: float) -> str:
+    def start(self, engine_kwargs: dict, timeout_s: float, token: str) -> str:
+        """Listens on all interfaces (trainers on other nodes reach it), so requests need `token`."""
         import ray
 
-        from plait.rollout.server import _cpu_threads, _wait_healthy
+        from plait.rollout.auth import ENV
+        from plait.rollout.server import _cpu_threads, _wait_healthy, replica_command
 
         port = free_port("")
-        env = dict(os.environ)
+        env = {**os.environ, ENV: token}
         if not ray.get_gpu_ids():  # CPU: the replica's workers get this node's cores, as `plait rollout-server` does
             env.update(_cpu_threads(0, engine_kwargs.get("tensor_parallel_size", 1), 1))
-        cmd = [
-            sys.executable,
-            "-m",
-            "plait.rollout.server",
-            json.dumps(engine_kwargs),
-            "0",
-            "0.0.0.0",
-            json.dumps([port]),
-        ]
+        cmd = replica_command(engine_kwargs, 0, "0.0.0.0", [port])
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         _wait_healthy([f"http://127.0.0.1:{port}"], [self.proc], timeout_s)
         return {
@@ -280,6 +280,7 @@ class Job:
         self.cfg, self.plan, self.say = cfg, plan, say
         self.pg = None
         self.servers: list = []
+        self.token: str | None = None  # the replicas' token, fresh per attempt
         self.trainers: list = []
         self.ran_on: dict[str, list[str]] = {}  # node ids Ray reports for each actor
         self.where_trainers: list[dict] = []
@@ -370,7 +371,11 @@ class Job:
         ]
         device = resolve_device("cuda" if self.plan.device_kind == "GPU" else "cpu")
         kwargs = engine_kwargs(self.cfg, str(resolve_model_path(self.cfg.model.name_or_path)), device, tp)
-        started = ray.get([s.start.remote(kwargs, self.cfg.cluster.ray.start_timeout_s) for s in self.servers])
+        from plait.rollout.auth import new_token
+
+        self.token = new_token()
+        timeout = self.cfg.cluster.ray.start_timeout_s
+        started = ray.get([s.start.remote(kwargs, timeout, self.token) for s in self.servers])
         self.ran_on["generation_replicas"] = [s["node_id"] for s in started]
         urls = [s["url"] for s in started]
         self.cfg = self.cfg.model_copy(deep=True)
@@ -386,7 +391,7 @@ class Job:
         master, port = self.where_trainers[0]["address"], self.where_trainers[0]["port"]
         cfg_json = self.cfg.model_dump_json()
         pending = {
-            t.run.remote(cfg_json, master, port, console if i == 0 else "none"): ("trainer", i)
+            t.run.remote(cfg_json, master, port, console if i == 0 else "none", self.token): ("trainer", i)
             for i, t in enumerate(self.trainers)
         }
         pending |= {s.watch.remote(): ("generation", j) for j, s in enumerate(self.servers)}

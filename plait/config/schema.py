@@ -111,6 +111,12 @@ class VllmSettings(Section):
         description="Server mode: URL of a rollout server (its data-parallel replicas are found from it), "
         "or of each replica.",
     )
+    token_file: str | None = Field(
+        None,
+        description="Server mode: file holding the rollout servers' token (null = ~/.cache/plait/rollout-token, "
+        "created by whichever of server and trainer starts first); PLAIT_ROLLOUT_TOKEN overrides it. "
+        "See docs/security.md.",
+    )
     tensor_parallel_size: int = Field(
         1, ge=1, description="Server mode: GPUs per engine replica (`plait rollout-server --tp`)."
     )

@@ -49,10 +49,12 @@ def make_generator(cfg, tokenizer, device):
     if cfg.rollout.engine == "vllm":
         engine = RemoteEngine(cfg, tokenizer, identity, device)
         return engine, engine.close
+    from plait.rollout.auth import new_token
     from plait.rollout.hf_process import start_generation_process, stop_process
 
-    url, proc = start_generation_process(cfg, device, max(600.0, cfg.rollout.vllm.connect_timeout_s))
-    engine = RemoteEngine(cfg, tokenizer, identity, device, servers=[url], own_process=True)
+    token = new_token()  # this run's own: the process is ours alone
+    url, proc = start_generation_process(cfg, device, max(600.0, cfg.rollout.vllm.connect_timeout_s), token)
+    engine = RemoteEngine(cfg, tokenizer, identity, device, servers=[url], own_process=True, token=token)
 
     def close():
         engine.close()

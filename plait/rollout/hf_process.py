@@ -15,16 +15,15 @@ sampled it. Decoding then skips the packed weight copies (they would hold the ol
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import asdict
 
 import torch
 
+from plait.rollout.auth import ENV
 from plait.rollout.weights import TensorMeta, receive_buckets, weight_group
 from plait.types import Prompt, SamplingParams
 
@@ -45,6 +44,12 @@ class HFReplica:
 
     def describe(self) -> dict:
         return dict(tensor_parallel_size=1, model=self.spec["model"], engine="hf")
+
+    def limits(self) -> tuple[int, int]:
+        """(longest prompt + completion, vocabulary size) of the served model."""
+        cfg = self.engine.model.config
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        return int(getattr(text, "max_position_embeddings", None) or 2**31 - 1), int(text.vocab_size)
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
@@ -155,17 +160,17 @@ def generation_spec(cfg, device: torch.device) -> dict:
     )
 
 
-def start_generation_process(cfg, device: torch.device, timeout_s: float) -> tuple[str, subprocess.Popen]:
-    """Start the HF generation process on this machine; return its URL and process once it
-    answers /health. Its log goes to this process's stderr."""
+def start_generation_process(cfg, device: torch.device, timeout_s: float, token: str) -> tuple[str, subprocess.Popen]:
+    """Start the HF generation process on this machine, listening on loopback only and taking
+    requests with `token` (the run's own); return its URL and process once it answers /health.
+    Its log goes to this process's stderr."""
     from plait.cluster import comm
-    from plait.rollout.server import _wait_healthy
+    from plait.rollout.server import _wait_healthy, replica_command
 
     port = comm.free_port()
     spec = {**generation_spec(cfg, device), "parent": os.getpid()}
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"] or 1)}
-    cmd = [sys.executable, "-m", "plait.rollout.server", json.dumps(spec), "0", "127.0.0.1", json.dumps([port])]
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"] or 1), ENV: token}
+    proc = subprocess.Popen(replica_command(spec, 0, "127.0.0.1", [port]), env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy([url], [proc], timeout_s)

@@ -48,10 +48,20 @@ def _resume_hint(own_process: bool = False) -> str:
 
 class RemoteEngine:
     def __init__(
-        self, cfg, tokenizer, view, device: torch.device, servers: list[str] | None = None, own_process: bool = False
+        self,
+        cfg,
+        tokenizer,
+        view,
+        device: torch.device,
+        servers: list[str] | None = None,
+        own_process: bool = False,
+        token: str | None = None,
     ):
-        """`own_process`: the server is the HF generation process this trainer started."""
+        """`own_process`: the server is the HF generation process this trainer started.
+        `token`: the servers' token (default: $PLAIT_ROLLOUT_TOKEN or rollout.vllm.token_file)."""
         import httpx
+
+        from plait.rollout.auth import TokenError, bearer, resolve_token
 
         self.own_process = own_process
         self.label = "the HF generation process" if own_process else "rollout server"
@@ -64,7 +74,16 @@ class RemoteEngine:
         self.dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
         self.backend = v.sync_backend if v.sync_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
         self.device = device
-        self.http = httpx.Client(timeout=httpx.Timeout(v.request_timeout_s, connect=min(10.0, v.connect_timeout_s)))
+        if token is None:
+            try:
+                token, self.token_source = resolve_token(v.token_file)
+            except TokenError as e:
+                raise RolloutServerError(str(e)) from None
+        else:
+            self.token_source = "this run's own token"
+        self.http = httpx.Client(
+            timeout=httpx.Timeout(v.request_timeout_s, connect=min(10.0, v.connect_timeout_s)), headers=bearer(token)
+        )
         self.urls = self._discover(servers or v.servers)
         self.version: int | None = None
         self.instances: dict[str, str] = {}  # replica -> instance id it had when it last got the weights
@@ -89,6 +108,12 @@ class RemoteEngine:
             raise RolloutServerError(
                 f"{self.label} {url} is unreachable ({type(e).__name__}: {e}) during {path}.{after}"
             ) from None
+        if r.status_code == 401:
+            raise RolloutServerError(
+                f"{self.label} {url} refused this trainer's token (from {self.token_source}): give the trainer the "
+                "server's token: the same PLAIT_ROLLOUT_TOKEN, or rollout.vllm.token_file naming the server's token "
+                "file (`plait rollout-server` prints where it is)"
+            )
         if r.status_code != 200:
             raise RolloutServerError(f"{self.label} {url} answered {path} with HTTP {r.status_code}: {r.text[:500]}")
         return r.json()

@@ -8,11 +8,17 @@ weights to every replica's workers through a torch.distributed group it hosts (s
 rollout/remote.py). Every answer carries the weight version it was sampled with.
 
 The HTTP API (JSON):
+Every request carries `Authorization: Bearer TOKEN` (rollout/auth.py); without it only a bare
+GET /health answers ({ok: true}), anything else is a 401. Requests are checked before they reach
+the engine (rollout/api.py): sizes, sampling parameters, and who may join the weight group.
+
   GET  /health          -> {version, instance, replica, replicas, tensor_parallel_size, model}
   POST /generate        {prompts: [{token_ids, sampling}]}
                         -> {version, outputs: [[{token_ids, text, logprobs, finish_reason, stop_reason}]]}
-  POST /weights/join    {host, port, rank_offset, world, backend, timeout_s}: join the trainer's weight group
-  POST /weights/update  {version, metas, buckets}: receive the broadcast; generation waits meanwhile
+  POST /weights/join    {host, port, rank_offset, world, backend, timeout_s}: join the trainer's weight
+                        group; `host` must be the caller's own address (or one allowed by --weights-from)
+  POST /weights/update  {version, metas, buckets}: receive the broadcast, only from the client that
+                        joined; generation waits meanwhile
                         (HF with in-flight updates: received beside generation, swapped in between tokens)
 
 `instance` changes whenever a replica restarts, so a trainer knows to send it the weights again.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -29,6 +36,24 @@ import sys
 import time
 import uuid
 from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from plait.rollout.api import (
+    ApiError,
+    GenerateRequest,
+    Guard,
+    JoinRequest,
+    Limits,
+    UpdateRequest,
+    check_generate,
+    check_join,
+    check_update,
+    log,
+)
+from plait.rollout.auth import ENV
 
 
 class _Gate:
@@ -78,6 +103,10 @@ class VllmReplica:
     def describe(self) -> dict:
         return dict(tensor_parallel_size=self.kwargs.get("tensor_parallel_size", 1), model=self.kwargs["model"])
 
+    def limits(self) -> tuple[int, int]:
+        """(longest prompt + completion, vocabulary size) of the served model."""
+        return self.engine.model_config.max_model_len, self.engine.model_config.get_vocab_size()
+
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -110,12 +139,11 @@ class VllmReplica:
         await self.engine.reset_prefix_cache()  # cached prompt KV came from the old weights
 
 
-def build_app(engine, replica: int, ports: list[int]):
+def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits | None = None):
     """The FastAPI app of one replica serving `engine` (VllmReplica or HFReplica), which starts
-    with the app."""
-    from fastapi import FastAPI, HTTPException
-
-    state = dict(version=0, instance=uuid.uuid4().hex)
+    with the app, behind the token and request bounds of rollout/api.py."""
+    limits = limits or Limits()
+    state = dict(version=0, instance=uuid.uuid4().hex, joined_by=None)
     gate = _Gate()
 
     @asynccontextmanager
@@ -124,58 +152,86 @@ def build_app(engine, replica: int, ports: list[int]):
         yield
         await engine.stop()
 
-    app = FastAPI(lifespan=lifespan)
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        client = request.client.host if request.client else "?"
+        log.warning("refused %s %s from %s: %d %s", request.method, request.url.path, client, e.status, e.message)
+        return JSONResponse({"detail": e.message}, status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        where = "; ".join(f"{'.'.join(map(str, err['loc'][1:]))}: {err['msg']}" for err in e.errors()[:5])
+        return await api_error(request, ApiError(400, f"malformed request: {where}"))
+
+    def client_of(request: Request) -> str:
+        return request.client.host if request.client else "?"
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        if not request.state.authorized:  # liveness only: nothing about the run without the token
+            return dict(ok=True)
         return dict(
             version=state["version"], instance=state["instance"], replica=replica, replicas=ports, **engine.describe()
         )
 
     @app.post("/generate")
-    async def generate(body: dict):
+    async def generate(req: GenerateRequest):
+        check_generate(req, limits, *engine.limits())
+        body = req.model_dump()
         async with gate.generating():
             version = state["version"]
             try:
                 outputs = await engine.generate(body)
             except ValueError as e:  # the engine rejects a request (prompt too long, bad parameter): say why
-                raise HTTPException(400, f"the engine rejected a request: {e}") from e
+                raise ApiError(400, f"the engine rejected a request: {e}") from e
             except Exception as e:
-                raise HTTPException(500, f"generation failed: {type(e).__name__}: {e}") from e
+                raise ApiError(500, f"generation failed: {type(e).__name__}: {e}") from e
         return dict(version=version, outputs=outputs)
 
     @app.post("/weights/join")
-    async def join(body: dict):
-        args = (body["host"], body["port"], body["rank_offset"], body["world"], body["backend"], body["timeout_s"])
+    async def join(req: JoinRequest, request: Request):
+        host = check_join(req, client_of(request), limits, engine.describe()["tensor_parallel_size"])
         try:
-            await engine.join(args)
+            await engine.join((host, req.port, req.rank_offset, req.world, req.backend, req.timeout_s))
         except Exception as e:  # the trainer sees why, the server stays up for the next trainer
-            raise HTTPException(500, f"joining the weight group failed: {e}") from e
+            state["joined_by"] = None
+            raise ApiError(500, f"joining the weight group failed: {e}") from e
+        state["joined_by"] = client_of(request)
         return dict(ok=True)
 
-    async def receive(body: dict):
+    async def receive(req: UpdateRequest):
         try:
-            await engine.receive(body["metas"], body["buckets"], body["version"])
+            await engine.receive([list(m) for m in req.metas], req.buckets, req.version)
+        except ValueError as e:
+            raise ApiError(400, f"weights refused: {e}") from e
         except Exception as e:
-            raise HTTPException(500, f"receiving weights failed: {e}") from e
-        state["version"] = body["version"]
+            raise ApiError(500, f"receiving weights failed: {e}") from e
+        state["version"] = req.version
 
     @app.post("/weights/update")
-    async def update(body: dict):
+    async def update(req: UpdateRequest, request: Request):
+        check_update(req, client_of(request), state["joined_by"])
         if engine.inflight:  # received beside the running requests, swapped in between their tokens
-            await receive(body)
+            await receive(req)
         else:
             async with gate.updating_weights():
-                await receive(body)
+                await receive(req)
         return dict(ok=True, version=state["version"])
 
-    return app
+    return Guard(app, token, limits)
 
 
-def serve_replica(spec: dict, replica: int, host: str, ports: list[int]) -> None:
-    """`spec`: {"engine": "hf", ...HFReplica's settings} or vLLM's engine arguments."""
+def serve_replica(spec: dict, replica: int, host: str, ports: list[int], limits: dict | None = None) -> None:
+    """`spec`: {"engine": "hf", ...HFReplica's settings} or vLLM's engine arguments. The token
+    comes from the environment (PLAIT_ROLLOUT_TOKEN), set by whoever started this process."""
     import uvicorn
 
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    token = os.environ.pop(ENV, "")  # not inherited by vLLM's workers or anything they start
+    if not token:
+        raise SystemExit(f"plait.rollout.server: no token in ${ENV}: start servers with `plait rollout-server`")
     if spec.get("engine") == "hf":
         from plait.rollout.hf_process import HFReplica
 
@@ -183,7 +239,8 @@ def serve_replica(spec: dict, replica: int, host: str, ports: list[int]) -> None
     else:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         engine = VllmReplica(spec)
-    uvicorn.run(build_app(engine, replica, ports), host=host, port=ports[replica], log_level="warning")
+    app = build_app(engine, replica, ports, token, Limits(**(limits or {})))
+    uvicorn.run(app, host=host, port=ports[replica], log_level="warning")
 
 
 def _replica_devices(replica: int, tp: int) -> dict[str, str]:
@@ -228,7 +285,22 @@ def _wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout_s: flo
             time.sleep(0.5)
 
 
-def run_servers(engine_kwargs: dict, dp: int, host: str, port: int, say=print, start_timeout_s: float = 900) -> int:
+def replica_command(spec: dict, replica: int, host: str, ports: list[int], limits: dict | None = None) -> list[str]:
+    """The command line of one replica process (its token goes in its environment, not here)."""
+    cmd = [sys.executable, "-m", "plait.rollout.server", json.dumps(spec), str(replica), host, json.dumps(ports)]
+    return cmd + ([json.dumps(limits)] if limits else [])
+
+
+def run_servers(
+    engine_kwargs: dict,
+    dp: int,
+    host: str,
+    port: int,
+    token: str,
+    limits: dict | None = None,
+    say=print,
+    start_timeout_s: float = 900,
+) -> int:
     """Start `dp` replicas and watch them; return an exit code when one dies or on Ctrl-C/SIGTERM.
     Each replica runs in its own session so that stopping it stops vLLM's worker processes too."""
     tp = engine_kwargs.get("tensor_parallel_size", 1)
@@ -236,9 +308,10 @@ def run_servers(engine_kwargs: dict, dp: int, host: str, port: int, say=print, s
     procs = []
     for i in range(dp):
         devices = _replica_devices(i, tp)
-        env = {**os.environ, **(devices or _cpu_threads(i, tp, dp))}
-        cmd = [sys.executable, "-m", "plait.rollout.server", json.dumps(engine_kwargs), str(i), host, json.dumps(ports)]
-        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+        env = {**os.environ, **(devices or _cpu_threads(i, tp, dp)), ENV: token}
+        procs.append(
+            subprocess.Popen(replica_command(engine_kwargs, i, host, ports, limits), env=env, start_new_session=True)
+        )
     stop = {"signal": None}
 
     def on_signal(signum, frame):
@@ -288,5 +361,7 @@ def _stop(p: subprocess.Popen, grace_s: float = 10) -> None:
     p.wait()
 
 
-if __name__ == "__main__":  # one replica: python -m plait.rollout.server KWARGS_JSON REPLICA HOST PORTS_JSON
-    serve_replica(json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]))
+# one replica: python -m plait.rollout.server SPEC_JSON REPLICA HOST PORTS_JSON [LIMITS_JSON]
+if __name__ == "__main__":
+    limits = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None
+    serve_replica(json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), limits)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 # HBM bandwidth in bytes/s from the vendors' datasheets. Order matters: the first key found in
 # the device's name wins, so the specific names come before the general ones.
 GPU_BANDWIDTH: list[tuple[str, float]] = [

@@ -23,6 +23,7 @@ import torch
 from test_train import tiny_overrides
 
 from plait.cluster.comm import free_port
+from plait.rollout.auth import bearer, resolve_token
 
 
 pytestmark = [
@@ -78,18 +79,17 @@ class RolloutServer:
             str(dp),
             "--tp",
             str(tp),
-            "--host",
-            "127.0.0.1",
-        ]
+        ]  # listens on 127.0.0.1 by default
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
         self.url = f"http://127.0.0.1:{self.port}"
+        self.headers = bearer(resolve_token()[0])  # the token file both sides find (~/.cache/plait)
         deadline = time.monotonic() + 300
         while True:
             assert self.proc.poll() is None, self.proc.stdout.read()[-3000:]
             try:
-                health = httpx.get(self.url + "/health", timeout=2).json()
+                health = self.health(timeout=2)
                 if all(
                     httpx.get(f"http://127.0.0.1:{p}/health", timeout=2).status_code == 200 for p in health["replicas"]
                 ):
@@ -106,8 +106,8 @@ class RolloutServer:
             c.pid for c in psutil.Process(self.proc.pid).children() if "plait.rollout.server" in " ".join(c.cmdline())
         ]
 
-    def health(self, port=None) -> dict:
-        return httpx.get(f"http://127.0.0.1:{port or self.port}/health", timeout=10).json()
+    def health(self, port=None, timeout: float = 10) -> dict:
+        return httpx.get(f"http://127.0.0.1:{port or self.port}/health", timeout=timeout, headers=self.headers).json()
 
     def stop(self):
         if self.proc.poll() is None:
@@ -241,6 +241,7 @@ def test_server_mode_two_trainers_share_two_replicas(vllm_model, prompts_jsonl, 
         one = httpx.post(
             f"http://127.0.0.1:{replicas[1]}/generate",
             timeout=60,
+            headers=server.headers,
             json={"prompts": [{"token_ids": prompts[0].token_ids, "sampling": sampling_dict(greedy, 1, prompts[0])}]},
         ).json()
         assert one["outputs"][0][0]["token_ids"] == own[0][0].token_ids and one["version"] == 3

@@ -44,6 +44,11 @@ def test_28_training_and_4_generation_gpus_are_placed_node_by_node():
     assert "node 0  GPU 0-7: train ranks 0-7" in text
     assert "node 3  GPU 0-3: train ranks 24-27; GPU 4-7: generation replicas 0-3" in text
     assert "each trainer: 2 prompt(s) = 16 completions" in text
+    assert "the replicas' token: a fresh one per run" in text
+    external = pl.plan_cluster(cfg_of("rollout.engine=vllm", "rollout.vllm.mode=server"), pl.uniform_nodes(1, 2))
+    assert "the servers' token: $PLAIT_ROLLOUT_TOKEN, else ~/.cache/plait/rollout-token" in "\n".join(
+        pl.render(external, cfg_of("rollout.engine=vllm", "rollout.vllm.mode=server"))
+    )
 
 
 def test_28_4_with_a_batch_that_does_not_divide_proposes_the_nearest_that_do():
