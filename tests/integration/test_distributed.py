@@ -141,6 +141,16 @@ def test_two_processes_match_one_and_resume_after_a_crash(
             assert p["params_local"] == total, p
 
 
+@pytest.mark.parametrize("backend", ["fsdp2", "zero3"])
+def test_one_process_under_torchrun(backend, single_process_run, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    """A sharded backend on one device under `torchrun --nproc_per_node 1` (FSDP2 or ZeRO-3 on
+    one GPU, e.g. for offloading) joins torchrun's store and matches the plain run."""
+    out = tmp_path / "run"
+    done = _torchrun(_options(tiny_model_path, prompts_jsonl, out, *BACKENDS[backend]), helper_env, nproc=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_run(out, single_process_run)
+
+
 def test_two_nodes_on_one_machine(single_process_run, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
     """Two torchrun invocations (--nnodes 2, one process each) meeting at a local
     rendezvous form one job, and it matches the single-process run."""

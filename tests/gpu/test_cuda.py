@@ -1,0 +1,128 @@
+"""The CUDA paths, run on a GPU machine: `make test-gpu` (docs/gpu-tests.md).
+
+Skipped where torch sees no GPU. `PLAIT_TEST_DEVICE=cpu make test-gpu` runs the same tests on
+the CPU, which checks the tests themselves on a machine without a GPU; the CUDA-only
+assertions (CUDA memory telemetry, the datasheet peak) are then skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import plait_test_rewards
+import pytest
+import torch
+from test_train import final_weights, tiny_overrides
+
+from plait.cluster.comm import free_port
+from plait.config import load_config
+from plait.train.loop import train
+
+
+DEVICE = os.environ.get("PLAIT_TEST_DEVICE", "cuda")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="no CUDA GPU here"),
+]
+CUDA = DEVICE == "cuda"
+GPU_ATOL = 1e-5  # a GPU's reductions may differ in order between runs; on CPU the tests ask torch.equal
+
+
+def on_device(model, data, out, *extra):
+    return tiny_overrides(model, data, out, f"train.device={DEVICE}", *extra)
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def same_weights(a: dict, b: dict, exact: bool) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), k
+        else:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=GPU_ATOL, msg=k)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_training_run_on_the_device(tiny_model_path, prompts_jsonl, tmp_path, precision):
+    """Generation and training on the device: the weights move, every loss is finite, and the
+    telemetry has the device's memory and (on a known GPU) its datasheet peak."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / precision
+    result = train(load_config(None, on_device(tiny_model_path, prompts_jsonl, out, f"train.precision={precision}")))
+    m = result.history
+    assert len(m) == 4 and all(torch.isfinite(torch.tensor(x["loss"])) for x in m)
+    before = load_file(str(tiny_model_path / "model.safetensors"))
+    after = final_weights(out)
+    assert any(not torch.equal(before[k], after[k].to(before[k].dtype)) for k in after if k in before)
+    if CUDA:
+        assert all(x["memory/cuda_peak_allocated_gb"] > 0 for x in m)
+        name = torch.cuda.get_device_name()
+        from plait.telemetry.flops import gpu_peak
+
+        if gpu_peak(name, precision):  # a GPU in plait's table: MFU against its datasheet
+            assert all(0 < x["mfu/step"] < 1 for x in m)
+
+
+def test_fsdp2_in_one_process_matches_the_local_backend(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    local = tmp_path / "local"
+    train(load_config(None, on_device(tiny_model_path, prompts_jsonl, local)))
+    sharded = tmp_path / "fsdp2"
+    flags = sum((["--set", s] for s in on_device(tiny_model_path, prompts_jsonl, sharded, "train.backend=fsdp2")), [])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr", "127.0.0.1"]
+    cmd += ["--master_port", str(free_port())]
+    proc = subprocess.run(
+        [*cmd, "-m", "plait", "train", *flags], env=helper_env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = final_weights(local), final_weights(sharded)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=2e-5, msg=k)  # fsdp2's reductions: ~1e-6 on CPU
+
+
+def test_a_run_resumed_on_the_device_ends_with_the_unbroken_run_s_weights(tiny_model_path, prompts_jsonl, tmp_path):
+    straight = tmp_path / "straight"
+    train(load_config(None, on_device(tiny_model_path, prompts_jsonl, straight)))
+    crashed = tmp_path / "crashed"
+    crash = on_device(
+        tiny_model_path,
+        prompts_jsonl,
+        crashed,
+        "checkpoint.save_steps=2",
+        "rewards=[{name: 'plait_test_rewards:vowel_share_crashing', process: false}]",
+    )
+    plait_test_rewards.CALLS.update(n=0, crash_at=3)
+    try:
+        with pytest.raises(Exception, match="simulated crash"):
+            train(load_config(None, crash))
+    finally:
+        plait_test_rewards.CALLS["crash_at"] = None
+    resumed = train(load_config(None, on_device(tiny_model_path, prompts_jsonl, crashed, "resume=auto")))
+    assert len(resumed.history) == 2  # rounds 3 and 4
+    same_weights(final_weights(straight), final_weights(crashed), exact=not CUDA)
+    assert [x["loss"] for x in metrics(crashed)][:2] == [x["loss"] for x in metrics(straight)][:2]
+
+
+@pytest.mark.skipif(not CUDA, reason="the datasheet tables are for GPUs")
+def test_this_gpu_is_in_the_datasheet_tables():
+    from plait.telemetry.bandwidth import gpu_bandwidth
+    from plait.telemetry.flops import device_peak
+
+    name = torch.cuda.get_device_name()
+    peak, source = device_peak(torch.device("cuda"), "bf16")
+    assert peak and "datasheet" in source, f"{name}: add it to GPU_PEAKS"
+    assert gpu_bandwidth(name), f"{name}: add it to GPU_BANDWIDTH"
+
+
+@pytest.mark.skipif(not CUDA or importlib.util.find_spec("vllm") is None, reason="needs vLLM on a GPU")
+def test_colocated_vllm_on_the_gpu(vllm_model, prompts_jsonl, tmp_path):
+    out = tmp_path / "vllm"
+    result = train(load_config(None, on_device(vllm_model, prompts_jsonl, out, "rollout.engine=vllm")))
+    assert all(x["logprob_gap"] < 1e-2 for x in result.history)
