@@ -7,6 +7,7 @@ with the weights of an undisturbed run, bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -194,12 +195,11 @@ def _generation_port(deadline: float) -> int | None:
     return None
 
 
-errors: list[str] = []
-
-
-def flood(url_of, stop: threading.Event, seen: list[int], workers: int = 4) -> list[threading.Thread]:
-    """Junk from `workers` threads until `stop`: no token, a wrong one, a join elsewhere, an
-    update, absurd sampling. `seen` collects every status answered."""
+@contextlib.contextmanager
+def flooding(url_of, workers: int = 4):
+    """Junk from `workers` threads while inside (`url_of` None: no flood): no token, a wrong
+    one, a join elsewhere, an update, absurd sampling. On exit, every junk request must have
+    been answered 401."""
     wrong = bearer(new_token())
     junk = [
         ("/generate", {}, generate_body(n=10**6)),
@@ -207,6 +207,7 @@ def flood(url_of, stop: threading.Event, seen: list[int], workers: int = 4) -> l
         ("/weights/join", wrong, dict(host="10.0.0.1", port=1, rank_offset=1, world=2, backend="gloo", timeout_s=60)),
         ("/weights/update", {}, dict(version=99, metas=[["x", "float32", [1]]], buckets=[[0]])),
     ]
+    stop, seen, errors = threading.Event(), [], []
 
     def worker(k: int):
         with httpx.Client(timeout=30) as http:
@@ -222,10 +223,18 @@ def flood(url_of, stop: threading.Event, seen: list[int], workers: int = 4) -> l
                     errors.append(repr(e))
                 i += 1
 
-    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(workers)]
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(workers if url_of else 0)]
     for t in threads:
         t.start()
-    return threads
+    try:
+        yield seen
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    if url_of:
+        print(f"junk requests refused during the run: {len(seen)}")
+        assert len(seen) >= 4 and set(seen) == {401}, (seen[:20], errors[:5])
 
 
 def test_an_async_run_under_a_junk_flood_ends_with_the_undisturbed_weights(tiny_model_path, prompts_jsonl, tmp_path):
@@ -237,26 +246,16 @@ def test_an_async_run_under_a_junk_flood_ends_with_the_undisturbed_weights(tiny_
         cfg = load_config(
             None, tiny_overrides(tiny_model_path, prompts_jsonl, out, "rollout.max_staleness=1", "train.threads=1")
         )
-        stop, seen, threads = threading.Event(), [], []
-        if name == "flooded":
-            port = {}
+        port = {}
 
-            def url_of():
-                if "p" not in port:
-                    port["p"] = _generation_port(time.monotonic() + 300)
-                return None if port["p"] is None else f"http://127.0.0.1:{port['p']}"
+        def url_of():
+            if "p" not in port:
+                port["p"] = _generation_port(time.monotonic() + 300)
+            return None if port["p"] is None else f"http://127.0.0.1:{port['p']}"
 
-            threads = flood(url_of, stop, seen)
-        try:
+        with flooding(url_of if name == "flooded" else None):
             train(cfg)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(60)
         runs[name] = out
-        if name == "flooded":
-            print(f"junk requests refused during the run: {len(seen)}")
-            assert len(seen) >= 4 and set(seen) == {401}, (seen[:20], errors[:5])
     quiet, flooded = final_weights(runs["quiet"]), final_weights(runs["flooded"])
     assert all(torch.equal(quiet[k], flooded[k]) for k in quiet)
 
@@ -318,19 +317,10 @@ def test_a_vllm_rollout_server_refuses_hostile_clients_and_its_trainer_is_undist
                 f"rollout.vllm.servers=[{url}]",
                 "train.max_steps=3",
             )
-            stop, seen = threading.Event(), []
-            threads = flood(lambda: url, stop, seen) if name == "flooded" else []
-            try:
+            with flooding((lambda: url) if name == "flooded" else None):
                 proc = subprocess.run(train_cmd(1, args), env=helper_env, capture_output=True, text=True, timeout=900)
-            finally:
-                stop.set()
-                for t in threads:
-                    t.join(60)
             assert proc.returncode == 0, proc.stderr[-3000:]
             runs[name] = out
-            if name == "flooded":
-                print(f"junk requests refused during the run: {len(seen)}")
-                assert len(seen) >= 4 and set(seen) == {401}, (seen[:20], errors[:5])
         quiet, flooded = final_weights(runs["quiet"]), final_weights(runs["flooded"])
         assert all(torch.equal(quiet[k], flooded[k]) for k in quiet)
     finally:
