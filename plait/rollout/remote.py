@@ -34,6 +34,10 @@ class RolloutServerError(RuntimeError):
     """A rollout server can't be reached, died, or answered wrongly."""
 
 
+class TokenRefused(RolloutServerError):
+    """The server is up but refuses this trainer's token: waiting for it will not help."""
+
+
 def _resume_hint(own_process: bool = False) -> str:
     if own_process:
         return (
@@ -109,7 +113,7 @@ class RemoteEngine:
                 f"{self.label} {url} is unreachable ({type(e).__name__}: {e}) during {path}.{after}"
             ) from None
         if r.status_code == 401:
-            raise RolloutServerError(
+            raise TokenRefused(
                 f"{self.label} {url} refused this trainer's token (from {self.token_source}): give the trainer the "
                 "server's token: the same PLAIT_ROLLOUT_TOKEN, or rollout.vllm.token_file naming the server's token "
                 "file (`plait rollout-server` prints where it is)"
@@ -128,6 +132,8 @@ class RemoteEngine:
                 try:
                     health = self._call("GET", base, "/health", hint=False)
                     break
+                except TokenRefused:
+                    raise
                 except RolloutServerError as e:
                     if time.monotonic() > deadline:
                         raise RolloutServerError(

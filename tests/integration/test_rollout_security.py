@@ -112,6 +112,7 @@ def test_a_trainer_with_the_wrong_token_stops_with_what_to_do(server):
     with pytest.raises(RolloutServerError) as err:
         RemoteEngine(cfg, tok, view=None, device=torch.device("cpu"), token=new_token())
     assert "refused this trainer's token" in str(err.value) and "PLAIT_ROLLOUT_TOKEN" in str(err.value)
+    assert "no rollout server" not in str(err.value)  # said at once, not after waiting connect_timeout_s for one
 
 
 def test_a_join_may_name_only_the_caller_s_own_address(server):
