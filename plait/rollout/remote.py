@@ -17,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import socket
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from urllib.parse import urlsplit
 
 import torch
@@ -36,6 +37,13 @@ class RolloutServerError(RuntimeError):
 
 class TokenRefused(RolloutServerError):
     """The server is up but refuses this trainer's token: waiting for it will not help."""
+
+
+def _resolve(future: Future, fn, *args) -> None:
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # handed to the waiting thread
+        future.set_exception(e)
 
 
 def _resume_hint(own_process: bool = False) -> str:
@@ -212,9 +220,17 @@ class RemoteEngine:
             for o in offsets
         ]
         futures = self._post_all("/weights/join", bodies)  # they block in the rendezvous until we join too
-        self.group = weight_group(host, port, 0, world, self.backend, timeout)
-        for f in futures:
-            f.result()
+        # The rendezvous waits up to `timeout` for every replica: a replica that dies or refuses
+        # the join must stop the run now, so the group forms beside the join requests.
+        group: Future = Future()
+        threading.Thread(
+            target=_resolve, args=(group, weight_group, host, port, 0, world, self.backend, timeout), daemon=True
+        ).start()
+        done, _ = wait([group, *futures], return_when=FIRST_EXCEPTION)
+        for f in done:
+            if f.exception() is not None:
+                raise f.exception()
+        self.group = group.result()
 
     def _push(self, weights: list[tuple[str, torch.Tensor]], version: int) -> int:
         weights = [(n, t.to(self.dtype)) for n, t in weights]  # the engine's dtype: half the bytes in bf16
