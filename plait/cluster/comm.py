@@ -39,11 +39,10 @@ def init_from_env(device: torch.device, timeout_s: float = 1800, single_process_
     if active():
         return True
     explicit: dict = {}  # explicit init arguments; none = env:// (torchrun's / Ray launcher's variables)
-    launched = all(v in os.environ for v in ("RANK", "MASTER_ADDR", "MASTER_PORT"))
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         if not single_process_ok:
             return False
-        if not launched:
+        if not all(v in os.environ for v in ("RANK", "MASTER_ADDR", "MASTER_PORT")):
             # under torchrun (even with one process) the group must use torchrun's store: its
             # TORCHELASTIC_USE_AGENT_STORE makes a tcp:// init a client of a store nobody serves
             explicit = {"init_method": f"tcp://127.0.0.1:{free_port()}", "rank": 0, "world_size": 1}

@@ -228,8 +228,7 @@ class RemoteEngine:
         ).start()
         done, _ = wait([group, *futures], return_when=FIRST_EXCEPTION)
         for f in done:
-            if f.exception() is not None:
-                raise f.exception()
+            f.result()  # raises a failed join's (or the rendezvous's) error
         self.group = group.result()
 
     def _push(self, weights: list[tuple[str, torch.Tensor]], version: int) -> int:

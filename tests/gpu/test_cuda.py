@@ -13,10 +13,9 @@ import os
 import subprocess
 import sys
 
-import plait_test_rewards
 import pytest
 import torch
-from test_train import final_weights, tiny_overrides
+from test_train import crash_then_resume, final_weights, tiny_overrides
 
 from plait.cluster.comm import free_port
 from plait.config import load_config
@@ -88,23 +87,7 @@ def test_fsdp2_in_one_process_matches_the_local_backend(tiny_model_path, prompts
 
 
 def test_a_run_resumed_on_the_device_ends_with_the_unbroken_run_s_weights(tiny_model_path, prompts_jsonl, tmp_path):
-    straight = tmp_path / "straight"
-    train(load_config(None, on_device(tiny_model_path, prompts_jsonl, straight)))
-    crashed = tmp_path / "crashed"
-    crash = on_device(
-        tiny_model_path,
-        prompts_jsonl,
-        crashed,
-        "checkpoint.save_steps=2",
-        "rewards=[{name: 'plait_test_rewards:vowel_share_crashing', process: false}]",
-    )
-    plait_test_rewards.CALLS.update(n=0, crash_at=3)
-    try:
-        with pytest.raises(Exception, match="simulated crash"):
-            train(load_config(None, crash))
-    finally:
-        plait_test_rewards.CALLS["crash_at"] = None
-    resumed = train(load_config(None, on_device(tiny_model_path, prompts_jsonl, crashed, "resume=auto")))
+    straight, crashed, resumed = crash_then_resume(tiny_model_path, prompts_jsonl, tmp_path, f"train.device={DEVICE}")
     assert len(resumed.history) == 2  # rounds 3 and 4
     same_weights(final_weights(straight), final_weights(crashed), exact=not CUDA)
     assert [x["loss"] for x in metrics(crashed)][:2] == [x["loss"] for x in metrics(straight)][:2]

@@ -88,18 +88,20 @@ def test_cli_train_end_to_end(tiny_model_path, prompts_jsonl, tmp_path, helper_e
     assert "eval after" in proc.stdout and "boxed_accuracy:" in proc.stdout and "step    4" in proc.stdout
 
 
-def test_resume_after_a_crash_is_exact(tiny_model_path, prompts_jsonl, tmp_path):
-    """4 steps straight == 2 steps, a crash in step 3, resume, 2 more steps: identical weights."""
+def crash_then_resume(model, data, tmp_path, *extra):
+    """A run of 4 steps straight, and the same run crashed in step 3 (after the checkpoint of
+    step 2) then resumed with resume=auto: (straight dir, crashed dir, the resumed run's result)."""
     straight = tmp_path / "straight"
-    train(load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, straight)))
+    train(load_config(None, tiny_overrides(model, data, straight, *extra)))
 
     crashed = tmp_path / "crashed"
     crash_cfg = load_config(
         None,
         tiny_overrides(
-            tiny_model_path,
-            prompts_jsonl,
+            model,
+            data,
             crashed,
+            *extra,
             "checkpoint.save_steps=2",
             # on the trainer's thread, where the CALLS set below is seen
             "rewards=[{name: 'plait_test_rewards:vowel_share_crashing', process: false}]",
@@ -113,9 +115,12 @@ def test_resume_after_a_crash_is_exact(tiny_model_path, prompts_jsonl, tmp_path)
         plait_test_rewards.CALLS["crash_at"] = None
     assert (crashed / "checkpoints" / "step_00000002" / "COMMITTED").is_file()
     assert not (crashed / "final").exists()
+    return straight, crashed, train(load_config(None, tiny_overrides(model, data, crashed, *extra, "resume=auto")))
 
-    resumed = load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, crashed, "resume=auto"))
-    result = train(resumed)
+
+def test_resume_after_a_crash_is_exact(tiny_model_path, prompts_jsonl, tmp_path):
+    """4 steps straight == 2 steps, a crash in step 3, resume, 2 more steps: identical weights."""
+    straight, crashed, result = crash_then_resume(tiny_model_path, prompts_jsonl, tmp_path)
     assert [m["loss"] for m in result.history] and len(result.history) == 2  # steps 3 and 4 only
     a, b = final_weights(straight), final_weights(crashed)
     assert a.keys() == b.keys()
