@@ -41,6 +41,7 @@ class HFReplica:
         self.busy = asyncio.Lock()  # one generation at a time: it uses every thread it has
         self.group = None
         self.engine = None
+        self.failed: str | None = None
 
     def describe(self) -> dict:
         return dict(tensor_parallel_size=1, model=self.spec["model"], engine="hf")
@@ -90,8 +91,20 @@ class HFReplica:
         prompts = [Prompt(p["index"], "", p["token_ids"]) for p in body["prompts"]]
         params = SamplingParams(**body["params"])
         async with self.busy:
-            groups = await asyncio.to_thread(self.engine.generate, prompts, params, body["n"])
+            try:
+                groups = await asyncio.to_thread(self.engine.generate, prompts, params, body["n"])
+            except ValueError:  # a request the engine refuses: the engine itself is fine
+                raise
+            except Exception as e:
+                # Anything else broke mid-decode (out of memory, a device error, a bug): what the
+                # model and its caches hold is unknown, so the replica stops and is restarted clean.
+                self.failed = f"{type(e).__name__}: {e}"
+                raise
         return [[completion_dict(c) for c in group] for group in groups]
+
+    def failure(self) -> str | None:
+        """Why the engine can serve nothing more (a generation raised), or None."""
+        return self.failed
 
     async def join(self, args: tuple) -> None:
         self.group = None

@@ -6,8 +6,9 @@ all replicas' workers through a torch.distributed group it hosts; the other rank
 barrier, so no process asks for completions before the servers hold the new weights. Each
 answer carries its weight version, which is checked against the trainer's.
 
-A server that is down, dies, or stops answering raises RolloutServerError within
-`connect_timeout_s` / `request_timeout_s`: the run stops with the message, its committed
+A server that is down, dies, answers with a 5xx (its engine died) or stops answering raises
+RolloutServerError within `connect_timeout_s` / `request_timeout_s`: the run stops with the
+message naming the replica and the cause, its committed
 checkpoints intact, and `resume=auto` continues once the server is back (a restarted server
 gets the weights again: its /health `instance` changed).
 """
@@ -44,6 +45,14 @@ def _resolve(future: Future, fn, *args) -> None:
         future.set_result(fn(*args))
     except BaseException as e:  # handed to the waiting thread
         future.set_exception(e)
+
+
+def _detail(response) -> str:
+    """The reason a server gave for an error answer (its JSON `detail`, or the text)."""
+    try:
+        return str(response.json()["detail"])[:1000]
+    except (ValueError, KeyError, TypeError):
+        return response.text[:500]
 
 
 def _resume_hint(own_process: bool = False) -> str:
@@ -126,8 +135,12 @@ class RemoteEngine:
                 "server's token: the same PLAIT_ROLLOUT_TOKEN, or rollout.vllm.token_file naming the server's token "
                 "file (`plait rollout-server` prints where it is)"
             )
+        if r.status_code >= 500:  # a replica whose engine died or failed: as good as dead
+            raise RolloutServerError(
+                f"{self.label} {url} failed during {path} (HTTP {r.status_code}): {_detail(r)}.{after}"
+            )
         if r.status_code != 200:
-            raise RolloutServerError(f"{self.label} {url} answered {path} with HTTP {r.status_code}: {r.text[:500]}")
+            raise RolloutServerError(f"{self.label} {url} answered {path} with HTTP {r.status_code}: {_detail(r)}")
         return r.json()
 
     def _discover(self, servers: list[str]) -> list[str]:

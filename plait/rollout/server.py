@@ -12,7 +12,8 @@ Every request carries `Authorization: Bearer TOKEN` (rollout/auth.py); without i
 GET /health answers ({ok: true}), anything else is a 401. Requests are checked before they reach
 the engine (rollout/api.py): sizes, sampling parameters, and who may join the weight group.
 
-  GET  /health          -> {version, instance, replica, replicas, tensor_parallel_size, model}
+  GET  /health          -> {version, instance, replica, replicas, tensor_parallel_size, model, running};
+                        503 {detail} once the replica's engine has died
   POST /generate        {prompts: [{token_ids, sampling}]}
                         -> {version, outputs: [[{token_ids, text, logprobs, finish_reason, stop_reason}]]}
   POST /weights/join    {host, port, rank_offset, world, backend, timeout_s}: join the trainer's weight
@@ -22,6 +23,12 @@ the engine (rollout/api.py): sizes, sampling parameters, and who may join the we
                         (HF with in-flight updates: received beside generation, swapped in between tokens)
 
 `instance` changes whenever a replica restarts, so a trainer knows to send it the weights again.
+
+A replica is never half dead: when its engine dies (vLLM's engine-core process, or an HF
+generation that raised), every request gets a 503 naming the cause and the replica's process
+exits with code 1, as vLLM's own server does, so that `plait rollout-server` (and whatever
+supervises it: systemd, Ray, Kubernetes) sees it and restarts it. The engine is watched between
+requests too, so a death is noticed before the next request comes.
 """
 
 from __future__ import annotations
@@ -114,7 +121,16 @@ class VllmReplica:
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.kwargs))
 
     async def stop(self) -> None:
-        self.engine.shutdown()
+        engine, self.engine = self.engine, None
+        engine.shutdown()
+        del engine  # AsyncLLM.__del__ shuts down again: now, not at interpreter exit (a traceback there)
+
+    def failure(self) -> str | None:
+        """Why the engine can serve nothing more (its engine-core process died), or None."""
+        if self.engine is None or not self.engine.errored:
+            return None
+        err = self.engine.dead_error
+        return f"{type(err).__name__}: {err}"
 
     async def _one(self, req: dict):
         from vllm import SamplingParams
@@ -139,17 +155,41 @@ class VllmReplica:
         await self.engine.reset_prefix_cache()  # cached prompt KV came from the old weights
 
 
-def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits | None = None):
+WATCH_S = 0.5  # how often an idle replica checks that its engine is alive
+
+
+def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits | None = None, on_dead=None):
     """The FastAPI app of one replica serving `engine` (VllmReplica or HFReplica), which starts
-    with the app, behind the token and request bounds of rollout/api.py."""
+    with the app, behind the token and request bounds of rollout/api.py. `on_dead(cause)` is
+    called once when the engine dies (serve_replica then stops the process with code 1)."""
     limits = limits or Limits()
-    state = dict(version=0, instance=uuid.uuid4().hex, joined_by=None)
+    state = dict(version=0, instance=uuid.uuid4().hex, joined_by=None, dead=None, running=0)
     gate = _Gate()
+
+    def died(cause: str) -> None:
+        if state["dead"] is None:
+            state["dead"] = f"the engine of replica {replica} died ({cause})"
+            log.error("%s: this server stops so that its supervisor restarts it", state["dead"])
+            if on_dead is not None:
+                on_dead(state["dead"])
+
+    def alive() -> None:
+        if state["dead"] is not None:
+            raise ApiError(503, f"{state['dead']}; this replica is exiting")
+
+    async def watch() -> None:
+        while state["dead"] is None:
+            cause = engine.failure()
+            if cause is not None:
+                died(cause)
+            await asyncio.sleep(WATCH_S)
 
     @asynccontextmanager
     async def lifespan(app):
         await engine.start()
+        watcher = asyncio.create_task(watch())
         yield
+        watcher.cancel()
         await engine.stop()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -170,28 +210,45 @@ def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits
 
     @app.get("/health")
     async def health(request: Request):
+        if state["dead"] is not None:  # unhealthy at once, to a probe without the token too
+            body = dict(detail=state["dead"]) if request.state.authorized else dict(ok=False)
+            return JSONResponse(body, status_code=503)
         if not request.state.authorized:  # liveness only: nothing about the run without the token
             return dict(ok=True)
         return dict(
-            version=state["version"], instance=state["instance"], replica=replica, replicas=ports, **engine.describe()
+            version=state["version"],
+            instance=state["instance"],
+            replica=replica,
+            replicas=ports,
+            running=state["running"],
+            **engine.describe(),
         )
 
     @app.post("/generate")
     async def generate(req: GenerateRequest):
+        alive()
         check_generate(req, limits, *engine.limits())
         body = req.model_dump()
         async with gate.generating():
             version = state["version"]
+            state["running"] += 1
             try:
                 outputs = await engine.generate(body)
             except ValueError as e:  # the engine rejects a request (prompt too long, bad parameter): say why
                 raise ApiError(400, f"the engine rejected a request: {e}") from e
             except Exception as e:
+                cause = engine.failure()
+                if cause is not None:  # the engine died under this request
+                    died(cause)
+                    alive()
                 raise ApiError(500, f"generation failed: {type(e).__name__}: {e}") from e
+            finally:
+                state["running"] -= 1
         return dict(version=version, outputs=outputs)
 
     @app.post("/weights/join")
     async def join(req: JoinRequest, request: Request):
+        alive()
         host = check_join(req, client_of(request), limits, engine.describe()["tensor_parallel_size"])
         try:
             await engine.join((host, req.port, req.rank_offset, req.world, req.backend, req.timeout_s))
@@ -212,6 +269,7 @@ def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits
 
     @app.post("/weights/update")
     async def update(req: UpdateRequest, request: Request):
+        alive()
         check_update(req, client_of(request), state["joined_by"])
         if engine.inflight:  # received beside the running requests, swapped in between their tokens
             await receive(req)
@@ -225,9 +283,8 @@ def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits
 
 def serve_replica(spec: dict, replica: int, host: str, ports: list[int], limits: dict | None = None) -> None:
     """`spec`: {"engine": "hf", ...HFReplica's settings} or vLLM's engine arguments. The token
-    comes from the environment (PLAIT_ROLLOUT_TOKEN), set by whoever started this process."""
-    import uvicorn
-
+    comes from the environment (PLAIT_ROLLOUT_TOKEN), set by whoever started this process.
+    Exits with code 1 when the engine dies."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     token = os.environ.pop(ENV, "")  # not inherited by vLLM's workers or anything they start
     if not token:
@@ -239,8 +296,27 @@ def serve_replica(spec: dict, replica: int, host: str, ports: list[int], limits:
     else:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         engine = VllmReplica(spec)
-    app = build_app(engine, replica, ports, token, Limits(**(limits or {})))
-    uvicorn.run(app, host=host, port=ports[replica], log_level="warning")
+    cause = serve(engine, replica, host, ports, token, Limits(**(limits or {})))
+    if cause is not None:
+        raise SystemExit(f"plait rollout-server: {cause}; exiting with code 1 so that it is restarted")
+
+
+def serve(engine, replica: int, host: str, ports: list[int], token: str, limits: Limits | None = None) -> str | None:
+    """Serve `engine` as replica `replica` until this process is told to stop (-> None) or the
+    engine dies (-> the cause, once the requests in flight have their 503)."""
+    import uvicorn
+
+    death: list[str] = []
+    server = None
+
+    def on_dead(cause: str) -> None:
+        death.append(cause)
+        server.should_exit = True
+
+    app = build_app(engine, replica, ports, token, limits, on_dead=on_dead)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=ports[replica], log_level="warning"))
+    server.run()
+    return death[0] if death else None
 
 
 def _replica_devices(replica: int, tp: int) -> dict[str, str]:
@@ -330,8 +406,8 @@ def run_servers(
             for i, p in enumerate(procs):
                 if p.poll() is not None:
                     say(
-                        f"rollout server: replica {i} (port {ports[i]}) exited with code {p.returncode}; "
-                        "stopping the others"
+                        f"rollout server: replica {i} (port {ports[i]}) exited with code {p.returncode} "
+                        "(its cause is printed above); stopping the others"
                     )
                     return 1
             time.sleep(0.5)

@@ -30,13 +30,17 @@ def vowel_share_crash_env(completions, **kwargs):
 
 def vowel_share_kill_env(completions, **kwargs):
     """vowel_share, but on call number $PLAIT_TEST_KILL_CALL it SIGKILLs process group
-    $PLAIT_TEST_KILL_PGID (a rollout server dying in the middle of a run)."""
+    $PLAIT_TEST_KILL_PGID, or process $PLAIT_TEST_KILL_PID (a rollout server, or its engine
+    alone, dying in the middle of a run)."""
     import os
     import signal
 
     CALLS["n"] += 1
     if os.environ.get("PLAIT_TEST_KILL_CALL") and CALLS["n"] == int(os.environ["PLAIT_TEST_KILL_CALL"]):
-        os.killpg(int(os.environ["PLAIT_TEST_KILL_PGID"]), signal.SIGKILL)
+        if "PLAIT_TEST_KILL_PID" in os.environ:
+            os.kill(int(os.environ["PLAIT_TEST_KILL_PID"]), signal.SIGKILL)
+        else:
+            os.killpg(int(os.environ["PLAIT_TEST_KILL_PGID"]), signal.SIGKILL)
     return vowel_share(completions, **kwargs)
 
 

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -105,6 +106,19 @@ class RolloutServer:
         return [
             c.pid for c in psutil.Process(self.proc.pid).children() if "plait.rollout.server" in " ".join(c.cmdline())
         ]
+
+    def engine_core_pid(self) -> int:
+        """vLLM's engine-core process of the (only) replica: its model runs there, not in the
+        replica's HTTP front end."""
+        import psutil
+
+        (replica,) = self.replica_pids()
+        (core,) = [c.pid for c in psutil.Process(replica).children() if c.name().startswith("VLLM::Engine")]
+        return core
+
+    def output(self) -> str:
+        """All the server printed, once it has exited."""
+        return self.proc.stdout.read()
 
     def health(self, port=None, timeout: float = 10) -> dict:
         return httpx.get(f"http://127.0.0.1:{port or self.port}/health", timeout=timeout, headers=self.headers).json()
@@ -252,13 +266,15 @@ def test_server_mode_two_trainers_share_two_replicas(vllm_model, prompts_jsonl, 
 
 def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl, tmp_path, helper_env):
     """A tensor-parallel server (--tp 2: the weights are broadcast to both workers, each loads its
-    shard) dies during step 2: the trainer stops with a message saying so (instead of hanging),
-    step 2's checkpoint stays valid; with the server back, resume=auto finishes and the restarted
-    server (base weights) is given the trainer's weights first."""
+    shard) loses its engine during step 2 while its HTTP front end lives on. Whether the trainer's
+    next request reaches the replica before it has exited (a 503 naming the engine's death) or after
+    (refused connection) is up to the scheduler; either way the trainer stops with a message naming
+    the replica and the resume advice, step 2's checkpoint stays valid, and the server exits with
+    code 1. With the server back, resume=auto finishes and the restarted server (base weights) is
+    given the trainer's weights first."""
     out = tmp_path / "run"
     server = RolloutServer(vllm_model, dp=1, tp=2, env=helper_env)
     try:
-        (replica,) = server.replica_pids()
         args = vllm_overrides(
             vllm_model,
             prompts_jsonl,
@@ -270,17 +286,18 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
             "rollout.vllm.connect_timeout_s=5",
             "rewards=[{name: 'plait_test_rewards:vowel_share_kill_env'}]",
         )
-        env = {**helper_env, "PLAIT_TEST_KILL_CALL": "2", "PLAIT_TEST_KILL_PGID": str(replica)}
+        env = {**helper_env, "PLAIT_TEST_KILL_CALL": "2", "PLAIT_TEST_KILL_PID": str(server.engine_core_pid())}
         proc = subprocess.run(train_cmd(1, args), capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 2, proc.stderr[-3000:]
-        assert "rollout server" in proc.stderr and "resume=auto" in proc.stderr, proc.stderr[-2000:]
+        assert f"rollout server {server.url}" in proc.stderr and "resume=auto" in proc.stderr, proc.stderr[-2000:]
         m = metrics_of(out)
         assert [x["step"] for x in m] == [1, 2] and m[1][
             "logprob_gap"
         ] < SYNCED_GAP  # both TP workers got step 1's weights
         assert (out / "checkpoints" / "step_00000002" / "COMMITTED").is_file()
-        server.proc.wait(60)  # the supervisor stops when a replica dies
+        server.proc.wait(120)  # the replica exits when its engine dies, and the supervisor with it
         assert server.proc.returncode == 1
+        assert "the engine of replica 0 died (EngineDeadError" in server.output()
     finally:
         server.stop()
 
@@ -294,6 +311,45 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
         assert [x["step"] for x in m] == [1, 2, 3]
         assert m[-1]["logprob_gap"] < SYNCED_GAP  # the new server samples from the resumed weights
         assert server.health()["version"] == 2
+    finally:
+        server.stop()
+
+
+def test_a_replica_whose_engine_dies_exits_whether_idle_or_mid_request(vllm_model, helper_env):
+    """vLLM's engine-core process is killed while its replica's HTTP front end lives on: (1) with no
+    request in flight, the replica notices by itself and exits with code 1 (so does the supervisor,
+    naming the cause); (2) under a running request (waited for through /health's `running`), that
+    request's answer is a 503 naming the engine's death, then the replica exits with code 1."""
+    server = RolloutServer(vllm_model, dp=1, env=helper_env)
+    try:
+        os.kill(server.engine_core_pid(), signal.SIGKILL)
+        server.proc.wait(120)
+        assert server.proc.returncode == 1
+        said = server.output()
+        assert "the engine of replica 0 died (EngineDeadError" in said and "exited with code 1" in said, said[-3000:]
+    finally:
+        server.stop()
+
+    server = RolloutServer(vllm_model, dp=1, env=helper_env)
+    try:
+        core = server.engine_core_pid()
+        long = {"prompts": [{"token_ids": [1, 2, 3, i], "sampling": {"n": 4, "max_tokens": 250}} for i in range(4)]}
+        answer: dict = {}
+
+        def ask():
+            answer["r"] = httpx.post(server.url + "/generate", json=long, headers=server.headers, timeout=600)
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        while server.health()["running"] == 0:
+            assert asking.is_alive(), answer["r"].text  # the request is still on its way in
+            time.sleep(0.02)
+        os.kill(core, signal.SIGKILL)
+        asking.join()
+        r = answer["r"]
+        assert r.status_code == 503 and "the engine of replica 0 died" in r.json()["detail"], r.text
+        server.proc.wait(120)
+        assert server.proc.returncode == 1
     finally:
         server.stop()
 

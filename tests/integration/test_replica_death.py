@@ -1,0 +1,148 @@
+"""A rollout replica whose engine dies is never half dead (rollout/server.py): every request
+then gets a 503 naming the cause, the replica stops by itself (its process exits with code 1,
+so a supervisor restarts it), and the trainer stops with one message naming the replica, the
+cause and the resume advice.
+
+Here the engine is the real HF engine on a tiny model, served in this process so that a fault
+can be put into it: a forward hook that raises from a given decoding step on, as a device error
+or an out-of-memory would. The same for vLLM's engine-core process, killed for real, is in
+test_vllm.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from plait.cluster.comm import free_port
+from plait.config import load_config
+from plait.models import load_model, load_tokenizer
+from plait.rollout import make_engine
+from plait.rollout.auth import ENV, bearer, new_token
+from plait.rollout.hf_process import HFReplica, generation_spec
+from plait.rollout.remote import RolloutServerError
+from plait.rollout.server import _wait_healthy, build_app, serve
+from plait.types import Prompt, SamplingParams
+
+
+pytestmark = pytest.mark.slow
+
+
+class Fault:
+    """A forward pre-hook that lets `healthy` forward passes through, then raises on every one."""
+
+    def __init__(self, healthy: int):
+        self.healthy = healthy
+
+    def __call__(self, module, args):
+        if self.healthy == 0:
+            raise RuntimeError("injected device fault")
+        self.healthy -= 1
+
+
+def hf_replica(model) -> HFReplica:
+    cfg = load_config(None, [f"model.name_or_path={model}", "train.precision=fp32"])
+    return HFReplica(generation_spec(cfg, torch.device("cpu")))
+
+
+def body(max_tokens: int = 6) -> dict:
+    sampling = dict(max_tokens=max_tokens, temperature=1.0, top_p=1.0, top_k=0, stop=[], seed=1)
+    return dict(
+        prompts=[dict(token_ids=[1, 2, 3], index=0, sampling=dict(n=2, max_tokens=max_tokens, seed=1))],
+        params=sampling,
+        n=2,
+    )
+
+
+def test_a_replica_whose_engine_died_answers_only_503(tiny_model_path):
+    """The engine raises mid-decode (step 3 of 6): that request's answer is a 503 with the cause,
+    and from then on so is every other answer, /health's included (without the token too, for a
+    supervisor's probe), even though the model would run again: what it holds is unknown."""
+    token, deaths = new_token(), []
+    replica = hf_replica(tiny_model_path)
+    auth = bearer(token)
+    with TestClient(build_app(replica, 0, [free_port()], token, on_dead=deaths.append)) as client:
+        assert client.post("/generate", json=body(), headers=auth).status_code == 200
+        assert client.get("/health", headers=auth).json()["running"] == 0
+        hook = replica.engine.model.register_forward_pre_hook(Fault(healthy=2))
+        r = client.post("/generate", json=body(), headers=auth)
+        assert r.status_code == 503, r.text
+        assert "engine of replica 0 died" in r.json()["detail"] and "injected device fault" in r.json()["detail"]
+        assert deaths == [deaths[0]] and "injected device fault" in deaths[0]  # reported once
+
+        hook.remove()
+        assert client.post("/generate", json=body(), headers=auth).status_code == 503
+        health = client.get("/health", headers=auth)
+        assert health.status_code == 503 and "injected device fault" in health.json()["detail"]
+        probe = client.get("/health")
+        assert probe.status_code == 503 and probe.json() == {"ok": False}  # nothing about the run
+        join = dict(host="127.0.0.1", port=1, rank_offset=1, world=2, backend="gloo", timeout_s=5)
+        assert client.post("/weights/join", json=join, headers=auth).status_code == 503
+        assert len(deaths) == 1
+
+
+def test_a_request_refused_by_the_engine_does_not_kill_it(tiny_model_path):
+    """A ValueError is the engine refusing one request (a 400): the replica serves on."""
+    token, deaths = new_token(), []
+    replica = hf_replica(tiny_model_path)
+    auth = bearer(token)
+    with TestClient(build_app(replica, 0, [free_port()], token, on_dead=deaths.append)) as client:
+
+        def refuse(module, args):
+            raise ValueError("a prompt this engine cannot take")
+
+        hook = replica.engine.model.register_forward_pre_hook(refuse)
+        r = client.post("/generate", json=body(), headers=auth)
+        assert r.status_code == 400 and "cannot take" in r.json()["detail"]
+        hook.remove()
+        assert client.post("/generate", json=body(), headers=auth).status_code == 200
+        assert client.get("/health", headers=auth).status_code == 200 and deaths == []
+
+
+def test_the_trainer_names_the_dead_replica_its_cause_and_the_resume_advice(tiny_model_path, monkeypatch):
+    """Over real HTTP: a trainer's RemoteEngine (weights pushed through the real weight group)
+    gets completions, then the replica's engine dies under its next request. The trainer's
+    error names the replica's URL, the cause it returned and resume=auto; the server stops by
+    itself and reports the cause (serve_replica turns that into exit code 1)."""
+    token, port = new_token(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    replica = hf_replica(tiny_model_path)
+    result: dict = {}
+    server = threading.Thread(
+        target=lambda: result.update(cause=serve(replica, 0, "127.0.0.1", [port], token)), daemon=True
+    )
+    server.start()
+    _wait_healthy([url], [], 300)
+
+    monkeypatch.setenv(ENV, token)
+    cfg = load_config(
+        None,
+        [
+            f"model.name_or_path={tiny_model_path}",
+            "train.precision=fp32",
+            "rollout.engine=vllm",
+            "rollout.vllm.mode=server",
+            f"rollout.vllm.servers=[{url}]",
+        ],
+    )
+    tok = load_tokenizer(tiny_model_path)
+    remote = make_engine(cfg, load_model(tiny_model_path, "float32"), tok)
+    prompts = [Prompt(i, "", tok(f"What is {i} plus 2?")["input_ids"]) for i in range(2)]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    try:
+        with remote.weights_for_step(0):
+            assert all(len(g) == 2 for g in remote.generate(prompts, params, n=2))
+        replica.engine.model.register_forward_pre_hook(Fault(healthy=3))
+        with pytest.raises(RolloutServerError) as err:
+            remote.generate(prompts, params, n=2)
+    finally:
+        remote.close()
+    message = str(err.value)
+    assert url in message and "HTTP 503" in message, message
+    assert "injected device fault" in message and "resume=auto" in message, message
+    server.join(timeout=120)  # uvicorn's shutdown is bounded; the bound only keeps a bug from hanging
+    assert not server.is_alive(), "the replica kept serving after its engine died"
+    assert "injected device fault" in result["cause"]
