@@ -47,6 +47,20 @@ def _resolve(future: Future, fn, *args) -> None:
         future.set_exception(e)
 
 
+def _in_thread(fn, *args) -> Future:
+    """fn(*args) in a daemon thread of its own: a collective stuck on a dead peer is left behind."""
+    future: Future = Future()
+    threading.Thread(target=_resolve, args=(future, fn, *args), daemon=True).start()
+    return future
+
+
+def _wait_all(futures: list[Future]) -> None:
+    """Wait for every future; the first one to fail raises at once."""
+    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+    for f in done:
+        f.result()
+
+
 def _detail(response) -> str:
     """The reason a server gave for an error answer (its JSON `detail`, or the text)."""
     try:
@@ -235,13 +249,8 @@ class RemoteEngine:
         futures = self._post_all("/weights/join", bodies)  # they block in the rendezvous until we join too
         # The rendezvous waits up to `timeout` for every replica: a replica that dies or refuses
         # the join must stop the run now, so the group forms beside the join requests.
-        group: Future = Future()
-        threading.Thread(
-            target=_resolve, args=(group, weight_group, host, port, 0, world, self.backend, timeout), daemon=True
-        ).start()
-        done, _ = wait([group, *futures], return_when=FIRST_EXCEPTION)
-        for f in done:
-            f.result()  # raises a failed join's (or the rendezvous's) error
+        group = _in_thread(weight_group, host, port, 0, world, self.backend, timeout)
+        _wait_all([group, *futures])
         self.group = group.result()
 
     def _push(self, weights: list[tuple[str, torch.Tensor]], version: int) -> int:
@@ -250,15 +259,19 @@ class RemoteEngine:
         buckets = plan_buckets(metas, self.settings.sync_bucket_mb * 2**20)
         body = dict(version=version, metas=[[m.name, m.dtype, list(m.shape)] for m in metas], buckets=buckets)
         futures = self._post_all("/weights/update", [body] * len(self.urls))
+        # A replica that dies before its side of the broadcast connects leaves ours waiting for the
+        # group's whole timeout: its failed update request stops the push instead.
+        sending = _in_thread(send_buckets, self.group, [t for _, t in weights], buckets, self.device)
         try:
-            send_buckets(self.group, [t for _, t in weights], buckets, self.device)
+            _wait_all([sending, *futures])
+        except RolloutServerError:
+            self.group = None
+            raise
         except RuntimeError as e:  # a receiver died mid-broadcast
             self.group = None
             raise RolloutServerError(
                 f"sending weights to the rollout servers failed: {e}. {_resume_hint(self.own_process)}"
             ) from None
-        for f in futures:
-            f.result()
         return sum(m.nbytes for m in metas)
 
     # -------------------------------------------------------------- generation

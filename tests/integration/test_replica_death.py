@@ -102,47 +102,70 @@ def test_a_request_refused_by_the_engine_does_not_kill_it(tiny_model_path):
         assert client.get("/health", headers=auth).status_code == 200 and deaths == []
 
 
-def test_the_trainer_names_the_dead_replica_its_cause_and_the_resume_advice(tiny_model_path, monkeypatch):
-    """Over real HTTP: a trainer's RemoteEngine (weights pushed through the real weight group)
-    gets completions, then the replica's engine dies under its next request. The trainer's
+class ServedReplica:
+    """A real HF replica served over HTTP by `serve` in a thread of this process (so a fault can
+    be put into its engine), and a trainer's RemoteEngine talking to it."""
+
+    def __init__(self, model, monkeypatch):
+        self.token, port = new_token(), free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.replica = hf_replica(model)
+        self.result: dict = {}
+        self.thread = threading.Thread(
+            target=lambda: self.result.update(cause=serve(self.replica, 0, "127.0.0.1", [port], self.token)),
+            daemon=True,
+        )
+        self.thread.start()
+        _wait_healthy([self.url], [], 300)
+        monkeypatch.setenv(ENV, self.token)
+        cfg = load_config(
+            None,
+            [
+                f"model.name_or_path={model}",
+                "train.precision=fp32",
+                "rollout.engine=vllm",
+                "rollout.vllm.mode=server",
+                f"rollout.vllm.servers=[{self.url}]",
+            ],
+        )
+        self.tok = load_tokenizer(model)
+        self.remote = make_engine(cfg, load_model(model, "float32"), self.tok)
+        self.prompts = [Prompt(i, "", self.tok(f"What is {i} plus 2?")["input_ids"]) for i in range(2)]
+        self.params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+
+    def generate(self):
+        return self.remote.generate(self.prompts, self.params, n=2)
+
+
+@pytest.fixture
+def served(tiny_model_path, monkeypatch):
+    s = ServedReplica(tiny_model_path, monkeypatch)
+    with s.remote.weights_for_step(0):  # joins the weight group, sends the weights
+        assert all(len(g) == 2 for g in s.generate())
+    yield s
+    s.remote.close()
+
+
+def test_the_trainer_names_the_dead_replica_its_cause_and_the_resume_advice(served):
+    """Over real HTTP: the replica's engine dies under the trainer's request. The trainer's
     error names the replica's URL, the cause it returned and resume=auto; the server stops by
     itself and reports the cause (serve_replica turns that into exit code 1)."""
-    token, port = new_token(), free_port()
-    url = f"http://127.0.0.1:{port}"
-    replica = hf_replica(tiny_model_path)
-    result: dict = {}
-    server = threading.Thread(
-        target=lambda: result.update(cause=serve(replica, 0, "127.0.0.1", [port], token)), daemon=True
-    )
-    server.start()
-    _wait_healthy([url], [], 300)
-
-    monkeypatch.setenv(ENV, token)
-    cfg = load_config(
-        None,
-        [
-            f"model.name_or_path={tiny_model_path}",
-            "train.precision=fp32",
-            "rollout.engine=vllm",
-            "rollout.vllm.mode=server",
-            f"rollout.vllm.servers=[{url}]",
-        ],
-    )
-    tok = load_tokenizer(tiny_model_path)
-    remote = make_engine(cfg, load_model(tiny_model_path, "float32"), tok)
-    prompts = [Prompt(i, "", tok(f"What is {i} plus 2?")["input_ids"]) for i in range(2)]
-    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
-    try:
-        with remote.weights_for_step(0):
-            assert all(len(g) == 2 for g in remote.generate(prompts, params, n=2))
-        replica.engine.model.register_forward_pre_hook(Fault(healthy=3))
-        with pytest.raises(RolloutServerError) as err:
-            remote.generate(prompts, params, n=2)
-    finally:
-        remote.close()
+    served.replica.engine.model.register_forward_pre_hook(Fault(healthy=3))
+    with pytest.raises(RolloutServerError) as err:
+        served.generate()
     message = str(err.value)
-    assert url in message and "HTTP 503" in message, message
+    assert served.url in message and "HTTP 503" in message, message
     assert "injected device fault" in message and "resume=auto" in message, message
-    server.join(timeout=120)  # uvicorn's shutdown is bounded; the bound only keeps a bug from hanging
-    assert not server.is_alive(), "the replica kept serving after its engine died"
-    assert "injected device fault" in result["cause"]
+    served.thread.join(timeout=120)  # uvicorn's shutdown is bounded; the bound only keeps a bug from hanging
+    assert not served.thread.is_alive(), "the replica kept serving after its engine died"
+    assert "injected device fault" in served.result["cause"]
+
+
+def test_a_replica_that_refuses_an_update_stops_the_push_at_once(served):
+    """A replica that will not take part in a weight broadcast (here: it refuses weights its model
+    does not have; a replica killed before its side connects is the same) leaves the trainer's
+    side of the broadcast waiting for the group's timeout (request_timeout_s, 600 s). Its failed
+    update request stops the push instead, with its reason; 64 MB cannot hide in socket buffers."""
+    assert served.remote.settings.request_timeout_s >= 600
+    with pytest.raises(RolloutServerError, match="weights the model does not have"):
+        served.remote.push([("not.a.weight", torch.zeros(16 * 2**20))], 1)
