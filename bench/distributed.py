@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from plait.cluster.comm import free_port
+from plait.comm import free_port
 
 
 BACKENDS = {

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from plait.cluster.comm import free_port
+from plait.comm import free_port
 from plait.config import load_config
 from plait.models import load_model, load_tokenizer, resolve_model_path
 from plait.rollout import make_engine

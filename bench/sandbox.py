@@ -15,7 +15,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from plait.rewards import sandbox
+from plait import sandbox
 
 
 PROGRAM = "def f(x):\n    return x + 1\n"

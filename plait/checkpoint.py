@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from plait.cluster import comm
+from plait import comm
 
 
 MARKER = "COMMITTED"

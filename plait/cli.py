@@ -358,7 +358,8 @@ def cmd_check(args) -> int:
         print(f"generation: hf (a generation process of its own, started by training rank 0{ahead})")
     else:
         print("generation: hf (in the training processes)")
-    from plait.rewards.code import Sandbox, uses_sandbox
+    from plait.rewards import uses_sandbox
+    from plait.sandbox.box import Sandbox
 
     if uses_sandbox(cfg):
         tier = Sandbox.from_config(cfg.sandbox).tier  # the run's own check: SandboxUnavailable -> exit 2
@@ -375,9 +376,9 @@ def cmd_eval(args) -> int:
     from plait.data import build_prompts, load_rows
     from plait.evaluate import evaluate
     from plait.models import load_model, load_tokenizer, model_path_problem
-    from plait.rewards.code import Sandbox
     from plait.rewards.runner import bind_metric
     from plait.rollout import make_engine
+    from plait.sandbox.box import Sandbox
     from plait.tools import check_tools, tool_sandbox, tool_schemas, tools_need_sandbox, with_tools
 
     cfg = _load(args)
@@ -506,7 +507,7 @@ def cmd_rewards(_args) -> int:
 
 
 def cmd_sandbox(args) -> int:
-    from plait.rewards import sandbox
+    from plait import sandbox
 
     print(sandbox.describe())
     tier = sandbox.require(args.min_tier)  # raises SandboxUnavailable -> exit 2
@@ -559,8 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     from plait.config import ConfigError
     from plait.data import DataError
     from plait.rewards.runner import RewardError
-    from plait.rewards.sandbox import SandboxUnavailable
     from plait.rollout.remote import RolloutServerError
+    from plait.sandbox import SandboxUnavailable
 
     _enable_faulthandler()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # plait never reaches a hub at run time

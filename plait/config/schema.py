@@ -318,7 +318,7 @@ class SandboxConfig(Section):
     )
 
 
-def _default_rewards() -> list[RewardSpec]:
+def default_rewards() -> list[RewardSpec]:
     return [RewardSpec(name="accuracy", weight=1.0), RewardSpec(name="boxed_format", weight=0.5)]
 
 
@@ -648,7 +648,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     rewards: list[RewardSpec] = Field(
-        default_factory=_default_rewards,
+        default_factory=default_rewards,
         description="Reward functions [{name, weight, kwargs}], summed with their weights.",
     )
     algo: AlgoConfig = Field(default_factory=AlgoConfig)

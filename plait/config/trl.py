@@ -542,10 +542,10 @@ def recipe_to_config(path, processes: int = 1, defaults: str = "current") -> Con
     epoch), the dataset's rows are counted to turn them into rounds."""
     from pathlib import Path
 
-    from plait.config.load import _read_yaml
+    from plait.config.load import read_yaml
     from plait.config.schema import ConfigError, DataConfig
 
-    recipe = _read_yaml(Path(path))
+    recipe = read_yaml(Path(path))
     if not isinstance(recipe, dict):
         raise ConfigError([f"recipe '{path}' must hold a mapping at the top level"])
     out = convert_recipe(recipe, processes, defaults)

@@ -84,3 +84,9 @@ def resolve_reward(name: str) -> RewardFn:
     if not callable(fn):
         raise KeyError(f"reward '{name}' is not callable")
     return fn
+
+
+def uses_sandbox(cfg) -> bool:
+    """Does a configured reward, or the eval metric, execute code?"""
+    names = [r.name for r in cfg.rewards] + [cfg.eval.metric]
+    return any(getattr(resolve_reward(name), "needs_sandbox", False) for name in names)

@@ -38,7 +38,7 @@ from plait.types import Group
 
 
 if TYPE_CHECKING:
-    from plait.rewards.code import Sandbox
+    from plait.sandbox.box import Sandbox
 
 
 log = logging.getLogger("plait.rewards")

@@ -49,8 +49,9 @@ def make_generator(cfg, tokenizer, device):
     if cfg.rollout.engine == "vllm":
         engine = RemoteEngine(cfg, tokenizer, identity, device)
         return engine, engine.close
+    from plait.rollout import replica
     from plait.rollout.auth import new_token
-    from plait.rollout.hf_process import start_generation_process, stop_process
+    from plait.rollout.hf_process import start_generation_process
 
     token = new_token()  # this run's own: the process is ours alone
     url, proc = start_generation_process(cfg, device, max(600.0, cfg.rollout.vllm.connect_timeout_s), token)
@@ -58,6 +59,6 @@ def make_generator(cfg, tokenizer, device):
 
     def close():
         engine.close()
-        stop_process(proc)
+        replica.stop(proc)
 
     return engine, close

@@ -23,7 +23,7 @@ from dataclasses import asdict
 
 import torch
 
-from plait.rollout.auth import ENV
+from plait.rollout import replica
 from plait.rollout.weights import TensorMeta, receive_buckets, weight_group
 from plait.types import Prompt, SamplingParams
 
@@ -177,23 +177,15 @@ def start_generation_process(cfg, device: torch.device, timeout_s: float, token:
     """Start the HF generation process on this machine, listening on loopback only and taking
     requests with `token` (the run's own); return its URL and process once it answers /health.
     Its log goes to this process's stderr."""
-    from plait.cluster import comm
-    from plait.rollout.server import _wait_healthy, replica_command
+    from plait import comm
 
     port = comm.free_port()
     spec = {**generation_spec(cfg, device), "parent": os.getpid()}
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"] or 1), ENV: token}
-    proc = subprocess.Popen(replica_command(spec, 0, "127.0.0.1", [port]), env=env, start_new_session=True)
+    proc = replica.start(spec, 0, "127.0.0.1", [port], token, {"OMP_NUM_THREADS": str(spec["threads"] or 1)})
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy([url], [proc], timeout_s)
+        replica.wait_healthy([url], [proc], timeout_s)
     except RuntimeError:
-        stop_process(proc)
+        replica.stop(proc)
         raise
     return url, proc
-
-
-def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:
-    from plait.rollout.server import _stop
-
-    _stop(proc, grace_s)

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from plait.cluster import comm
+from plait import comm
 from plait.models import pad_id_of
 from plait.rollout.vllm_engine import sampling_dict, to_completion
 from plait.rollout.weights import full_weights, metas_of, plan_buckets, send_buckets, weight_group

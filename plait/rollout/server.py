@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -48,6 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from plait.rollout import replica as replica_process
 from plait.rollout.api import (
     ApiError,
     GenerateRequest,
@@ -319,54 +319,6 @@ def serve(engine, replica: int, host: str, ports: list[int], token: str, limits:
     return death[0] if death else None
 
 
-def _replica_devices(replica: int, tp: int) -> dict[str, str]:
-    """CUDA_VISIBLE_DEVICES for one replica: its own `tp` GPUs out of the visible ones."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return {}
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[replica * tp : (replica + 1) * tp])}
-
-
-def _cpu_threads(replica: int, tp: int, dp: int) -> dict[str, str]:
-    """On CPU, each of the dp x tp vLLM workers gets its own cores (VLLM_CPU_OMP_THREADS_BIND,
-    one core list per TP rank): vLLM can't place several workers on one NUMA node by itself, and
-    left alone it drops torch to one thread. The user's own settings win."""
-    cores = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cores) // (dp * tp))
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(per))}
-    if len(cores) >= dp * tp and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        ranks = [cores[(replica * tp + k) * per : (replica * tp + k + 1) * per] for k in range(tp)]
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, r)) for r in ranks)
-    return env
-
-
-def _wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout_s: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    pending = list(urls)
-    while pending:
-        for i, p in enumerate(procs):
-            if p.poll() is not None:
-                raise RuntimeError(f"replica {i} exited with code {p.returncode} while starting (its log is above)")
-        try:
-            httpx.get(pending[0] + "/health", timeout=2).raise_for_status()
-            pending.pop(0)
-        except httpx.HTTPError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{pending[0]} did not become healthy within {timeout_s:.0f} s") from None
-            time.sleep(0.5)
-
-
-def replica_command(spec: dict, replica: int, host: str, ports: list[int], limits: dict | None = None) -> list[str]:
-    """The command line of one replica process (its token goes in its environment, not here)."""
-    cmd = [sys.executable, "-m", "plait.rollout.server", json.dumps(spec), str(replica), host, json.dumps(ports)]
-    return cmd + ([json.dumps(limits)] if limits else [])
-
-
 def run_servers(
     engine_kwargs: dict,
     dp: int,
@@ -381,13 +333,10 @@ def run_servers(
     Each replica runs in its own session so that stopping it stops vLLM's worker processes too."""
     tp = engine_kwargs.get("tensor_parallel_size", 1)
     ports = [port + i for i in range(dp)]
-    procs = []
-    for i in range(dp):
-        devices = _replica_devices(i, tp)
-        env = {**os.environ, **(devices or _cpu_threads(i, tp, dp)), ENV: token}
-        procs.append(
-            subprocess.Popen(replica_command(engine_kwargs, i, host, ports, limits), env=env, start_new_session=True)
-        )
+    procs = [
+        replica_process.start(engine_kwargs, i, host, ports, token, replica_process.pinning(i, tp, dp), limits)
+        for i in range(dp)
+    ]
     stop = {"signal": None}
 
     def on_signal(signum, frame):
@@ -396,7 +345,7 @@ def run_servers(
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     try:
-        _wait_healthy([f"http://{shown}:{p}" for p in ports], procs, start_timeout_s)
+        replica_process.wait_healthy([f"http://{shown}:{p}" for p in ports], procs, start_timeout_s)
         say(
             f"rollout server ready: {dp} replica(s) x tp={tp} of {engine_kwargs['model']} at "
             + ", ".join(f"http://{shown}:{p}" for p in ports)
@@ -418,23 +367,9 @@ def run_servers(
         return 1
     finally:
         for p in procs:
-            _stop(p)
+            replica_process.stop(p)
         for s, h in old.items():
             signal.signal(s, h)
-
-
-def _stop(p: subprocess.Popen, grace_s: float = 10) -> None:
-    if p.poll() is None:
-        os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # vLLM's engine-core process of this replica, if it outlived it
-        os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    p.wait()
 
 
 # one replica: python -m plait.rollout.server SPEC_JSON REPLICA HOST PORTS_JSON [LIMITS_JSON]

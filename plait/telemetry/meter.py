@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from plait.cluster import comm
+from plait import comm
 from plait.telemetry.flops import ModelCost
 from plait.telemetry.memory import MemoryMeter
 from plait.types import Group

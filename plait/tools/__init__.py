@@ -82,7 +82,7 @@ def check_tools(cfg, tokenizer, prompts) -> None:
 def tool_sandbox(cfg):
     """The sandbox tool calls run in: the run's sandbox settings with the tools' time limit
     (built, and its isolation tier checked, now: fail closed before any model loads)."""
-    from plait.rewards.code import Sandbox, sandbox_settings
+    from plait.sandbox.box import Sandbox, sandbox_settings
 
     settings = sandbox_settings(cfg.sandbox)
     settings.limits = dataclasses.replace(settings.limits, timeout_s=cfg.rollout.tools.timeout_s)

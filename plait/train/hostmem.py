@@ -25,7 +25,7 @@ _DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
 _NEVER_TRIM = 2**31 - 1  # mallopt takes an int
 
 
-def _glibc():
+def glibc():
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -41,7 +41,7 @@ def retained_host_memory(enabled: bool = True):
     """Inside, freed host memory stays in the process for reuse (where glibc allows it): big
     blocks come from the heap and the heap is never trimmed. Yields whether that took effect;
     glibc's defaults are back on exit and the free memory is returned to the kernel."""
-    libc = _glibc() if enabled else None
+    libc = glibc() if enabled else None
     active = bool(libc) and libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM) == 1
     try:
         yield active

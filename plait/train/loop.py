@@ -20,8 +20,8 @@ import shutil
 import time
 from dataclasses import dataclass
 
+from plait import comm
 from plait.checkpoint import save_checkpoint, wait_for_saves
-from plait.cluster import comm
 from plait.config import Config, ConfigError, resolve_backend, validate
 from plait.data import data_problems
 from plait.evaluate import evaluate

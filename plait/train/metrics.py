@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from plait.cluster import comm
+from plait import comm
 from plait.types import Group
 
 

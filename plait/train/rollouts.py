@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from plait.cluster import comm
+from plait import comm
 from plait.data import PromptOrder
 from plait.rollout.weights import full_weights
 from plait.telemetry import PhaseTimer

@@ -6,8 +6,8 @@ import os
 import time
 from pathlib import Path
 
+from plait import comm
 from plait.checkpoint import find_checkpoint, latest_checkpoint
-from plait.cluster import comm
 from plait.config import ConfigError
 
 

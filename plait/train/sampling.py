@@ -21,7 +21,7 @@ from plait.types import Group, Prompt, SamplingParams
 
 
 if TYPE_CHECKING:
-    from plait.rewards.code import Sandbox
+    from plait.sandbox.box import Sandbox
 
 
 def sampling_params(cfg, step: int, round_: int = 0) -> SamplingParams:

@@ -16,15 +16,16 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from plait import comm
 from plait.checkpoint import checkpoint_step, load_checkpoint, load_rollouts, resume_position, trim_logs
-from plait.cluster import comm
 from plait.config import Config
 from plait.data import PromptOrder, build_prompts, load_rows
 from plait.models import load_tokenizer
 from plait.plan import BatchPlan
-from plait.rewards.code import Sandbox, uses_sandbox
+from plait.rewards import uses_sandbox
 from plait.rewards.runner import BoundReward, bind_metric, bind_rewards, close_rewards
 from plait.rollout import RolloutEngine, make_engine, make_generator
+from plait.sandbox.box import Sandbox
 from plait.telemetry import MetricsSink, PhaseTimer
 from plait.telemetry.flops import device_peak, model_cost
 from plait.telemetry.memory import MemoryMeter

@@ -15,6 +15,7 @@ from contextlib import nullcontext
 
 import torch
 
+from plait import comm
 from plait.algo.advantages import combine_rewards
 from plait.algo.kl import sequence_kl
 from plait.algo.logprobs import (
@@ -25,7 +26,6 @@ from plait.algo.logprobs import (
     shared_prompt_logprobs,
 )
 from plait.algo.losses import LossSettings, StepCounts, engine_mismatch_weights, high_entropy_mask, policy_loss
-from plait.cluster import comm
 from plait.telemetry import PhaseTimer
 from plait.train.backends.base import Backend, StepOutcome
 from plait.train.batch import micro_batches

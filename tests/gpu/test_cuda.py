@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_train import crash_then_resume, final_weights, tiny_overrides
 
-from plait.cluster.comm import free_port
+from plait.comm import free_port
 from plait.config import load_config
 from plait.train.loop import train
 

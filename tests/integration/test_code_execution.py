@@ -9,9 +9,10 @@ import pytest
 
 from plait.config import load_config
 from plait.data.tasks import humaneval, humaneval_capacity
-from plait.rewards.code import Sandbox, SandboxSettings, code_pass, code_tests_passed
+from plait.rewards.code import code_pass, code_tests_passed
 from plait.rewards.runner import BoundReward, RewardError, score_groups
-from plait.rewards.sandbox import Limits
+from plait.sandbox import Limits
+from plait.sandbox.box import Sandbox, SandboxSettings
 from plait.train.loop import train
 from plait.types import Completion, Group, Prompt
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from test_train import tiny_overrides
 
-from plait.cluster.comm import free_port
+from plait.comm import free_port
 from plait.config import load_config
 from plait.train.loop import train
 

@@ -17,14 +17,15 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from plait.cluster.comm import free_port
+from plait.comm import free_port
 from plait.config import load_config
 from plait.models import load_model, load_tokenizer
 from plait.rollout import make_engine
+from plait.rollout import replica as replica_process
 from plait.rollout.auth import ENV, bearer, new_token
 from plait.rollout.hf_process import HFReplica, generation_spec
 from plait.rollout.remote import RolloutServerError
-from plait.rollout.server import _wait_healthy, build_app, serve
+from plait.rollout.server import build_app, serve
 from plait.types import Prompt, SamplingParams
 
 
@@ -116,7 +117,7 @@ class ServedReplica:
             daemon=True,
         )
         self.thread.start()
-        _wait_healthy([self.url], [], 300)
+        replica_process.wait_healthy([self.url], [], 300)
         monkeypatch.setenv(ENV, self.token)
         cfg = load_config(
             None,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import os
 import socket
 import subprocess
 import threading
@@ -23,11 +22,11 @@ import pytest
 import torch
 from test_train import final_weights, tiny_overrides
 
-from plait.cluster.comm import free_port
+from plait.comm import free_port
 from plait.config import load_config
+from plait.rollout import replica as replica_process
 from plait.rollout.auth import ENV, bearer, new_token
 from plait.rollout.hf_process import generation_spec
-from plait.rollout.server import _stop, _wait_healthy, replica_command
 from plait.train.loop import train
 
 
@@ -46,10 +45,11 @@ class HFServer:
         self.log = tmp_path / "server.log"
         cfg = load_config(None, [f"model.name_or_path={model}", "train.precision=fp32"])
         spec = generation_spec(cfg, torch.device("cpu"))
-        env = {**os.environ, ENV: self.token, "OMP_NUM_THREADS": "1"}
-        cmd = replica_command(spec, 0, "127.0.0.1", [self.port], LIMITS)
-        self.proc = subprocess.Popen(cmd, env=env, stderr=self.log.open("w"), start_new_session=True)
-        _wait_healthy([self.url], [self.proc], 300)
+        log = self.log.open("w")
+        self.proc = replica_process.start(
+            spec, 0, "127.0.0.1", [self.port], self.token, {"OMP_NUM_THREADS": "1"}, LIMITS, stderr=log
+        )
+        replica_process.wait_healthy([self.url], [self.proc], 300)
         self.auth = bearer(self.token)
 
     def health(self) -> dict:
@@ -60,7 +60,7 @@ class HFServer:
 def server(tiny_model_path, tmp_path_factory):
     s = HFServer(tiny_model_path, tmp_path_factory.mktemp("hfserver"))
     yield s
-    _stop(s.proc)
+    replica_process.stop(s.proc)
 
 
 def generate_body(token_ids=(1, 2, 3), **sampling) -> dict:

@@ -32,8 +32,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from plait.rewards import sandbox
-from plait.rewards.sandbox import Limits, run_tests
+from plait import sandbox
+from plait.sandbox import Limits, run_tests
 
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,8 +20,8 @@ from test_vllm import metrics_of, train_cmd
 from tool_model import teach_tool_calls
 
 from plait.config.schema import ToolsConfig
-from plait.rewards.code import Sandbox, SandboxSettings
-from plait.rewards.sandbox import Limits
+from plait.sandbox import Limits
+from plait.sandbox.box import Sandbox, SandboxSettings
 from plait.tools.calls import Call, ToolRunner
 from plait.tools.engine import ToolEngine
 from plait.tools.template import ChatTurns

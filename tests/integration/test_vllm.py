@@ -23,7 +23,7 @@ import pytest
 import torch
 from test_train import tiny_overrides
 
-from plait.cluster.comm import free_port
+from plait.comm import free_port
 from plait.rollout.auth import bearer, resolve_token
 
 

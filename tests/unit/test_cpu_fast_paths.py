@@ -10,7 +10,7 @@ import torch
 
 from plait.rollout.hf import HFEngine, inverse_cdf, sample_next
 from plait.rollout.packed import packed_linears, packing_available
-from plait.train.hostmem import _glibc
+from plait.train.hostmem import glibc
 from plait.types import Prompt, SamplingParams
 
 
@@ -96,7 +96,7 @@ _FAULTS = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(_glibc() is None, reason="glibc only")
+@pytest.mark.skipif(glibc() is None, reason="glibc only")
 def test_retained_host_memory_reuses_freed_blocks_without_page_faults():
     def run(mode):
         out = subprocess.run(

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from plait.cluster.comm import free_port
+from plait.comm import free_port
 from plait.config import ConfigError, load_config, validate
 from plait.rollout.vllm_engine import sampling_dict, to_completion
 from plait.rollout.weights import (

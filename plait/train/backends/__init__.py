@@ -27,7 +27,7 @@ def resolve_device(name: str) -> torch.device:
 
 def make_backend(name: str, cfg, device: torch.device) -> Backend:
     """The backend called `name` (already resolved from 'auto'); joins the process group."""
-    from plait.cluster import comm
+    from plait import comm
 
     if name != "local":
         comm.init_from_env(device, single_process_ok=True)

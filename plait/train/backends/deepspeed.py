@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from plait.cluster import comm
+from plait import comm
 from plait.models import save_model
 from plait.train.backends.base import StepOutcome
 from plait.train.backends.local import LocalBackend

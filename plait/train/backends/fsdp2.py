@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from plait.cluster import comm
+from plait import comm
 from plait.models import save_model
 from plait.train.backends.local import LocalBackend
 from plait.train.optim import make_optimizer
@@ -81,7 +81,7 @@ class FSDP2Backend(LocalBackend):
         its shards plus one layer."""
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-        from plait.models import _DTYPES, enable_activation_checkpointing, load_model, resolve_model_path
+        from plait.models import DTYPES, enable_activation_checkpointing, load_model, resolve_model_path
 
         m = self.cfg.model
         if comm.is_main():
@@ -90,7 +90,7 @@ class FSDP2Backend(LocalBackend):
         else:
             folder = resolve_model_path(m.name_or_path)
             with torch.device("meta"):
-                module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=_DTYPES[m.dtype])
+                module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=DTYPES[m.dtype])
             if (folder / "generation_config.json").is_file():
                 module.generation_config = GenerationConfig.from_pretrained(folder)
             module.generation_config.pad_token_id = module.generation_config.pad_token_id or module.config.eos_token_id

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from plait import comm
 from plait.algo.kl import mix_reference
-from plait.cluster import comm
 from plait.models import autocast, load_model, save_model
 from plait.train.backends.base import StepOutcome
 from plait.train.optim import make_optimizer

@@ -1,4 +1,4 @@
-"""The sandbox supervisor: one process per execution, started by `plait.rewards.sandbox`.
+"""The sandbox supervisor: one process per execution, started by `plait.sandbox`.
 
 Run as `python -I supervisor.py` with a JSON request on stdin; writes one JSON result on
 stdout. It must not import plait (it runs isolated, with a clean environment), and it stays

@@ -28,7 +28,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from plait.rewards.sandbox.supervisor import SAFE_PATH, TIERS, find_bwrap, sweep_uid
+from plait.sandbox.supervisor import SAFE_PATH, TIERS, find_bwrap, sweep_uid
 
 
 HERE = Path(__file__).parent
