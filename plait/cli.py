@@ -366,7 +366,7 @@ def cmd_check(args) -> int:
         print(f"sandbox: code rewards will run under '{tier}' (minimum '{cfg.sandbox.min_tier}')")
     from plait.tools import tool_sandbox, tools_need_sandbox
 
-    if tools_need_sandbox(r.tools):
+    if tools_need_sandbox(r.tools):  # the run's own check (no tokenizer needed): SandboxUnavailable -> exit 2
         tier = tool_sandbox(cfg).tier
         print(f"tools: {r.tools.format} calls, run under sandbox tier '{tier}' (minimum '{cfg.sandbox.min_tier}')")
     return 0
@@ -379,7 +379,7 @@ def cmd_eval(args) -> int:
     from plait.rewards.runner import bind_metric
     from plait.rollout import make_engine
     from plait.sandbox.box import Sandbox
-    from plait.tools import check_tools, tool_sandbox, tool_schemas, tools_need_sandbox, with_tools
+    from plait.tools import Tools
 
     cfg = _load(args)
     why = model_path_problem(args.model)
@@ -390,19 +390,15 @@ def cmd_eval(args) -> int:
     if metric.needs_sandbox:  # the config's sandbox settings; below sandbox.min_tier: exit 2 before any model loads
         metric.sandbox = Sandbox.from_config(cfg.sandbox)
     tok = load_tokenizer(args.model)
-    tools = cfg.rollout.tools
-    prompts = build_prompts(load_rows(cfg.data, "eval", cfg.seed), tok, cfg.data, tools=tool_schemas(tools))
-    if tools is not None:  # evaluate the policy as it was trained: with its tools
-        check_tools(cfg, tok, prompts)
-        box = tool_sandbox(cfg) if tools_need_sandbox(tools) else None
+    tools = Tools.from_config(cfg, tok)  # evaluate the policy as it was trained: with its tools
+    prompts = build_prompts(load_rows(cfg.data, "eval", cfg.seed), tok, cfg.data, tools=tools.schemas)
+    tools.check(prompts)
     from plait.train.backends import resolve_device
 
     device = resolve_device(cfg.train.device)
     model = load_model(args.model, cfg.model.dtype).to(device)
     cfg.model.name_or_path = args.model  # a colocated vLLM engine loads the same weights
-    engine = make_engine(cfg, model, tok, device=device)
-    if tools is not None:
-        engine = with_tools(cfg, engine, tok, box)
+    engine = tools.wrap(make_engine(cfg, model, tok, device=device))
     with engine.weights_for_step(0):  # rollout servers get this model's weights
         res = evaluate(
             engine,

@@ -11,6 +11,35 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+# The numeric tests (losses, advantages, rewards, log-probs, the engines' sampling, resume
+# exactness): `make test` runs them a second time with the kernels capped to AVX2 on a CPU that
+# has more, so that a tolerance or an equality that holds on one CPU kind only fails before it
+# lands. A file name, or file::test for a part of a file.
+NUMERIC = {
+    "unit/test_losses.py",
+    "unit/test_advantages.py",
+    "unit/test_variants.py",
+    "unit/test_rewards.py",
+    "unit/test_rewards_library.py",
+    "unit/test_cpu_fast_paths.py",
+    "unit/test_flops_and_timing.py",
+    "unit/test_async_schedule.py",
+    "unit/test_optim.py",
+    "unit/test_checkpoint.py",
+    "integration/test_rollout_hf.py",
+    "integration/test_algorithms.py",
+    "integration/test_train.py::test_resume_after_a_crash_is_exact",
+    "integration/test_train.py::test_variants_train",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        where = Path(item.path).relative_to(HERE).as_posix()
+        if where in NUMERIC or f"{where}::{item.originalname}" in NUMERIC:
+            item.add_marker(pytest.mark.numeric)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """A 2-layer random Llama with the bundled model's real tokenizer (about 3.3M params)."""

@@ -6,7 +6,23 @@ from plait.rollout.base import RolloutEngine
 from plait.rollout.hf import HFEngine
 
 
-__all__ = ["RolloutEngine", "HFEngine", "make_engine", "make_generator"]
+__all__ = ["RolloutEngine", "HFEngine", "make_engine", "make_generator", "generation_site", "ahead_of_trainer"]
+
+
+def generation_site(cfg) -> str:
+    """Where completions are sampled, the one place this is decided: "trainer" (the HF engine
+    or colocated vLLM, in each training process), "process" (the HF engine's generation
+    process, started by training rank 0) or "server" (`plait rollout-server` replicas)."""
+    r = cfg.rollout
+    if r.engine == "vllm":
+        return "server" if r.vllm.mode == "server" else "trainer"
+    return "process" if r.generation_process or r.max_staleness > 0 else "trainer"
+
+
+def ahead_of_trainer(cfg) -> bool:
+    """Rounds come from a producer thread on training rank 0 (train/rollouts.py): asynchronous
+    runs, and any run whose HF engine has a process of its own."""
+    return cfg.rollout.max_staleness > 0 or generation_site(cfg) == "process"
 
 
 def make_engine(cfg, model, tokenizer, view=None, device=None) -> RolloutEngine:

@@ -1,9 +1,13 @@
-"""The engine interface every generation backend implements (transformers, vLLM colocated,
-vLLM servers)."""
+"""The engine interface every generation backend implements: the HF engine in the training
+process (hf.py), colocated vLLM (vllm_engine.py), and the engines outside it that RemoteEngine
+(remote.py) talks to: `plait rollout-server` replicas and the HF engine's generation process.
+Tools wrap any of them through this same interface (tools/engine.py: ToolEngine)."""
 
 from __future__ import annotations
 
 from typing import ContextManager, Protocol
+
+import torch
 
 from plait.types import Completion, Prompt, SamplingParams
 
@@ -27,3 +31,11 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Free the engine's resources."""
+
+
+class PushedEngine(RolloutEngine, Protocol):
+    """An engine outside the training process (RemoteEngine, and a ToolEngine around one): the
+    asynchronous producer sends it each weight version itself."""
+
+    def push(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Make the engine hold `weights` (checkpoint names, full tensors) as version `version`."""

@@ -8,14 +8,24 @@ engine.py    ToolEngine: any rollout engine, made multi-turn (token in, token ou
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from plait.tools.calls import PYTHON_TOOL_DOC, ToolRunner, function_schema, resolve_function
 from plait.tools.engine import ToolEngine
 from plait.tools.template import ChatTurns, TemplateMismatch, check_template
 
 
-__all__ = ["ToolEngine", "ChatTurns", "TemplateMismatch", "with_tools", "tool_schemas", "chat_turns", "check_tools"]
+__all__ = [
+    "Tools",
+    "ToolEngine",
+    "ChatTurns",
+    "TemplateMismatch",
+    "with_tools",
+    "tool_schemas",
+    "chat_turns",
+    "check_tools",
+]
 
 # the conversation the template check plays (an earlier turn with reasoning in it, as templates
 # that drop earlier reasoning would show)
@@ -96,3 +106,41 @@ def with_tools(cfg, engine, tokenizer, sandbox=None):
         return engine
     runner = ToolRunner(t, sandbox, tool_functions(t))
     return ToolEngine(engine, tokenizer, t, runner, chat_turns(cfg, tokenizer), workers=cfg.sandbox.workers)
+
+
+@dataclass
+class Tools:
+    """A run's tool use, set up once from its config: the sandbox tool calls run in (built, and
+    its tier checked, by `from_config`: fail closed before any model loads), the tool schemas
+    the chat template describes, the template check, and the wrapping of engines. Without
+    rollout.tools it is inert: no schemas, no check, engines returned as they are."""
+
+    cfg: Any
+    tokenizer: Any
+    sandbox: Any = None  # plait.sandbox.box.Sandbox, when something the model writes runs
+    schemas: list[dict] | None = None
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer) -> Tools:
+        t = cfg.rollout.tools
+        return cls(cfg, tokenizer, tool_sandbox(cfg) if tools_need_sandbox(t) else None, tool_schemas(t))
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.rollout.tools is not None
+
+    def describe(self) -> str | None:
+        """One line for the run's header (None without tools)."""
+        if not self.enabled:
+            return None
+        where = f"sandbox tier '{self.sandbox.tier}'" if self.sandbox else "this process (trusted functions)"
+        return f"tools: {self.cfg.rollout.tools.format} calls, run in {where}"
+
+    def check(self, prompts) -> None:
+        """The chat template must append turns (ValueError says why not); nothing without tools."""
+        if self.enabled:
+            check_tools(self.cfg, self.tokenizer, prompts)
+
+    def wrap(self, engine):
+        """`engine` made multi-turn (a ToolEngine), or as it is without tools."""
+        return with_tools(self.cfg, engine, self.tokenizer, self.sandbox)

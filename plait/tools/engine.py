@@ -94,8 +94,24 @@ class ToolEngine:
         self.workers = max(1, workers)
         self.stops = [PYTHON_STOP if tools_cfg.format == "python" else HERMES_STOP]
 
-    def __getattr__(self, name):  # weights_for_step, stats, close, push, pad_id: the engine's own
-        return getattr(self.engine, name)
+    # The rest of the engine interface (rollout/base.py) is the wrapped engine's own.
+
+    @property
+    def pad_id(self) -> int:
+        return self.engine.pad_id
+
+    def weights_for_step(self, version: int):
+        return self.engine.weights_for_step(version)
+
+    def push(self, weights: list, version: int) -> None:
+        """For an engine outside the training process (a RemoteEngine): see rollout/base.py."""
+        self.engine.push(weights, version)
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        self.engine.close()
 
     def generate(self, prompts: list[Prompt], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
         user_stops = list(params.stop)

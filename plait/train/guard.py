@@ -14,7 +14,6 @@ a second one stops at once.
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import sys
@@ -45,9 +44,10 @@ class NonFiniteGuard:
     def __init__(self, limit: int):
         self.limit, self.streak, self.skipped = limit, 0, 0
 
-    def check(self, grad_norm: float, step: int) -> bool:
-        """True when the optimizer step with this gradient norm was applied."""
-        if math.isfinite(grad_norm):
+    def check(self, applied: bool, grad_norm: float, step: int) -> bool:
+        """Count one optimizer step the backend applied (or skipped: its gradient norm was not
+        finite); returns `applied`."""
+        if applied:
             self.streak = 0
             return True
         self.streak += 1

@@ -84,7 +84,7 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
     round's time."""
     cfg = run.cfg
     try:
-        run.rollouts.start(run)  # async: the producer starts generating the first rounds now
+        run.rollouts.start()  # async: the producer starts generating the first rounds now
         if cfg.eval.before and run.start == 0:
             run.result.eval_before = run_eval(run, "before", 0)
         last_save = time.monotonic()
@@ -112,7 +112,8 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
 def train_step(run: Run, step: int) -> StepResult:
     """Round `step`: generate and score -> collate -> log-prob prepass -> advantages -> update."""
     cfg, timer = run.cfg, run.timer
-    groups, sampling, rollout = run.rollouts.take(run, step)  # generated now, or by the async producer
+    taken = run.rollouts.take(step)  # generated now, or by the async producer
+    groups, sampling = taken.groups, taken.sampling
     with timer("score"):
         accuracy = step_accuracy(groups, run.metric, sampling)
     batch = collate(groups, run.engine.pad_id, cfg.algo.mask_truncated_completions)
@@ -122,8 +123,8 @@ def train_step(run: Run, step: int) -> StepResult:
         groups, batch, cfg, [r.name for r in run.rewards], [r.weight for r in run.rewards]
     )
     update = policy_update(batch, cfg, run.backend, run.guard, step, timer)
-    run.rollouts.publish(run, step)  # async: these weights, for the rounds scheduled on them
-    return StepResult(groups, sampling, accuracy, update, forwards, rollout)
+    run.rollouts.publish(step)  # async: these weights, for the rounds scheduled on them
+    return StepResult(groups, sampling, accuracy, update, forwards, taken.info)
 
 
 def step_accuracy(groups: list[Group], metric: BoundReward, sampling: SamplingStats) -> list[float] | None:
@@ -210,15 +211,15 @@ def keep_if_best(run: Run, version: int, accuracy: float) -> None:
 def save(run: Run, step: int, blocking: bool = True) -> None:
     """A checkpoint of the run after round `step` (every process takes part); async runs add
     the rounds already generated for the next ones, and the data position after them."""
-    pending, consumed = run.rollouts.pending(run, step)
+    source = run.rollouts.state(step)
     save_checkpoint(
         run.run_dir,
         step,
         run.backend,
-        trainer_state(run, consumed),
+        trainer_state(run, source.consumed),
         run.cfg.checkpoint.keep_last,
         blocking=blocking,
-        rollouts=pending,
+        rollouts=source.ahead,
     )
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -34,7 +35,7 @@ from plait import comm
 from plait.data import PromptOrder
 from plait.rollout.weights import full_weights
 from plait.telemetry import PhaseTimer
-from plait.train.sampling import SamplingStats, collect_groups
+from plait.train.sampling import Sampler, SamplingStats
 from plait.types import Group
 
 
@@ -56,6 +57,57 @@ class Rollout:
     sync: dict[str, float] = field(default_factory=dict)  # the last push's size and speed (weight_sync/*)
 
 
+@dataclass
+class RoundBatch:
+    """What a rollout source hands the trainer for one round: this process's scored groups,
+    how their sampling went, and the source's own metrics (async/*, weight_sync/*)."""
+
+    groups: list[Group]
+    sampling: SamplingStats
+    info: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SourceState:
+    """What a checkpoint after a round holds of its rollout source: the rounds already
+    generated for the next ones, and every process's data position after them (None: each
+    process's own position, nothing generated ahead)."""
+
+    ahead: list[Rollout] = field(default_factory=list)
+    consumed: list[int] | None = None
+
+
+class RolloutSource(Protocol):
+    """Where `train_step` gets its rounds. Chosen once, by `make_rollout_source`."""
+
+    def start(self) -> None:
+        """Before the first round (async: rank 0 starts the producer)."""
+
+    def take(self, round_: int) -> RoundBatch:
+        """Round `round_`'s groups for this process (generated now, or waited for)."""
+
+    def publish(self, round_: int) -> None:
+        """After round `round_`'s update: its weights, for rounds that will be sampled with them."""
+
+    def state(self, round_: int) -> SourceState:
+        """For a checkpoint after round `round_` (rank 0's answer counts)."""
+
+    def load_state(self, state: SourceState) -> None:
+        """From a checkpoint, before `start`."""
+
+    def close(self) -> None:
+        """Stop generating; free the engine this source owns."""
+
+
+def make_rollout_source(run, make_generator) -> RolloutSource:
+    """Rounds generated ahead of the trainer by a producer (asynchronous runs, or the HF
+    engine's generation process), or generated when each round starts. `make_generator`:
+    () -> (engine, close), rank 0's generation engine for the producer."""
+    from plait.rollout import ahead_of_trainer
+
+    return AsyncRollouts(run, make_generator) if ahead_of_trainer(run.cfg) else SyncRollouts(run)
+
+
 def staleness(groups: list[Group], trained_version: int) -> list[int]:
     """Versions between the weights that sampled each token (or completion) and the ones it is
     trained at."""
@@ -66,34 +118,34 @@ class SyncRollouts:
     """Generate and score each round when it starts (after the rounds a checkpoint of an async
     run held, when resuming one synchronously)."""
 
-    def __init__(self):
+    def __init__(self, run):
+        self.run = run
         self.ahead: dict[int, Rollout] = {}
 
-    def start(self, run) -> None:
+    def start(self) -> None:
         pass
 
-    def take(self, run, step: int) -> tuple[list[Group], SamplingStats, dict[str, float]]:
-        if step in self.ahead:
-            groups, sampling = self.ahead.pop(step).shares[comm.rank()]
-            return groups, sampling, {}
+    def take(self, round_: int) -> RoundBatch:
+        run = self.run
+        if round_ in self.ahead:
+            return RoundBatch(*self.ahead.pop(round_).shares[comm.rank()])
         with ExitStack() as weights:
             with run.timer("weight_sync"):  # HF: gather sharded weights once for the round; vLLM: copy them in
-                weights.enter_context(run.engine.weights_for_step(step - 1))
-            groups, sampling = collect_groups(  # timed as generate and score (phases never nest)
-                run.engine, run.take_prompts, run.prompts_per_round, run.cfg, step, run.rewards, run.timer, run.sandbox
-            )
-        return groups, sampling, {}
+                weights.enter_context(run.engine.weights_for_step(round_ - 1))
+            sampler = Sampler(run.engine, run.cfg, run.rewards, run.timer, run.sandbox)
+            groups, sampling = sampler.collect(run.take_prompts, run.prompts_per_round, round_)
+        return RoundBatch(groups, sampling)
 
-    def publish(self, run, step: int) -> None:
+    def publish(self, round_: int) -> None:
         pass
 
-    def pending(self, run, step: int) -> tuple[None, None]:
+    def state(self, round_: int) -> SourceState:
         """Nothing is generated ahead: the checkpoint holds no rounds, and the data positions are
         the processes' own."""
-        return None, None
+        return SourceState()
 
-    def restore(self, rollouts: list[Rollout], consumed: list[int]) -> None:
-        self.ahead = {r.step: r for r in rollouts}
+    def load_state(self, state: SourceState) -> None:
+        self.ahead = {r.step: r for r in state.ahead}
 
     def close(self) -> None:
         pass
@@ -227,20 +279,15 @@ class Producer:
             if got is not None:
                 with timer("weight_push"):
                     self._push(*got)
-            shares = []
-            for order in self.orders:
-                shares.append(
-                    collect_groups(
-                        self.engine,
-                        lambda n, order=order: [self.run.prompts[i] for i in order.take(n)],
-                        self.run.prompts_per_round,
-                        cfg,
-                        step,
-                        self.run.rewards,
-                        timer,
-                        self.run.sandbox,
-                    )
+            sampler = Sampler(self.engine, cfg, self.run.rewards, timer, self.run.sandbox)
+            shares = [
+                sampler.collect(
+                    lambda n, order=order: [self.run.prompts[i] for i in order.take(n)],
+                    self.run.prompts_per_round,
+                    step,
                 )
+                for order in self.orders
+            ]
             seconds = {k.removeprefix("time/"): v for k, v in timer.reset().items()}
             pushed = self.pushes - pushes_before
             sync = self.engine.stats() if pushed else {}
@@ -254,6 +301,7 @@ class AsyncRollouts:
     """The trainer's side of asynchronous generation (every process; rank 0 owns the producer)."""
 
     def __init__(self, run, make_engine):
+        self.run = run
         self.make_engine = make_engine  # () -> (engine, close): the generation engine of rank 0
         self.producer: Producer | None = None
         self.restored: tuple[list[Rollout], list[int]] | None = None
@@ -261,12 +309,13 @@ class AsyncRollouts:
         self.close_engine = None
         self.dtype = torch.bfloat16 if run.cfg.train.precision == "bf16" else torch.float32
 
-    def restore(self, rollouts: list[Rollout], consumed: list[int]) -> None:
-        self.restored = (rollouts, consumed)
+    def load_state(self, state: SourceState) -> None:
+        self.restored = (state.ahead, state.consumed)
 
-    def start(self, run) -> None:
+    def start(self) -> None:
         """Rank 0: start the generation engine and the producer; everyone: publish the current
         weights (the version of the first rounds to produce)."""
+        run = self.run
         last = run.cfg.train.max_steps
         rollouts, consumed = self.restored or ([], [run.order.consumed] * comm.world_size())
         if comm.is_main():
@@ -282,12 +331,12 @@ class AsyncRollouts:
             self.producer.start()
         self.taken_consumed = consumed
         if run.start < last:
-            self._publish(run, run.start)
+            self._publish(run.start)
 
-    def take(self, run, step: int) -> tuple[list[Group], SamplingStats, dict[str, float]]:
-        """This process's share of round `step`, waiting for the producer if it is behind."""
-        with run.timer("wait_for_rollout"):
-            rollout = self.producer.get(step) if comm.is_main() else None
+    def take(self, round_: int) -> RoundBatch:
+        """This process's share of round `round_`, waiting for the producer if it is behind."""
+        with self.run.timer("wait_for_rollout"):
+            rollout = self.producer.get(round_) if comm.is_main() else None
             rollout = comm.broadcast_object(rollout)
         self.taken_consumed = rollout.consumed
         groups, sampling = rollout.shares[comm.rank()]
@@ -297,31 +346,33 @@ class AsyncRollouts:
         info["async/weight_pushes"] = float(rollout.pushes)
         info["async/scheduled_version"] = float(rollout.version)
         info.update(rollout.sync)
-        return groups, sampling, info
+        return RoundBatch(groups, sampling, info)
 
-    def publish(self, run, step: int) -> None:
-        """After round `step`'s update: version `step`, if a round still to generate uses it."""
-        k, last = run.cfg.rollout.max_staleness, run.cfg.train.max_steps
-        needed = step < last if run.cfg.rollout.inflight_updates else scheduled_version(last, k) >= step
+    def publish(self, round_: int) -> None:
+        """After round `round_`'s update: version `round_`, if a round still to generate uses it."""
+        cfg = self.run.cfg
+        k, last = cfg.rollout.max_staleness, cfg.train.max_steps
+        needed = round_ < last if cfg.rollout.inflight_updates else scheduled_version(last, k) >= round_
         if needed:
-            with run.timer("weight_sync"):
-                self._publish(run, step)
+            with self.run.timer("weight_sync"):
+                self._publish(round_)
 
-    def _publish(self, run, version: int) -> None:
+    def _publish(self, version: int) -> None:
         # every process: gathering sharded weights (FSDP2's full_tensor) is a collective
-        with run.backend.for_generation() as model, full_weights(model) as weights:
+        with self.run.backend.for_generation() as model, full_weights(model) as weights:
             if comm.is_main():
                 copy = [(n, t.detach().to("cpu", self.dtype, copy=True)) for n, t in weights]
                 self.producer.publish(version, copy)
 
-    def pending(self, run, step: int) -> tuple[list[Rollout], list[int]]:
-        """For a checkpoint after round `step`: the rounds generated for step+1 .. step+k, and
-        every process's data position after them (rank 0's answer)."""
-        last = min(step + run.cfg.rollout.max_staleness, run.cfg.train.max_steps)
+    def state(self, round_: int) -> SourceState:
+        """For a checkpoint after round `round_`: the rounds generated for round_+1 .. round_+k,
+        and every process's data position after them (rank 0's answer)."""
+        cfg = self.run.cfg
+        last = min(round_ + cfg.rollout.max_staleness, cfg.train.max_steps)
         if not comm.is_main():
-            return [], []
-        held = self.producer.wait(range(step + 1, last + 1))
-        return held, (held[-1].consumed if held else self.taken_consumed)
+            return SourceState([], [])
+        held = self.producer.wait(range(round_ + 1, last + 1))
+        return SourceState(held, held[-1].consumed if held else self.taken_consumed)
 
     def close(self) -> None:
         """Stop the producer, then the engine (a request in flight to the HF generation process

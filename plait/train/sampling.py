@@ -6,14 +6,15 @@ Two ways to spend less on prompts that teach nothing:
 - two-stage generation (for expensive verifiers): sample a few candidates per prompt, and
   generate (and verify) the rest of the group only for prompts that pass a rule.
 
-What scoring cost over all rounds (reward seconds, timeouts, sandbox executions) comes back
-on the stats as one RewardReport.
+Both are built on `Sampler.scored`, the one place where prompts become scored groups. What
+scoring cost over all of a round's sampling passes (reward seconds, timeouts, sandbox
+executions) comes back on the stats as one RewardReport.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from plait.rewards.runner import BoundReward, RewardReport, score_groups
 from plait.train.metrics import informative
@@ -24,10 +25,11 @@ if TYPE_CHECKING:
     from plait.sandbox.box import Sandbox
 
 
-def sampling_params(cfg, step: int, round_: int = 0) -> SamplingParams:
-    """Step `step`'s sampling: its own seed, so a resumed run draws the same completions."""
+def sampling_params(cfg, step: int, pass_: int = 0) -> SamplingParams:
+    """Round `step`'s sampling (pass `pass_` of it): its own seed, so a resumed run draws the
+    same completions."""
     r = cfg.rollout
-    seed = cfg.seed * 1_000_003 + step + 100_003 * round_
+    seed = cfg.seed * 1_000_003 + step + 100_003 * pass_
     return SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k, list(r.stop), seed=seed)
 
 
@@ -72,36 +74,53 @@ def keep_for_second_stage(scores: list[float | None], rule: str, threshold: floa
     raise ValueError(f"unknown two-stage rule {rule!r}")
 
 
+@dataclass
+class Sampler:
+    """What makes a round's scored groups: the engine, the run's config, rewards and sandbox
+    (whose executions the RewardReport counts; None: the one the rewards are bound to), and
+    the timer that books generation and scoring."""
+
+    engine: Any
+    cfg: Any
+    rewards: list[BoundReward]
+    timer: Any
+    sandbox: Sandbox | None = None
+
+    def scored(self, prompts: list[Prompt], step: int, pass_: int, n: int) -> tuple[list[Group], RewardReport]:
+        """`n` completions for each prompt, sampled with round `step`'s seed for sampling pass
+        `pass_`, and scored (RewardError names the function and sample)."""
+        with self.timer("generate"):
+            outs = self.engine.generate(prompts, sampling_params(self.cfg, step, pass_), n=n)
+        groups = [Group(p, cs) for p, cs in zip(prompts, outs)]
+        with self.timer("score"):
+            report = score_groups(groups, self.rewards, self.sandbox, step, self.cfg.train.max_steps)
+        return groups, report
+
+    def collect(
+        self, take: Callable[[int], list[Prompt]], n_prompts: int, step: int
+    ) -> tuple[list[Group], SamplingStats]:
+        """Round `step`'s `n_prompts` groups, prompts drawn with `take(count)`: one sampling pass,
+        or dynamic sampling's or two-stage generation's several."""
+        if self.cfg.rollout.two_stage is not None:
+            return collect_two_stage(self, take, n_prompts, step)
+        return collect_groups(self, take, n_prompts, step)
+
+
 def collect_groups(
-    engine,
-    take: Callable[[int], list[Prompt]],
-    n_prompts: int,
-    cfg,
-    step: int,
-    rewards: list[BoundReward],
-    timer,
-    sandbox: Sandbox | None = None,
+    sampler: Sampler, take: Callable[[int], list[Prompt]], n_prompts: int, step: int
 ) -> tuple[list[Group], SamplingStats]:
-    """`n_prompts` scored groups. Without dynamic sampling: one generation round. With it:
-    rounds of fresh prompts until n_prompts informative groups are found or
-    `max_sampling_rounds` is reached; the shortfall is then filled with uninformative groups
-    (they contribute zero advantage) and the stats say so. `sandbox`: the run's, whose
-    executions the stats' RewardReport counts (default: the one the rewards are bound to)."""
-    if cfg.rollout.two_stage is not None:
-        return collect_two_stage(engine, take, n_prompts, cfg, step, rewards, timer, sandbox)
-    a = cfg.algo
+    """`n_prompts` scored groups. Without dynamic sampling: one sampling pass. With it: passes
+    of fresh prompts until n_prompts informative groups are found or `max_sampling_rounds` is
+    reached; the shortfall is then filled with uninformative groups (they contribute zero
+    advantage) and the stats say so."""
+    a = sampler.cfg.algo
     stats = SamplingStats()
     kept: list[Group] = []
     spare: list[Group] = []
     while True:
-        prompts = take(n_prompts - len(kept))
-        with timer("generate"):
-            outs = engine.generate(prompts, sampling_params(cfg, step, stats.rounds), n=cfg.rollout.num_generations)
-        groups = [Group(p, cs) for p, cs in zip(prompts, outs)]
-        with timer("score"):
-            report = score_groups(
-                groups, rewards, sandbox, step, cfg.train.max_steps
-            )  # RewardError names the function and sample
+        groups, report = sampler.scored(
+            take(n_prompts - len(kept)), step, stats.rounds, sampler.cfg.rollout.num_generations
+        )
         stats.rewards = stats.rewards.merge(report)
         stats.rounds += 1
         stats.generated_groups += len(groups)
@@ -126,26 +145,23 @@ def _extend(group: Group, more: Group) -> Group:
 
 
 def collect_two_stage(
-    engine, take, n_prompts: int, cfg, step: int, rewards: list[BoundReward], timer, sandbox: Sandbox | None = None
+    sampler: Sampler, take: Callable[[int], list[Prompt]], n_prompts: int, step: int
 ) -> tuple[list[Group], SamplingStats]:
     """Stage 1: `first_generations` candidates per prompt, scored. Stage 2: the other
-    num_generations - first for the prompts `keep_for_second_stage` selects. Rounds of new
+    num_generations - first for the prompts `keep_for_second_stage` selects. Passes of new
     prompts continue until n_prompts groups are kept or max_sampling_rounds is reached; the
     shortfall is filled by completing skipped groups (those then cost their full price)."""
+    cfg = sampler.cfg
     ts, n = cfg.rollout.two_stage, cfg.rollout.num_generations
-    judge = ts.reward or rewards[0].name
+    judge = ts.reward or sampler.rewards[0].name
     stats = SamplingStats(two_stage=True)
     kept: list[Group] = []
     skipped: list[Group] = []
     first_seconds = 0.0
     first_count = 0
 
-    def stage(groups_prompts: list[Prompt], k: int, round_: int) -> tuple[list[Group], RewardReport]:
-        with timer("generate"):
-            outs = engine.generate(groups_prompts, sampling_params(cfg, step, round_), n=k)
-        groups = [Group(p, cs) for p, cs in zip(groups_prompts, outs)]
-        with timer("score"):
-            report = score_groups(groups, rewards, sandbox, step, cfg.train.max_steps)
+    def stage(prompts: list[Prompt], k: int, pass_: int) -> tuple[list[Group], RewardReport]:
+        groups, report = sampler.scored(prompts, step, pass_, k)
         stats.rewards = stats.rewards.merge(report)
         return groups, report
 

@@ -24,17 +24,17 @@ from plait.models import load_tokenizer
 from plait.plan import BatchPlan
 from plait.rewards import uses_sandbox
 from plait.rewards.runner import BoundReward, bind_metric, bind_rewards, close_rewards
-from plait.rollout import RolloutEngine, make_engine, make_generator
+from plait.rollout import RolloutEngine, ahead_of_trainer, generation_site, make_engine, make_generator
 from plait.sandbox.box import Sandbox
 from plait.telemetry import MetricsSink, PhaseTimer
 from plait.telemetry.flops import device_peak, model_cost
 from plait.telemetry.memory import MemoryMeter
 from plait.telemetry.meter import StepMeter
-from plait.tools import check_tools, tool_sandbox, tool_schemas, tools_need_sandbox, with_tools
+from plait.tools import Tools
 from plait.train.backends.base import Backend
 from plait.train.guard import NonFiniteGuard
 from plait.train.metrics import describe_processes
-from plait.train.rollouts import AsyncRollouts, SyncRollouts
+from plait.train.rollouts import RolloutSource, SourceState, make_rollout_source
 from plait.train.rundir import prepare_run_dir
 from plait.types import Prompt
 
@@ -65,7 +65,7 @@ class Run:
     eval_prompts: list[Prompt]
     order: PromptOrder  # which prompts this process takes next
     engine: RolloutEngine | None = None  # generates (synchronous runs) and evaluates
-    rollouts: SyncRollouts | AsyncRollouts | None = None  # where each round's groups come from
+    rollouts: RolloutSource | None = None  # where each round's groups come from
     meter: StepMeter | None = None
     start: int = 0
     timer: PhaseTimer = field(default_factory=PhaseTimer)
@@ -130,7 +130,7 @@ def resolved_config(cfg: Config, plan: BatchPlan, backend: Backend, say) -> Conf
         a.engine_is_correction = r.max_staleness > 0
         if r.max_staleness:
             say(f"rollout.max_staleness={r.max_staleness}: stale samples are corrected by algo.engine_is_correction")
-    if generates_elsewhere(cfg) and r.engine == "hf" and backend.device.type == "cpu":
+    if generation_site(cfg) == "process" and backend.device.type == "cpu":
         cores = len(os.sched_getaffinity(0))
         if cfg.train.threads is None:  # the generation process and the trainer share the cores
             cfg.train.threads = max(1, cores - (r.generator_threads or cores // 2))
@@ -162,13 +162,12 @@ def build_run(cfg: Config, plan: BatchPlan, backend: Backend, sink: MetricsSink,
             f"sandbox: model-written code runs under isolation tier '{sandbox.tier}' (minimum "
             f"'{cfg.sandbox.min_tier}'; `plait sandbox` shows why)"
         )
-    tool_box = None
-    if tools_need_sandbox(cfg.rollout.tools):
-        tool_box = tool_sandbox(cfg)
-        say(f"tools: the model's tool calls run under sandbox tier '{tool_box.tier}'")
     rewards, metric = bind_rewards(cfg.rewards, sandbox), bind_metric(cfg.eval.metric, sandbox)
     tokenizer = load_tokenizer(cfg.model.name_or_path)
-    schemas = tool_schemas(cfg.rollout.tools)
+    tools = Tools.from_config(cfg, tokenizer)  # its sandbox, too, refuses below min_tier now
+    if tools.enabled:
+        say(tools.describe())
+    schemas = tools.schemas
     prompts = build_prompts(load_rows(cfg.data, "train", cfg.seed), tokenizer, cfg.data, log=say, tools=schemas)
     evaluating = cfg.eval.before or cfg.eval.after or cfg.eval.every_steps
     eval_prompts = (
@@ -176,25 +175,23 @@ def build_run(cfg: Config, plan: BatchPlan, backend: Backend, sink: MetricsSink,
         if evaluating
         else []
     )
-    if cfg.rollout.tools is not None:
-        check_tools(cfg, tokenizer, prompts)  # the chat template must append turns
+    tools.check(prompts)  # the chat template must append turns
     backend.load(cfg)  # model (+ reference) + optimizer, sharded as the backend does it
     describe_processes(backend, run_dir, say)
     order = PromptOrder(len(prompts), cfg.seed, cfg.data.shuffle, rank=comm.rank(), stride=comm.world_size())
     run = Run(cfg, plan, backend, sink, run_dir, tokenizer, rewards, metric, sandbox, prompts, eval_prompts, order)
     run.meter = make_meter(cfg, backend, say)
-    if generates_elsewhere(cfg):  # the producer generates; this process's own HF engine evaluates
+    if ahead_of_trainer(cfg):  # the producer generates; this process's own HF engine evaluates
         engine = make_engine(_in_process(cfg), backend.module, tokenizer, view=backend.for_generation)
-
-        def generator():
-            engine, close = make_generator(cfg, tokenizer, backend.device)
-            return with_tools(cfg, engine, tokenizer, tool_box), close
-
-        run.rollouts = AsyncRollouts(run, generator)
     else:
         engine = make_engine(cfg, backend.module, tokenizer, view=backend.for_generation, device=backend.device)
-        run.rollouts = SyncRollouts()
-    run.engine = with_tools(cfg, engine, tokenizer, tool_box)
+
+    def generator():
+        engine, close = make_generator(cfg, tokenizer, backend.device)
+        return tools.wrap(engine), close
+
+    run.rollouts = make_rollout_source(run, generator)
+    run.engine = tools.wrap(engine)
     run.guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
     run.result = TrainResult(run_dir)
     return run
@@ -213,7 +210,7 @@ def resume(run: Run, checkpoint: Path) -> None:
             f"{checkpoint} holds {len(ahead)} round(s) generated ahead for {state['world_size']} training processes, "
             f"but {comm.world_size()} were launched: resume an asynchronous run with the same number of processes"
         )
-    run.rollouts.restore(ahead, [int(c) for c in comm.all_gather_objects(run.order.consumed)])
+    run.rollouts.load_state(SourceState(ahead, [int(c) for c in comm.all_gather_objects(run.order.consumed)]))
     run.result.eval_before = state.get("eval_before")
     run.say(f"resumed from {checkpoint} (step {run.start})")
     if run.sink.progress is not None:
@@ -229,13 +226,6 @@ def trainer_state(run: Run, consumed: list[int] | None = None) -> dict:
         "prompts_consumed_per_rank": per_rank,
         "eval_before": run.result.eval_before,
     }
-
-
-def generates_elsewhere(cfg: Config) -> bool:
-    """Rounds come from the producer (AsyncRollouts): asynchronous generation, or the HF
-    engine's generation process also when synchronous."""
-    r = cfg.rollout
-    return r.max_staleness > 0 or (r.engine == "hf" and r.generation_process)
 
 
 def _in_process(cfg: Config) -> Config:
@@ -266,5 +256,5 @@ def make_meter(cfg: Config, backend: Backend, say) -> StepMeter:
         peak, source = device_peak(backend.device, cfg.train.precision, cfg.log.peak_flops)
     peak, source = comm.broadcast_object((peak, source))
     say(f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({source})" if peak else f"no MFU: {source}")
-    local = not (cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "server") and not generates_elsewhere(cfg)
+    local = generation_site(cfg) == "trainer"
     return StepMeter(cost, peak, MemoryMeter(backend.device), local)

@@ -172,7 +172,7 @@ def accumulate_gradients(
 def count_outcome(outcome: StepOutcome, guard: NonFiniteGuard, round_: int, sums: dict[str, float]) -> None:
     """Add one update's outcome to the round's sums; the guard stops a run that keeps skipping."""
     sums["lr"] += outcome.lr
-    if not guard.check(outcome.grad_norm, round_):
+    if not guard.check(outcome.applied, outcome.grad_norm, round_):
         sums["nonfinite_steps"] += 1
         return
     sums["grad_norm"] += outcome.grad_norm

@@ -16,14 +16,15 @@ from plait.train.guard import NonFiniteGuard, StopSignal, TrainingDiverged
 
 
 def test_guard_counts_streaks_and_stops_after_the_limit():
+    nan, inf = float("nan"), float("inf")
     g = NonFiniteGuard(limit=2)
-    assert g.check(1.0, 1) and not g.check(float("nan"), 2) and not g.check(float("inf"), 3)
-    assert g.check(0.5, 4) and g.streak == 0 and g.skipped == 2  # a good step resets the streak
-    assert not g.check(float("nan"), 5) and not g.check(float("nan"), 6)
+    assert g.check(True, 1.0, 1) and not g.check(False, nan, 2) and not g.check(False, inf, 3)
+    assert g.check(True, 0.5, 4) and g.streak == 0 and g.skipped == 2  # a good step resets the streak
+    assert not g.check(False, nan, 5) and not g.check(False, nan, 6)
     with pytest.raises(TrainingDiverged, match="step 7: 3 optimizer steps in a row"):
-        g.check(float("nan"), 7)
+        g.check(False, nan, 7)
     with pytest.raises(TrainingDiverged):
-        NonFiniteGuard(limit=0).check(float("-inf"), 1)
+        NonFiniteGuard(limit=0).check(False, -inf, 1)
 
 
 def test_trim_logs_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):

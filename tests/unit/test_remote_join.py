@@ -52,5 +52,7 @@ def test_a_failed_join_stops_the_push_instead_of_waiting_out_the_rendezvous(repl
     assert cfg.rollout.vllm.request_timeout_s == 600
     tok = SimpleNamespace(pad_token_id=0, eos_token_id=0)
     engine = RemoteEngine(cfg, tok, view=None, device=torch.device("cpu"), token="t")
-    with pytest.raises(RolloutServerError, match=r"/weights/join with HTTP 500.*workers died"):
+    with pytest.raises(
+        RolloutServerError, match=r"/weights/join \(HTTP 500\): the replica.s workers died.*resume=auto"
+    ):
         engine.push([("w", torch.zeros(4))], version=1)
