@@ -12,7 +12,7 @@ above it (data, models, rewards, plan, train, rollout).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -277,6 +277,13 @@ class RolloutConfig(Section):
         ge=1,
         description="Engine hf on CPU: torch threads of the generation process (null = the cores "
         "train.threads leaves free, at least 1).",
+    )
+    max_logprob_gap: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(
+        "auto",
+        description="Drift guard: a round sampled with the weights it is trained from whose mean |engine - "
+        "trainer| log-prob of the sampled tokens (logprob_gap) passes this stops the run before its checkpoint: "
+        "the engine does not hold the trainer's weights. auto = 0.01 in fp32, 0.05 in bf16; null = off. Rounds "
+        "sampled with older weights by design (max_staleness >= 1, in-flight updates) are not checked.",
     )
 
 

@@ -7,6 +7,12 @@ skips the run stops with `TrainingDiverged`, without writing a checkpoint, so th
 one stays the newest. Every process sees the same norm (it is reduced over processes), so
 they all skip, and all stop, together.
 
+Engine drift: a round sampled with the weights it is trained from must get the same log-probs
+from the engine as from the trainer, up to the rounding of the two precisions' kernels. When the
+mean gap (`logprob_gap`) passes `rollout.max_logprob_gap`, the engine does not hold the trainer's
+weights (a weight sync that failed silently, corrupted weights, a server another trainer updates)
+and the run stops with `EngineDrift` before that round's checkpoint is written.
+
 Preemption: the first SIGTERM or SIGINT (Slurm's time limit, a spot-instance notice, Ctrl-C)
 asks the loop to finish the step it is in, write a checkpoint and exit with PREEMPTED_EXIT;
 a second one stops at once.
@@ -26,6 +32,41 @@ DIVERGED_EXIT = 3
 
 class TrainingDiverged(RuntimeError):
     """Too many consecutive optimizer steps with non-finite gradients."""
+
+
+class EngineDrift(TrainingDiverged):
+    """The rollout engine's log-probs left the trainer's: it samples from other weights."""
+
+
+# rollout.max_logprob_gap=auto. A healthy round stays far below (tiny test model, Intel Xeon with
+# AVX-512/AMX: fp32 ~4e-7 for the HF engine and vLLM, bf16 ~1e-4); an engine left one update
+# behind at the tests' learning rate (1e-3) shows ~0.1, corrupted weights more.
+DRIFT_LIMITS = {"fp32": 1e-2, "bf16": 5e-2}
+
+
+def drift_limit(cfg) -> float | None:
+    """The largest mean |engine - trainer| log-prob a synchronous round may show (None: off)."""
+    limit = cfg.rollout.max_logprob_gap
+    return DRIFT_LIMITS["bf16" if cfg.train.precision == "bf16" else "fp32"] if limit == "auto" else limit
+
+
+def check_drift(cfg, round_: int, gap: float, sampled_version: int) -> None:
+    """Raise EngineDrift when round `round_`, sampled with the weights after `sampled_version`
+    rounds, shows a mean log-prob gap past the limit. Rounds sampled with older weights by
+    design (asynchronous runs) or with several versions (in-flight updates) are not checked:
+    their gap is the policy's own change."""
+    limit = drift_limit(cfg)
+    if limit is None or sampled_version != round_ - 1 or cfg.rollout.inflight_updates:
+        return
+    if not gap <= limit:  # NaN too
+        raise EngineDrift(
+            f"round {round_}: the rollout engine's log-probs of the sampled tokens differ from the trainer's by "
+            f"{gap:.3g} on average (limit {limit:g}: rollout.max_logprob_gap, {cfg.train.precision}). The engine "
+            "does not hold the trainer's weights: a weight sync failed or corrupted them, or another trainer "
+            "updates the same rollout server. This round was not saved; checkpoints already written are intact: "
+            "fix the engine and rerun with resume=auto. (A healthy round stays near 1e-6 in fp32, 1e-3 in bf16; "
+            "rollout.max_logprob_gap=null turns the check off.)"
+        )
 
 
 class Preempted(Exception):

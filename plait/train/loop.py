@@ -29,7 +29,7 @@ from plait.rewards.runner import BoundReward, call_rewards, reward_inputs
 from plait.telemetry.advice import health_notes, suggestion
 from plait.train.backends import make_backend, resolve_device
 from plait.train.batch import collate
-from plait.train.guard import Preempted, StopSignal
+from plait.train.guard import Preempted, StopSignal, check_drift
 from plait.train.hostmem import retained_host_memory
 from plait.train.metrics import across_processes, describe_processes, phase_summary, sample_record, step_rollout_metrics
 from plait.train.rollouts import staleness
@@ -123,6 +123,7 @@ def train_step(run: Run, step: int) -> StepResult:
         groups, batch, cfg, [r.name for r in run.rewards], [r.weight for r in run.rewards]
     )
     update = policy_update(batch, cfg, run.backend, run.guard, step, timer)
+    check_drift(cfg, step, update["logprob_gap"], int(taken.info.get("async/scheduled_version", step - 1)))
     run.rollouts.publish(step)  # async: these weights, for the rounds scheduled on them
     return StepResult(groups, sampling, accuracy, update, forwards, taken.info)
 

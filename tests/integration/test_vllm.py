@@ -354,6 +354,59 @@ def test_a_replica_whose_engine_dies_exits_whether_idle_or_mid_request(vllm_mode
         server.stop()
 
 
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_a_vllm_engine_given_corrupted_weights_stops_the_run(
+    vllm_model, prompts_jsonl, tmp_path, helper_env, monkeypatch, mode
+):
+    """The drift guard (test_drift_guard.py) with vLLM: the weights a colocated engine loads, or
+    a rollout server is sent, are corrupted from the second sync on; round 2 stops the run, round
+    1 and its checkpoint stand."""
+    import contextlib
+
+    from test_drift_guard import committed, noisy, rounds_logged
+
+    import plait.rollout.vllm_engine as vllm_engine
+    from plait.config import load_config
+    from plait.rollout.remote import RemoteEngine
+    from plait.train.guard import EngineDrift
+    from plait.train.loop import train
+
+    syncs = {"n": 0}
+    if mode == "colocate":
+        real = vllm_engine.full_weights
+
+        @contextlib.contextmanager
+        def corrupted(model):
+            syncs["n"] += 1
+            with real(model) as weights:
+                yield weights if syncs["n"] < 2 else [(n, noisy(t)) for n, t in weights]
+
+        monkeypatch.setattr(vllm_engine, "full_weights", corrupted)
+    else:
+        real_push = RemoteEngine.push
+
+        def corrupted_push(self, weights, version, *args, **kwargs):
+            syncs["n"] += 1
+            if syncs["n"] >= 2:
+                weights = [(n, noisy(t)) for n, t in weights]
+            return real_push(self, weights, version, *args, **kwargs)
+
+        monkeypatch.setattr(RemoteEngine, "push", corrupted_push)
+    server = RolloutServer(vllm_model, dp=1, env=helper_env) if mode == "server" else None
+    try:
+        out = tmp_path / "run"
+        extra = [f"rollout.vllm.mode={mode}", "checkpoint.save_steps=1"]
+        if server is not None:
+            extra.append(f"rollout.vllm.servers=[{server.url}]")
+        with pytest.raises(EngineDrift, match=r"round 2: the rollout engine's log-probs"):
+            train(load_config(None, vllm_overrides(vllm_model, prompts_jsonl, out, *extra)))
+        assert syncs["n"] >= 2
+        assert committed(out) == ["step_00000001"] and rounds_logged(out) == [1]
+    finally:
+        if server is not None:
+            server.stop()
+
+
 def test_server_mode_generates_asynchronously(vllm_model, prompts_jsonl, tmp_path, helper_env):
     """rollout.max_staleness=1 against a real rollout server: round t is sampled with the
     weights after round max(0, t-2) (the logprob gap shows the server held the older weights),

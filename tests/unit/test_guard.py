@@ -92,3 +92,19 @@ def test_a_restart_hides_the_tensorboard_events_of_the_rounds_it_reruns(tmp_path
     events = [(e.step, e.value) for e in acc.Scalars("loss")]
     kept = [(s, float(s)) for s in range(1, start + 1)]  # the rounds before the checkpoint, as first logged
     assert events == kept + [(s, 10.0 + s) for s in range(start if start == 0 else start + 1, 7)]
+
+
+def test_the_drift_guard_checks_synchronous_rounds_against_the_precisions_limit():
+    from plait.train.guard import EngineDrift, check_drift
+
+    fp32, bf16 = load_config(None, ["train.precision=fp32"]), load_config(None, ["train.precision=bf16"])
+    check_drift(fp32, 3, 4e-7, sampled_version=2)  # healthy
+    check_drift(bf16, 3, 0.02, sampled_version=2)  # within bf16's rounding, not fp32's
+    with pytest.raises(EngineDrift, match=r"round 3: .* by 0.02 on average \(limit 0.01.*resume=auto"):
+        check_drift(fp32, 3, 0.02, sampled_version=2)
+    with pytest.raises(EngineDrift, match="by nan"):
+        check_drift(fp32, 3, float("nan"), sampled_version=2)
+    check_drift(fp32, 3, 0.5, sampled_version=1)  # sampled with older weights on purpose (async): not checked
+    check_drift(load_config(None, ["rollout.max_logprob_gap=null"]), 3, 0.5, sampled_version=2)  # off
+    with pytest.raises(EngineDrift, match="limit 0.001"):
+        check_drift(load_config(None, ["rollout.max_logprob_gap=0.001"]), 3, 0.002, sampled_version=2)
