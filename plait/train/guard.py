@@ -41,7 +41,7 @@ class EngineDrift(TrainingDiverged):
 # rollout.max_logprob_gap=auto. A healthy round stays far below (tiny test model, Intel Xeon with
 # AVX-512/AMX: fp32 ~4e-7 for the HF engine and vLLM, bf16 ~1e-4); an engine left one update
 # behind at the tests' learning rate (1e-3) shows ~0.1, corrupted weights more.
-DRIFT_LIMITS = {"fp32": 1e-2, "bf16": 5e-2}
+DRIFT_LIMITS = {"fp32": 1e-2, "bf16": 1e-1}
 
 
 def drift_limit(cfg) -> float | None:
