@@ -178,6 +178,15 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("run_dir", help="a run directory (runs/NAME-TIME, or output_dir)")
     rp.add_argument("--out", help="where to write (default RUN_DIR/report)")
 
+    df = sub.add_parser(
+        "diff",
+        help="where two runs part: the first round whose metrics differ, the stage of the round it is in "
+        "(generation, scoring, loss, optimizer), and shared checkpoints' weights compared",
+    )
+    df.add_argument("run_a", help="a run directory")
+    df.add_argument("run_b", help="another run directory")
+    df.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bit for bit)")
+
     sub.add_parser("prepare-model", help="convert the bundled SmolLM2-135M-Instruct GGUF to safetensors (once)")
     sub.add_parser("tasks", help="list built-in tasks")
     sub.add_parser("rewards", help="list built-in reward functions")
@@ -413,6 +422,19 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_diff(args) -> int:
+    """Exit 0 when the runs agree on every round both logged, 1 when they part, 2 on bad input."""
+    from plait.diff import DiffError, describe, diff_runs
+
+    try:
+        parting = diff_runs(args.run_a, args.run_b, args.rtol)
+    except DiffError as err:
+        print(f"plait diff: {err}", file=sys.stderr)
+        return 2
+    print(describe(parting, args.rtol))
+    return 0 if parting.round is None and all(eq for _, eq in parting.weights) else 1
+
+
 def cmd_report(args) -> int:
     from plait.report import ReportError, write_report
 
@@ -530,6 +552,7 @@ def cmd_convert_config(args) -> int:
 
 COMMANDS = {
     "convert-config": cmd_convert_config,
+    "diff": cmd_diff,
     "plan": cmd_plan,
     "report": cmd_report,
     "rollout-server": cmd_rollout_server,

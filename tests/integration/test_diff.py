@@ -1,0 +1,106 @@
+"""`plait diff` on real runs: two runs of one config on one machine agree bit for bit (metrics
+and checkpoint weights); a one-ulp change injected into one run's record of a round is found at
+that round and in the stage the metric belongs to; so is a one-ulp change in a weight."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_train import tiny_overrides
+
+from plait.config import load_config
+from plait.diff import diff_runs
+from plait.train.loop import train
+
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def two_runs(tiny_model_path, prompts_jsonl, tmp_path_factory):
+    """The same config run twice (3 rounds, a checkpoint after each)."""
+    root = tmp_path_factory.mktemp("diff")
+    runs = []
+    for name in ("a", "b"):
+        out = root / name
+        train(
+            load_config(
+                None,
+                tiny_overrides(
+                    tiny_model_path,
+                    prompts_jsonl,
+                    out,
+                    "train.max_steps=3",
+                    "checkpoint.save_steps=1",
+                    "checkpoint.keep_last=3",
+                ),
+            )
+        )
+        runs.append(out)
+    return runs
+
+
+def plait_diff(a, b) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "plait", "diff", str(a), str(b)], capture_output=True, text=True)
+
+
+def test_two_runs_of_one_config_agree_bit_for_bit(two_runs):
+    """Same machine, same config and seed: every metric but speed and memory, and the weights
+    of every checkpoint, are equal (the runs' processes are the same kernels on the same shapes)."""
+    parting = diff_runs(*two_runs)
+    assert parting.rounds_compared == 3 and parting.round is None
+    assert parting.weights == [(1, True), (2, True), (3, True)]
+    shown = plait_diff(*two_runs)
+    assert shown.returncode == 0 and "agree on all 3 rounds" in shown.stdout, shown.stdout + shown.stderr
+
+
+def one_ulp_later(x: float) -> float:
+    return math.nextafter(x, math.inf)
+
+
+@pytest.mark.parametrize(
+    "metric, stage",
+    [
+        ("completion/length_mean", "generation"),
+        ("reward/total/mean", "scoring"),
+        ("loss", "loss"),
+        ("grad_norm", "optimizer"),
+    ],
+)
+def test_a_one_ulp_change_is_found_at_its_round_and_stage(two_runs, tmp_path, metric, stage):
+    a, b = two_runs
+    changed = tmp_path / "b"
+    shutil.copytree(b, changed)
+    rows = [json.loads(line) for line in (changed / "metrics.jsonl").read_text().splitlines()]
+    rows[1][metric] = one_ulp_later(float(rows[1][metric]))  # round 2
+    (changed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    parting = diff_runs(a, changed)
+    assert parting.round == 2 and parting.stage == stage and set(parting.differing) == {metric}
+    shown = plait_diff(a, changed)
+    assert shown.returncode == 1 and f"part at round 2, first in its {stage} stage" in shown.stdout, shown.stdout
+
+
+def test_a_one_ulp_change_in_a_weight_is_found(two_runs, tmp_path):
+    a, b = two_runs
+    changed = tmp_path / "b"
+    shutil.copytree(b, changed)
+    f = changed / "checkpoints" / "step_00000002" / "model.safetensors"
+    weights = load_file(str(f))
+    name = sorted(weights)[0]
+    flat = weights[name].view(-1)
+    flat[0] = torch.nextafter(flat[0], torch.tensor(math.inf, dtype=flat.dtype))
+    save_file(weights, str(f))
+    assert diff_runs(a, changed).weights == [(1, True), (2, False), (3, True)]
+    assert "differ at round(s) [2]" in plait_diff(a, changed).stdout
+
+
+def test_a_folder_without_metrics_is_a_clear_error(two_runs, tmp_path):
+    shown = plait_diff(two_runs[0], tmp_path)
+    assert shown.returncode == 2 and "no metrics.jsonl" in shown.stderr
