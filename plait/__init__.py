@@ -8,7 +8,7 @@ it also refuses import cycles and imports of another module's `_private` names.
   floor  modules                               what they are
   9      cli  __main__                         the commands
   8      cluster/                              launchers: Ray placement groups and actors
-  7      train/  report  diff                  the loop, backends, setup; the report page; run diffs
+  7      train/  report  diff  compare         the loop, backends, setup; the report; runs compared
   6      telemetry/                            timers, MFU, sinks, advice
   5      config/  data/  tools/                checked config; prompt sources; the tool loop
   4      rollout/                              engines, replicas, the rollout server

@@ -9,6 +9,7 @@ import faulthandler
 import os
 import sys
 import textwrap
+from pathlib import Path
 
 
 def _options_table() -> str:
@@ -46,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
         help="continue a run from its newest complete checkpoint (RUN_DIR, or the config's output_dir)",
     )
     t.add_argument("--output-dir", help="run directory (default: runs/NAME-TIMESTAMP)")
+    t.add_argument(
+        "--seeds",
+        metavar="SEEDS",
+        help="run the config once per seed (0,1,2 or 0-4), one after another, into RUN_DIR/seed-S, then compare "
+        "them: mean and spread per round (console, RUN_DIR/compare/index.html, TensorBoard)",
+    )
     t.add_argument("--console", choices=["rich", "plain", "none"], help="console output style")
     t.add_argument(
         "--ray",
@@ -178,6 +185,15 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("run_dir", help="a run directory (runs/NAME-TIME, or output_dir)")
     rp.add_argument("--out", help="where to write (default RUN_DIR/report)")
 
+    cp = sub.add_parser(
+        "compare",
+        help="runs side by side: per round the mean and spread of every metric of each group (a run, or a folder "
+        "of seed runs), and Welch's t-test on the final metric for each pair of groups",
+    )
+    cp.add_argument("runs", nargs="+", help="run directories, or folders of runs (plait train --seeds)")
+    cp.add_argument("--metric", help="the final metric to test (default: the eval metric, else reward/total/mean)")
+    cp.add_argument("--out", help="where to write compare.json, index.html, tensorboard/ (default: beside the first)")
+
     df = sub.add_parser(
         "diff",
         help="where two runs part: the first round whose metrics differ, the stage of the round it is in "
@@ -268,7 +284,50 @@ def cmd_train(args) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.seeds:
+        return _train_seeds(cfg, args)
     train(cfg, console=args.console)
+    return 0
+
+
+def _train_seeds(cfg, args) -> int:
+    from plait.compare import compare, describe, parse_seeds
+    from plait.train.loop import train
+    from plait.train.rundir import default_run_dir
+
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError as err:
+        print(f"plait: {err}", file=sys.stderr)
+        return 2
+    if cfg.resume != "never":
+        print(
+            "plait: --seeds starts fresh runs; resume each one as its own run: --resume RUN_DIR/seed-S", file=sys.stderr
+        )
+        return 2
+    base = default_run_dir(cfg)
+    for i, seed in enumerate(seeds):
+        run = cfg.model_copy(deep=True)
+        run.seed, run.output_dir = seed, str(base / f"seed-{seed}")
+        print(f"plait: seed {seed} ({i + 1} of {len(seeds)}) -> {run.output_dir}")
+        train(run, console=args.console)
+    summary, page = compare([base], base / "compare")
+    print(describe(summary))
+    print(f"compare: {page}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from plait.compare import CompareError, compare, describe
+
+    out = Path(args.out) if args.out else Path(args.runs[0]).parent / "compare"
+    try:
+        summary, page = compare([Path(r) for r in args.runs], out, args.metric)
+    except CompareError as err:
+        print(f"plait compare: {err}", file=sys.stderr)
+        return 2
+    print(describe(summary))
+    print(f"compare: {page}")
     return 0
 
 
@@ -552,6 +611,7 @@ def cmd_convert_config(args) -> int:
 
 COMMANDS = {
     "convert-config": cmd_convert_config,
+    "compare": cmd_compare,
     "diff": cmd_diff,
     "plan": cmd_plan,
     "report": cmd_report,
