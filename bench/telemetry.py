@@ -76,7 +76,7 @@ def main() -> None:
         stopwatch(meter.StepMeter, "flops", "FLOPs count")
         stopwatch(sinks.MetricsSink, "log", "sinks: jsonl + console + TensorBoard" + (" + W&B" if args.wandb else ""))
         stopwatch(sinks.MetricsSink, "samples", "samples (every step here)")
-        stopwatch(loop, "step_rollout_metrics", "rollout statistics")
+        stopwatch(loop, "round_rollout_metrics", "rollout statistics")
         stopwatch(loop, "reward_health", "reward timeouts/seconds")
         stopwatch(sinks.MetricsSink, "open", "start-up: open the sinks")
         stopwatch(loop, "make_meter", "start-up: cost model + device peak")

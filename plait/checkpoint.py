@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from plait import comm
+from plait.types import round_of
 
 
 MARKER = "COMMITTED"
@@ -250,7 +251,7 @@ def _written_before(row: dict, step: int) -> bool:
     """Was this log record written before the checkpoint of round `step` committed? Rounds up to
     it log first; the evaluation before training (step 0) and after it (tag "after") run again
     when a run restarts from scratch or from its last checkpoint."""
-    return step > 0 and row.get("step", 0) <= step and row.get("tag") != "after"
+    return step > 0 and round_of(row) <= step and row.get("tag") != "after"
 
 
 def trim_logs(run_dir: Path, step: int) -> int:

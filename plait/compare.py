@@ -24,6 +24,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from plait.types import round_of
+
 
 # the metrics shown first (others follow in compare.json); the final metric by default
 HEADLINE = ("reward/total/mean", "accuracy", "loss", "entropy", "grad_norm", "completion/length_mean")
@@ -81,8 +83,8 @@ def per_round(group: Group) -> dict[str, dict[int, list[float]]]:
     for history in group.histories:
         for row in history:
             for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    out.setdefault(key, {}).setdefault(int(row["step"]), []).append(float(value))
+                if key not in ("round", "step") and isinstance(value, (int, float)) and math.isfinite(value):
+                    out.setdefault(key, {}).setdefault(round_of(row), []).append(float(value))
     return out
 
 
@@ -244,6 +246,8 @@ def compare(paths: list[Path], out_dir: Path, metric: str | None = None) -> tupl
     if len(set(labels)) < len(labels):  # two folders of one name: number them
         for i, g in enumerate(groups):
             g.label = f"{i + 1}:{g.label}"
-    metric = metric or next((k for f in groups[0].finals for k in f if k not in ("tag", "step", "n")), HEADLINE[0])
+    metric = metric or next(
+        (k for f in groups[0].finals for k in f if k not in ("tag", "round", "step", "n")), HEADLINE[0]
+    )
     summary = summarize(groups, metric)
     return summary, write(summary, out_dir)

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from plait.types import round_of
+
 
 # in the order a round computes them; a metric belongs to the first stage with a matching prefix
 STAGES = (
@@ -40,7 +42,7 @@ def stage_of(metric: str) -> str:
 
 
 def compared(metric: str) -> bool:
-    return not (metric.startswith(MEASURED) or metric.endswith("/seconds") or metric == "step")
+    return not (metric.startswith(MEASURED) or metric.endswith("/seconds") or metric in ("round", "step"))
 
 
 def same(a, b, rtol: float) -> bool:
@@ -71,7 +73,7 @@ def metrics_by_round(run_dir: Path) -> dict[int, dict]:
     for line in f.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
-            rows[int(row["step"])] = row
+            rows[round_of(row)] = row
     return rows
 
 

@@ -21,6 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from plait.telemetry.advice import health_notes, suggestion  # noqa: E402
 from plait.train.metrics import phase_summary  # noqa: E402
+from plait.types import round_of  # noqa: E402
 
 
 PHASE_COLORS = {
@@ -62,8 +63,8 @@ class Figure:
 
 
 def series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) where the metric is present and finite."""
-    pts = [(m["step"], m[key]) for m in history if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
+    """(rounds, values) where the metric is present and finite."""
+    pts = [(round_of(m), m[key]) for m in history if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -81,7 +82,7 @@ def _lines(ax, history, keys: list[tuple[str, str]], ylabel: str) -> bool:
         if x:
             ax.plot(x, y, marker="o" if len(x) < 30 else None, ms=3, label=label)
             drawn = True
-    ax.set_xlabel("step")
+    ax.set_xlabel("round")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
@@ -103,9 +104,9 @@ def fig_rewards(history, evals, metric: str) -> bytes | None:
     names = {k.split("/")[1] for m in history for k in m if k.startswith("reward/") and k.endswith("/mean")}
     names = sorted(names - {"total"})
     _lines(ax, history, [(f"reward/{n}/mean", n) for n in names], "reward")
-    ax.set_title("reward per step (mean, band = ±1 std of total)")
+    ax.set_title("reward per round (mean, band = ±1 std of total)")
     _lines(ax2, history, [("accuracy", f"{metric} on training samples")], "accuracy")
-    ev = [(e["step"], e[metric]) for e in evals if metric in e]
+    ev = [(round_of(e), e[metric]) for e in evals if metric in e]
     if ev:
         ax2.plot(
             [s for s, _ in ev], [v for _, v in ev], "D", color="C3", ms=7, label=f"held-out eval ({metric}, greedy)"
@@ -150,14 +151,14 @@ def fig_time(history) -> bytes | None:
     phases += sorted({k[5:] for m in history for k in m if k.startswith("time/")} - set(phases) - {"step"})
     if not phases:
         return None
-    steps = [m["step"] for m in history]
+    steps = [round_of(m) for m in history]
     fig, ax = plt.subplots(figsize=(11, 3.8))
     bottom = [0.0] * len(steps)
     for p in phases:
         vals = [m.get(f"time/{p}") or 0.0 for m in history]
         ax.bar(steps, vals, bottom=bottom, color=PHASE_COLORS.get(p), label=p, width=0.85)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xlabel("step")
+    ax.set_xlabel("round")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel("seconds")
     ax.set_title("where each step's time went")

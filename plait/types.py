@@ -154,3 +154,9 @@ class Batch:
     def slice(self, start: int, stop: int) -> "Batch":
         """Rows [start, stop) as a new Batch (a micro-batch)."""
         return self.map(lambda t: t[start:stop])
+
+
+def round_of(record: dict) -> int:
+    """The round a metrics.jsonl / eval.jsonl / samples.jsonl record belongs to. Records name it
+    `round`; runs written before that named it `step` (still written beside it, for one release)."""
+    return int(record["round"] if "round" in record else record.get("step", 0))

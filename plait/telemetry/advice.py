@@ -4,6 +4,8 @@ gradient norm), with what to try."""
 
 from __future__ import annotations
 
+from plait.types import round_of
+
 
 DOMINANT = 0.5  # a phase above this share of step time gets a suggestion
 
@@ -122,9 +124,11 @@ def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None
     notes = []
     lr = cfg.train.learning_rate if cfg is not None else None
     lower_lr = f"a lower train.learning_rate (now {lr:g})" if lr else "a lower learning rate"
-    steps = [
-        m.get("step", i + 1) for i, m in enumerate(history) if "reward/total/mean" in m
-    ]  # the run's history has no "step"
+    rounds = [  # a run's in-memory history has no round number: its position says it
+        round_of(m) if ("round" in m or "step" in m) else i + 1
+        for i, m in enumerate(history)
+        if "reward/total/mean" in m
+    ]
     rewards = [m["reward/total/mean"] for m in history if "reward/total/mean" in m]
     if len(rewards) >= MIN_ROUNDS:
         smooth = _smooth(rewards)
@@ -133,16 +137,16 @@ def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None
         fall = smooth[top] - smooth[-1]
         if rise > 0 and fall >= 0.5 * rise and top < len(smooth) - 1:
             notes.append(
-                f"the reward fell from its peak ({smooth[top]:.3f}, smoothed, around step {steps[top]}) to "
+                f"the reward fell from its peak ({smooth[top]:.3f}, smoothed, around round {rounds[top]}) to "
                 f"{smooth[-1]:.3f} at the end: the policy degraded. Try {lower_lr}, a KL term (algo.beta > 0), "
                 "and checkpoint.keep_best=true to keep the best evaluated model"
             )
-    scored = [(e["step"], e[metric]) for e in evals if metric and e.get(metric) is not None]
+    scored = [(round_of(e), e[metric]) for e in evals if metric and e.get(metric) is not None]
     if len(scored) >= 2:
         best = max(scored, key=lambda e: e[1])
         if scored[-1][1] < best[1] - 0.05:
             notes.append(
-                f"the evaluation ({metric}) peaked at {best[1]:.3f} (step {best[0]}) and ended at "
+                f"the evaluation ({metric}) peaked at {best[1]:.3f} (round {best[0]}) and ended at "
                 f"{scored[-1][1]:.3f}: checkpoint.keep_best=true keeps the best model; try {lower_lr}"
             )
     for key, fires, note in TRENDS:

@@ -1,4 +1,4 @@
-"""Where metrics go: the console (a progress bar and a compact line per step), one JSON
+"""Where metrics go: the console (a progress bar and a compact line per round), one JSON
 object per line in the run directory, TensorBoard event files, and Weights & Biases when
 configured. Only the main process writes."""
 
@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
-# the compact per-step console line: (metric key, label, format)
+# the compact per-round console line: (metric key, label, format)
 CONSOLE_COLUMNS = [
     ("reward/total/mean", "reward", "{:.3f}"),
     ("accuracy", "acc", "{:.2f}"),
@@ -119,10 +119,11 @@ class WandbWriter:
 
 class MetricsSink:
     """Writes metrics.jsonl (+ TensorBoard / W&B) and shows a progress bar with ETA plus a
-    compact line per step."""
+    compact line per round. A metrics.jsonl record names its round as `round`, and as `step` too:
+    the name it had before, kept for one release so that tooling reading it goes on working."""
 
     def __init__(
-        self, run_dir: Path | None, total_steps: int, style: str = "rich", every: int = 1, start_step: int = 0
+        self, run_dir: Path | None, total_rounds: int, style: str = "rich", every: int = 1, start_round: int = 0
     ):
         self.path = None if run_dir is None else Path(run_dir) / "metrics.jsonl"
         self.writers: list = []
@@ -135,14 +136,14 @@ class MetricsSink:
                 TextColumn("[bold]GRPO"),
                 BarColumn(),
                 MofNCompleteColumn(),
-                TextColumn("steps"),
+                TextColumn("rounds"),
                 TimeElapsedColumn(),
                 TextColumn("eta"),
                 TimeRemainingColumn(),
                 console=self.console,
                 transient=False,
             )
-            self.task = self.progress.add_task("train", total=total_steps, completed=start_step)
+            self.task = self.progress.add_task("train", total=total_rounds, completed=start_round)
             self.progress.start()
 
     def open(self, run_dir: Path, log_cfg, config: dict, start: int = 0) -> None:
@@ -157,22 +158,23 @@ class MetricsSink:
     def print(self, *msg: str) -> None:
         self.console.print(*msg)
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, round_: int, metrics: dict) -> None:
         if self.path is not None:
             with self.path.open("a") as f:
-                f.write(json.dumps({"step": step, **{k: _clean(v) for k, v in metrics.items()}}) + "\n")
+                record = {"round": round_, "step": round_, **{k: _clean(v) for k, v in metrics.items()}}
+                f.write(json.dumps(record) + "\n")
         for w in self.writers:
-            w.log(step, metrics)
+            w.log(round_, metrics)
         if self.progress is not None:
-            self.progress.update(self.task, completed=step)
-        if step % self.every == 0:
-            parts = [f"step {step:>4}"]
+            self.progress.update(self.task, completed=round_)
+        if round_ % self.every == 0:
+            parts = [f"round {round_:>4}"]
             for key, label, fmt in CONSOLE_COLUMNS:
                 if key in metrics and metrics[key] is not None:
                     parts.append(f"{label} {fmt.format(metrics[key])}")
             self.console.print("  ".join(parts))
 
-    def samples(self, step: int, records: list[dict]) -> None:
+    def samples(self, round_: int, records: list[dict]) -> None:
         """Sample completions: samples.jsonl, the console (the first), TensorBoard, W&B."""
         if self.path is None or not records:
             return
@@ -180,9 +182,9 @@ class MetricsSink:
             for rec in records:
                 f.write(json.dumps(rec) + "\n")
         for w in self.writers:
-            w.samples(step, records)
+            w.samples(round_, records)
         r = records[0]
-        self.console.print(f"[dim]sample @ {step}: {r['completion'][:160]!r} rewards={r['rewards']}")
+        self.console.print(f"[dim]sample @ round {round_}: {r['completion'][:160]!r} rewards={r['rewards']}")
 
     def close(self) -> None:
         """Stop the progress bar (the run goes on to evaluate / summarize)."""

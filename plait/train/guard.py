@@ -9,7 +9,8 @@ they all skip, and all stop, together.
 
 Engine drift: a round sampled with the weights it is trained from must get the same log-probs
 from the engine as from the trainer, up to the rounding of the two precisions' kernels. When the
-mean gap (`logprob_gap`) passes `rollout.max_logprob_gap`, the engine does not hold the trainer's
+mean gap over the round's first update (`logprob_gap/before_update`: later updates of the round
+see weights that moved) passes `rollout.max_logprob_gap`, the engine does not hold the trainer's
 weights (a weight sync that failed silently, corrupted weights, a server another trainer updates)
 and the run stops with `EngineDrift` before that round's checkpoint is written.
 
@@ -72,10 +73,10 @@ def check_drift(cfg, round_: int, gap: float, sampled_version: int) -> None:
 class Preempted(Exception):
     """A stop signal arrived; the checkpoint of `step` is written."""
 
-    def __init__(self, run_dir, step: int, signame: str):
-        self.run_dir, self.step, self.signame = run_dir, step, signame
+    def __init__(self, run_dir, round_: int, signame: str):
+        self.run_dir, self.round, self.signame = run_dir, round_, signame
         super().__init__(
-            f"{signame}: stopped after step {step} with a checkpoint; continue with `plait train --resume {run_dir}`"
+            f"{signame}: stopped after round {round_} with a checkpoint; continue with `plait train --resume {run_dir}`"
         )
 
 
@@ -85,7 +86,7 @@ class NonFiniteGuard:
     def __init__(self, limit: int):
         self.limit, self.streak, self.skipped = limit, 0, 0
 
-    def check(self, applied: bool, grad_norm: float, step: int) -> bool:
+    def check(self, applied: bool, grad_norm: float, round_: int) -> bool:
         """Count one optimizer step the backend applied (or skipped: its gradient norm was not
         finite); returns `applied`."""
         if applied:
@@ -95,7 +96,7 @@ class NonFiniteGuard:
         self.skipped += 1
         if self.streak > self.limit:
             raise TrainingDiverged(
-                f"step {step}: {self.streak} optimizer steps in a row had a non-finite gradient norm ({grad_norm}); "
+                f"round {round_}: {self.streak} optimizer steps in a row had a non-finite gradient norm ({grad_norm}); "
                 f"each was skipped (weights and optimizer untouched) and train.max_nonfinite_steps={self.limit} "
                 "allows no more. The newest checkpoint predates them and is intact. "
                 "Try a lower train.learning_rate, train.max_grad_norm, "

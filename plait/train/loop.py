@@ -1,4 +1,4 @@
-"""The GRPO training loop. One round, top to bottom (`train_step`):
+"""The GRPO training loop. One round, top to bottom (`train_round`):
 
     generate a group per prompt and score it  (plait.rollout engine, plait.rewards runner)
     -> collate into a padded batch             (plait.train.batch)
@@ -8,7 +8,7 @@
 
 A *round* is one generation batch; an *update* is one optimizer step (a round holds
 steps_per_generation x num_iterations of them). `train.max_steps` counts rounds. Setup lives in
-plait.train.setup (`open_run` builds a `Run`); `log_step` is a round's telemetry; checkpoints,
+plait.train.setup (`open_run` builds a `Run`); `log_round` is a round's telemetry; checkpoints,
 evaluation and the end-of-run summary sit beside the loop, not inside the round.
 """
 
@@ -31,7 +31,13 @@ from plait.train.backends import make_backend, resolve_device
 from plait.train.batch import collate
 from plait.train.guard import Preempted, StopSignal, check_drift
 from plait.train.hostmem import retained_host_memory
-from plait.train.metrics import across_processes, describe_processes, phase_summary, sample_record, step_rollout_metrics
+from plait.train.metrics import (
+    across_processes,
+    describe_processes,
+    phase_summary,
+    round_rollout_metrics,
+    sample_record,
+)
 from plait.train.rollouts import staleness
 from plait.train.sampling import SamplingStats
 from plait.train.setup import Run, TrainResult, open_run, trainer_state
@@ -39,11 +45,11 @@ from plait.train.update import logprob_prepass, policy_update, step_advantages
 from plait.types import Group
 
 
-__all__ = ["train", "train_step", "TrainResult", "StepResult"]
+__all__ = ["train", "train_round", "TrainResult", "RoundResult"]
 
 
 @dataclass
-class StepResult:
+class RoundResult:
     """What one round produced, for its telemetry."""
 
     groups: list[Group]
@@ -88,31 +94,31 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
         if cfg.eval.before and run.start == 0:
             run.result.eval_before = run_eval(run, "before", 0)
         last_save = time.monotonic()
-        for step in range(run.start + 1, cfg.train.max_steps + 1):
-            out = train_step(run, step)
-            stopping, due = _save_due(cfg, step, stop, last_save)
-            log_step(run, step, out)
-            evaluate = cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.train.max_steps
+        for round_ in range(run.start + 1, cfg.train.max_steps + 1):
+            out = train_round(run, round_)
+            stopping, due = _save_due(cfg, round_, stop, last_save)
+            log_round(run, round_, out)
+            evaluate = cfg.eval.every_steps and round_ % cfg.eval.every_steps == 0 and round_ < cfg.train.max_steps
             if evaluate and not stopping:  # a preempted round saves at once instead
                 with run.timer("eval"):
-                    run_eval(run, f"step {step}", step)
+                    run_eval(run, f"round {round_}", round_)
             if due:
                 with run.timer("checkpoint"):  # async: only the copy to CPU (and waiting for the previous save)
-                    save(run, step, blocking=stopping or not cfg.checkpoint.async_save)
+                    save(run, round_, blocking=stopping or not cfg.checkpoint.async_save)
                 last_save = time.monotonic()
             if stopping:
                 run.sink.close()
-                raise Preempted(run.run_dir, step, stop.requested or "a stop signal on another process")
+                raise Preempted(run.run_dir, round_, stop.requested or "a stop signal on another process")
     finally:
         run.rollouts.close()
     finish_run(run)
     return run.result
 
 
-def train_step(run: Run, step: int) -> StepResult:
-    """Round `step`: generate and score -> collate -> log-prob prepass -> advantages -> update."""
+def train_round(run: Run, round_: int) -> RoundResult:
+    """Round `round_`: generate and score -> collate -> log-prob prepass -> advantages -> update."""
     cfg, timer = run.cfg, run.timer
-    taken = run.rollouts.take(step)  # generated now, or by the async producer
+    taken = run.rollouts.take(round_)  # generated now, or by the async producer
     groups, sampling = taken.groups, taken.sampling
     with timer("score"):
         accuracy = step_accuracy(groups, run.metric, sampling)
@@ -122,10 +128,11 @@ def train_step(run: Run, step: int) -> StepResult:
     batch.advantages = step_advantages(
         groups, batch, cfg, [r.name for r in run.rewards], [r.weight for r in run.rewards]
     )
-    update = policy_update(batch, cfg, run.backend, run.guard, step, timer)
-    check_drift(cfg, step, update["logprob_gap"], int(taken.info.get("async/scheduled_version", step - 1)))
-    run.rollouts.publish(step)  # async: these weights, for the rounds scheduled on them
-    return StepResult(groups, sampling, accuracy, update, forwards, taken.info)
+    update = policy_update(batch, cfg, run.backend, run.guard, round_, timer)
+    sampled_with = int(taken.info.get("async/scheduled_version", round_ - 1))
+    check_drift(cfg, round_, update["logprob_gap/before_update"], sampled_with)
+    run.rollouts.publish(round_)  # async: these weights, for the rounds scheduled on them
+    return RoundResult(groups, sampling, accuracy, update, forwards, taken.info)
 
 
 def step_accuracy(groups: list[Group], metric: BoundReward, sampling: SamplingStats) -> list[float] | None:
@@ -141,19 +148,19 @@ def step_accuracy(groups: list[Group], metric: BoundReward, sampling: SamplingSt
     return [v or 0.0 for v in values[metric.name]]
 
 
-def log_step(run: Run, step: int, out: StepResult) -> None:
+def log_round(run: Run, round_: int, out: RoundResult) -> None:
     """A round's telemetry: rollout and update metrics, reward and sandbox health, time per
     phase (the slowest process's), throughput/MFU/memory; to every sink, with samples."""
     cfg, update = run.cfg, out.update
     if update["nonfinite_steps"]:
         run.say(
-            f"[yellow]step {step}: {update['nonfinite_steps']:.0f} optimizer step(s) skipped: non-finite gradient "
+            f"[yellow]round {round_}: {update['nonfinite_steps']:.0f} optimizer step(s) skipped: non-finite gradient "
             f"norm (weights, optimizer and LR schedule untouched; {run.guard.streak} in a row, limit {run.guard.limit})"
         )
-    metrics = {**step_rollout_metrics(out.groups, out.accuracy), **update, **run.engine.stats()}
+    metrics = {**round_rollout_metrics(out.groups, out.accuracy), **update, **run.engine.stats()}
     health = out.sampling.rewards.metrics([r.name for r in run.rewards], run.sandbox is not None)
     metrics.update(across_processes(out.sampling.metrics(), health))
-    lag = staleness(out.groups, step - 1)
+    lag = staleness(out.groups, round_ - 1)
     if lag:  # engines holding a copy of the weights: rounds behind the trainer they sampled (0 when synced)
         total, tokens = comm.all_sum([float(sum(lag)), float(len(lag))])
         metrics["rollout/staleness_mean"] = total / tokens
@@ -165,10 +172,10 @@ def log_step(run: Run, step: int, out: StepResult) -> None:
     metrics["tokens/s_generate"] = metrics["tokens/generated"] / max(1e-9, metrics.get("time/generate", 0.0))
     flops = run.meter.flops(out.groups, cfg.algo.num_iterations, out.prepass_forwards)
     metrics.update(run.meter.measure(flops, metrics.pop("tokens/processed"), times))
-    run.sink.log(step, metrics)
+    run.sink.log(round_, metrics)
     run.result.history.append(metrics)
-    if comm.is_main() and cfg.log.sample_every_steps and step % cfg.log.sample_every_steps == 0:
-        run.sink.samples(step, [sample_record(step, g) for g in out.groups[: cfg.log.samples]])
+    if comm.is_main() and cfg.log.sample_every_steps and round_ % cfg.log.sample_every_steps == 0:
+        run.sink.samples(round_, [sample_record(round_, g) for g in out.groups[: cfg.log.samples]])
 
 
 def run_eval(run: Run, tag: str, version: int) -> float:
@@ -185,7 +192,8 @@ def run_eval(run: Run, tag: str, version: int) -> float:
     run.say(f"[bold cyan]eval {tag}[/]: {cfg.eval.metric} = {accuracy:.3f} on {n:.0f} held-out prompts (greedy)")
     if comm.is_main():
         with (run.run_dir / "eval.jsonl").open("a") as f:
-            f.write(json.dumps({"tag": tag, "step": version, cfg.eval.metric: accuracy, "n": int(n)}) + "\n")
+            record = {"tag": tag, "round": version, "step": version, cfg.eval.metric: accuracy, "n": int(n)}
+            f.write(json.dumps(record) + "\n")
     if cfg.checkpoint.keep_best:
         keep_if_best(run, version, accuracy)
     return accuracy
@@ -203,19 +211,19 @@ def keep_if_best(run: Run, version: int, accuracy: float) -> None:
     tmp = run.run_dir / "best.tmp"
     run.backend.export(tmp, run.tokenizer)
     if comm.is_main():
-        (tmp / "best.json").write_text(json.dumps({"step": version, metric: accuracy}) + "\n")
+        (tmp / "best.json").write_text(json.dumps({"round": version, "step": version, metric: accuracy}) + "\n")
         shutil.rmtree(best, ignore_errors=True)
         os.replace(tmp, best)
-        run.say(f"best {metric} so far ({accuracy:.3f} at step {version}): model kept in {best}")
+        run.say(f"best {metric} so far ({accuracy:.3f} at round {version}): model kept in {best}")
 
 
-def save(run: Run, step: int, blocking: bool = True) -> None:
-    """A checkpoint of the run after round `step` (every process takes part); async runs add
+def save(run: Run, round_: int, blocking: bool = True) -> None:
+    """A checkpoint of the run after round `round_` (every process takes part); async runs add
     the rounds already generated for the next ones, and the data position after them."""
-    source = run.rollouts.state(step)
+    source = run.rollouts.state(round_)
     save_checkpoint(
         run.run_dir,
-        step,
+        round_,
         run.backend,
         trainer_state(run, source.consumed),
         run.cfg.checkpoint.keep_last,
@@ -224,16 +232,16 @@ def save(run: Run, step: int, blocking: bool = True) -> None:
     )
 
 
-def _save_due(cfg: Config, step: int, stop: StopSignal, last_save: float) -> tuple[bool, bool]:
+def _save_due(cfg: Config, round_: int, stop: StopSignal, last_save: float) -> tuple[bool, bool]:
     """(stop now, save a checkpoint now), the same in every process: a signal may reach only
     some of them, and rank 0's clock decides the time-based saves."""
     c = cfg.checkpoint
-    final = step == cfg.train.max_steps  # the end of the run saves anyway
+    final = round_ == cfg.train.max_steps  # the end of the run saves anyway
     by_time = (
         bool(c.save_every_minutes) and time.monotonic() - last_save >= 60 * c.save_every_minutes and comm.is_main()
     )
     stopping, by_time = (bool(x) for x in comm.all_max([float(stop.requested is not None), float(by_time)]))
-    by_steps = bool(c.save_steps) and step % c.save_steps == 0
+    by_steps = bool(c.save_steps) and round_ % c.save_steps == 0
     return stopping and not final, not final and (by_steps or by_time or stopping)
 
 

@@ -69,11 +69,12 @@ def tool_metrics(completions: list) -> dict[str, float]:
     }
 
 
-def sample_record(step: int, group: Group) -> dict:
+def sample_record(round_: int, group: Group) -> dict:
     """The first completion of a group with its rewards, for samples.jsonl and the console."""
     c = group.completions[0]
     return {
-        "step": step,
+        "round": round_,
+        "step": round_,  # its name before; kept for one release
         "prompt": group.prompt.text,
         "answer": group.prompt.answer,
         "completion": c.text,
@@ -97,7 +98,7 @@ def phase_summary(history: list[dict]) -> tuple[float, dict[str, float]]:
     return total, {k: v / covered for k, v in phases.items()} if covered else {}
 
 
-def step_rollout_metrics(groups: list[Group], accuracy: list[float] | None) -> dict[str, float]:
+def round_rollout_metrics(groups: list[Group], accuracy: list[float] | None) -> dict[str, float]:
     """rollout_metrics over every process's groups (gathered without their log-probs)."""
     light = [
         Group(g.prompt, [dataclasses.replace(c, logprobs=[]) for c in g.completions], g.rewards, g.total)

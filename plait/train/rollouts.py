@@ -39,16 +39,16 @@ from plait.train.sampling import Sampler, SamplingStats
 from plait.types import Group
 
 
-def scheduled_version(step: int, k: int) -> int:
-    """The weight version (rounds trained) round `step` is generated with."""
-    return max(0, step - 1 - k)
+def scheduled_version(round_: int, k: int) -> int:
+    """The weight version (rounds trained) round `round_` is generated with."""
+    return max(0, round_ - 1 - k)
 
 
 @dataclass
 class Rollout:
     """One round's scored groups, as the producer made them."""
 
-    step: int
+    step: int  # the round (the field's name is what checkpoints' rollouts.pt hold)
     version: int  # the weights it was scheduled on
     shares: list[tuple[list[Group], SamplingStats]]  # each training process's groups
     consumed: list[int]  # each process's data position after this round's prompts
@@ -183,10 +183,10 @@ class Producer:
             self.snapshots[version] = weights
             self.cond.notify_all()
 
-    def get(self, step: int) -> Rollout:
+    def get(self, round_: int) -> Rollout:
         with self.cond:
-            self._wait(lambda: step in self.produced)
-            return self.produced.pop(step)
+            self._wait(lambda: round_ in self.produced)
+            return self.produced.pop(round_)
 
     def wait(self, steps: range) -> list[Rollout]:
         """Rounds `steps`, once produced (they stay queued for `get`)."""
@@ -263,8 +263,8 @@ class Producer:
     def _produce(self) -> None:
         cfg = self.run.cfg
         timer = PhaseTimer()
-        for step in range(self.first, self.last + 1):
-            need = scheduled_version(step, self.k)
+        for round_ in range(self.first, self.last + 1):
+            need = scheduled_version(round_, self.k)
             got = None
             with timer("wait_for_weights"):
                 if self.inflight:  # the pusher sends them; wait until the engine holds `need` or newer
@@ -284,16 +284,16 @@ class Producer:
                 sampler.collect(
                     lambda n, order=order: [self.run.prompts[i] for i in order.take(n)],
                     self.run.prompts_per_round,
-                    step,
+                    round_,
                 )
                 for order in self.orders
             ]
             seconds = {k.removeprefix("time/"): v for k, v in timer.reset().items()}
             pushed = self.pushes - pushes_before
             sync = self.engine.stats() if pushed else {}
-            rollout = Rollout(step, need, shares, [o.consumed for o in self.orders], seconds, pushed, sync)
+            rollout = Rollout(round_, need, shares, [o.consumed for o in self.orders], seconds, pushed, sync)
             with self.cond:
-                self.produced[step] = rollout
+                self.produced[round_] = rollout
                 self.cond.notify_all()
 
 

@@ -102,7 +102,7 @@ def open_run(cfg: Config, plan: BatchPlan, backend: Backend, console: str | None
         start = 0 if resume_from is None else checkpoint_step(resume_from)
         dropped = trim_logs(run_dir, start)
         if dropped:
-            sink.print(f"{dropped} log line(s) after step {start} dropped: those rounds run again")
+            sink.print(f"{dropped} log line(s) after round {start} dropped: those rounds run again")
         sink.open(run_dir, cfg.log, cfg.model_dump(mode="json"), start)
     run = None
     try:
@@ -212,7 +212,7 @@ def resume(run: Run, checkpoint: Path) -> None:
         )
     run.rollouts.load_state(SourceState(ahead, [int(c) for c in comm.all_gather_objects(run.order.consumed)]))
     run.result.eval_before = state.get("eval_before")
-    run.say(f"resumed from {checkpoint} (step {run.start})")
+    run.say(f"resumed from {checkpoint} (round {run.start})")
     if run.sink.progress is not None:
         run.sink.progress.update(run.sink.task, completed=run.start)
 

@@ -197,9 +197,12 @@ def policy_update(
     settings = LossSettings.from_algo(a)
     rows = len(batch) // a.steps_per_generation
     sums: dict[str, float] = defaultdict(float)
-    for _ in range(a.num_iterations):
+    for iteration in range(a.num_iterations):
         for part in range(a.steps_per_generation):
             accumulate_gradients(batch.slice(part * rows, (part + 1) * rows), cfg, settings, backend, timer, sums)
+            if iteration == 0 and part == 0:  # before any update of the round: the engine's gap alone
+                sums["first_update_gap_tokens"] = sums["logprob_gap_tokens"]
+                sums["first_update_tokens"] = sums["real_tokens"]
             with timer("optimizer"):
                 outcome = backend.step(cfg.train.max_grad_norm)
             count_outcome(outcome, guard, step, sums)
@@ -214,6 +217,7 @@ _PER_PROCESS = (
     "delta_capped_tokens",
     "ratio_tokens",
     "logprob_gap_tokens",
+    "first_update_gap_tokens",
     "trained_tokens",
     "entropy_tokens",
     "kl_tokens",
@@ -241,6 +245,9 @@ def update_metrics(sums: dict[str, float], cfg) -> dict[str, float]:
         out["clip/delta"] = sums["delta_capped_tokens"] / tokens
     out["ratio/mean"] = sums["ratio_tokens"] / tokens
     out["logprob_gap"] = sums["logprob_gap_tokens"] / tokens  # engine vs trainer, mean |diff|
+    # the same over the round's first update only, whose log-probs come from the weights before any
+    # update of the round: in a synchronous round, the weights that sampled it (the drift guard's)
+    out["logprob_gap/before_update"] = sums["first_update_gap_tokens"] / max(1.0, sums["first_update_tokens"])
     out["tokens/trained_share"] = sums["trained_tokens"] / tokens
     if "entropy_tokens" in sums:
         out["entropy"] = sums["entropy_tokens"] / tokens

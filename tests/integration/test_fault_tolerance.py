@@ -188,7 +188,7 @@ def test_sigterm_checkpoints_the_step_and_exits_75_then_resume_is_exact(
     done = [int(p.name.split("_")[1]) for p in (run / "checkpoints").iterdir() if (p / "COMMITTED").is_file()]
     assert len(done) == 1 and 2 <= done[0] < steps, shown[-3000:]
     assert "SIGTERM received: finishing this step" in shown
-    assert f"stopped after step {done[0]} with a checkpoint; continue with `plait train --resume {run}`" in shown
+    assert f"stopped after round {done[0]} with a checkpoint; continue with `plait train --resume {run}`" in shown
     assert code == PREEMPTED_EXIT if nproc == 1 else code != 0  # torchrun, signalled itself, exits on its own terms
     res = subprocess.run(
         train_cmd(nproc, [*args, "resume=auto"]), env=helper_env, capture_output=True, text=True, timeout=600
@@ -235,7 +235,7 @@ def test_torchrun_max_restarts_resumes_a_killed_worker(tiny_model_path, prompts_
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     shown = res.stdout + res.stderr
     assert res.returncode == 0 and (tmp_path / "died").exists(), shown[-3000:]
-    assert f"resumed from {ckpt(run, 2)} (step 2)" in shown
+    assert f"resumed from {ckpt(run, 2)} (round 2)" in shown
     assert [m["step"] for m in metrics_of(run)] == [1, 2, 3, 4]  # the log lines of the lost step were dropped
     a, b = final_weights(straight), final_weights(run)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -249,9 +249,9 @@ def test_sigterm_to_the_driver_stops_every_actor_and_server(
     deadline = time.monotonic() + 300
     for line in driver.stdout:
         seen.append(line)
-        if "step    2" in line or time.monotonic() > deadline:
+        if "round    2" in line or time.monotonic() > deadline:
             break
-    assert any("step    2" in line for line in seen), "".join(seen)[-3000:]
+    assert any("round    2" in line for line in seen), "".join(seen)[-3000:]
     assert any("plait.rollout.server" in p for p in leftovers())  # the replica is running
     driver.send_signal(signal.SIGTERM)
     rest, _ = driver.communicate(timeout=120)

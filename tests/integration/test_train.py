@@ -85,7 +85,7 @@ def test_cli_train_end_to_end(tiny_model_path, prompts_jsonl, tmp_path, helper_e
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     start = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), start.parameters()))
-    assert "eval after" in proc.stdout and "boxed_accuracy:" in proc.stdout and "step    4" in proc.stdout
+    assert "eval after" in proc.stdout and "boxed_accuracy:" in proc.stdout and "round    4" in proc.stdout
 
 
 def crash_then_resume(model, data, tmp_path, *extra):

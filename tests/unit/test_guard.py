@@ -21,7 +21,7 @@ def test_guard_counts_streaks_and_stops_after_the_limit():
     assert g.check(True, 1.0, 1) and not g.check(False, nan, 2) and not g.check(False, inf, 3)
     assert g.check(True, 0.5, 4) and g.streak == 0 and g.skipped == 2  # a good step resets the streak
     assert not g.check(False, nan, 5) and not g.check(False, nan, 6)
-    with pytest.raises(TrainingDiverged, match="step 7: 3 optimizer steps in a row"):
+    with pytest.raises(TrainingDiverged, match="round 7: 3 optimizer steps in a row"):
         g.check(False, nan, 7)
     with pytest.raises(TrainingDiverged):
         NonFiniteGuard(limit=0).check(False, -inf, 1)

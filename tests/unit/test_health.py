@@ -32,7 +32,7 @@ def test_each_note_fires_on_its_curve():
     evals = [{"step": 0, "accuracy": 0.1}, {"step": 5, "accuracy": 0.6}, {"step": 12, "accuracy": 0.2}]
     text = "\n".join(health_notes(history, evals, CFG, "accuracy"))
     assert "the reward fell from its peak" in text and "train.learning_rate (now 3e-05)" in text
-    assert "the evaluation (accuracy) peaked at 0.600 (step 5) and ended at 0.200" in text
+    assert "the evaluation (accuracy) peaked at 0.600 (round 5) and ended at 0.200" in text
     assert "entropy collapsed (1.000 -> 0.100" in text
     assert "clipped share of tokens climbed (0.05 -> 0.40)" in text
     assert "gradient norm climbed (1 -> 5" in text
