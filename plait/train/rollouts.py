@@ -78,7 +78,7 @@ class SourceState:
 
 
 class RolloutSource(Protocol):
-    """Where `train_step` gets its rounds. Chosen once, by `make_rollout_source`."""
+    """Where `train_round` gets its rounds. Chosen once, by `make_rollout_source`."""
 
     def start(self) -> None:
         """Before the first round (async: rank 0 starts the producer)."""
