@@ -349,7 +349,7 @@ def compare(ref: Path, out: Path, work: Path, report: Report) -> None:
         torch.load(out / "checkpoints" / f"step_{last:08d}" / "optimizer.pt", weights_only=False),
     )
     # every resume names what it loaded: it must be a committed checkpoint identical to the reference's
-    for m in re.finditer(r"resumed from (\S+) \(step (\d+)\)", (work / "chaos.log").read_text()):
+    for m in re.finditer(r"resumed from (\S+) \((?:round|step) (\d+)\)", (work / "chaos.log").read_text()):
         report.resumes += 1
         loaded, step = Path(m.group(1)), int(m.group(2))
         twin = ref / "checkpoints" / f"step_{step:08d}"
