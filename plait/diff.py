@@ -61,6 +61,7 @@ class Parting:
     round: int | None = None
     stage: str | None = None
     differing: dict[str, tuple] = field(default_factory=dict)  # metric -> (a, b), at `round`
+    unshared: dict[str, list[str]] = field(default_factory=dict)  # run label -> metrics only it logged
     only_in: dict[str, list[int]] = field(default_factory=dict)  # run label -> rounds the other lacks
     weights: list[tuple[int, bool]] = field(default_factory=list)  # (round, equal) of shared checkpoints
 
@@ -81,9 +82,12 @@ def first_parting(a: dict[int, dict], b: dict[int, dict], rtol: float = 0.0) -> 
     """The first round (of those both logged) whose compared metrics differ."""
     shared = sorted(set(a) & set(b))
     out = Parting(len(shared), only_in={"A": sorted(set(a) - set(b)), "B": sorted(set(b) - set(a))})
+    keys_a = {k for r in shared for k in a[r] if compared(k)}
+    keys_b = {k for r in shared for k in b[r] if compared(k)}
+    out.unshared = {"A": sorted(keys_a - keys_b), "B": sorted(keys_b - keys_a)}  # e.g. another plait version's
     for r in shared:
-        keys = [k for k in sorted(set(a[r]) | set(b[r])) if compared(k)]
-        diff = {k: (a[r].get(k), b[r].get(k)) for k in keys if not same(a[r].get(k), b[r].get(k), rtol)}
+        keys = [k for k in sorted(set(a[r]) & set(b[r])) if compared(k)]
+        diff = {k: (a[r][k], b[r][k]) for k in keys if not same(a[r][k], b[r][k], rtol)}
         if diff:
             order = [s for s, _ in STAGES] + ["other"]
             out.round, out.differing = r, diff
@@ -134,6 +138,10 @@ def describe(p: Parting, rtol: float = 0.0, shown: int = 8) -> str:
     for label, rounds in p.only_in.items():
         if rounds:
             lines.append(f"only run {label} logged rounds {rounds[0]}..{rounds[-1]} ({len(rounds)})")
+    for label, keys in p.unshared.items():
+        if keys:
+            more = " ..." if len(keys) > 8 else ""
+            lines.append(f"only run {label} logged (not compared): {', '.join(keys[:8])}{more}")
     if p.weights:
         equal = [r for r, eq in p.weights if eq]
         parted = [r for r, eq in p.weights if not eq]

@@ -104,3 +104,17 @@ def test_a_one_ulp_change_in_a_weight_is_found(two_runs, tmp_path):
 def test_a_folder_without_metrics_is_a_clear_error(two_runs, tmp_path):
     shown = plait_diff(two_runs[0], tmp_path)
     assert shown.returncode == 2 and "no metrics.jsonl" in shown.stderr
+
+
+def test_metrics_only_one_run_logged_are_named_not_compared(two_runs, tmp_path):
+    """Runs of two plait versions: a metric one of them does not log is no difference."""
+    a, b = two_runs
+    changed = tmp_path / "b"
+    shutil.copytree(b, changed)
+    rows = [json.loads(line) for line in (changed / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row["a/new_metric"] = 1.0
+    (changed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    parting = diff_runs(a, changed)
+    assert parting.round is None and parting.unshared == {"A": [], "B": ["a/new_metric"]}
+    assert "only run B logged (not compared): a/new_metric" in plait_diff(a, changed).stdout
