@@ -55,13 +55,13 @@ def make_engine(cfg, model, tokenizer, view=None, device=None) -> RolloutEngine:
 def make_generator(cfg, tokenizer, device):
     """The engine of asynchronous generation (training rank 0): the rollout servers (vLLM,
     server mode), or a generation process of the HF engine started here. Returns the engine
-    (a RemoteEngine: weights go in with `push`) and a function that stops it."""
+    (a RemoteEngine: weights go in with `push_weights`) and a function that stops it."""
     import torch
 
     from plait.rollout.remote import RemoteEngine
 
     device = device or torch.device("cpu")
-    identity = lambda: contextlib.nullcontext(None)  # noqa: E731 - weights arrive through push()
+    identity = lambda: contextlib.nullcontext(None)  # noqa: E731 - weights arrive through push_weights()
     if cfg.rollout.engine == "vllm":
         engine = RemoteEngine(cfg, tokenizer, identity, device)
         return engine, engine.close

@@ -29,6 +29,11 @@ class RolloutEngine(Protocol):
         weight_sync/gb, weight_sync/seconds_per_gb), to log with the step; {} when it copied
         nothing or the engine measures nothing."""
 
+    def health(self) -> dict:
+        """Whether the engine can generate, and what it holds: {"engine", "version", ...}. An
+        engine outside this process asks it (RemoteEngine: every replica's /health) and raises
+        RolloutServerError when one is dead."""
+
     def close(self) -> None:
         """Free the engine's resources."""
 
@@ -37,5 +42,5 @@ class PushedEngine(RolloutEngine, Protocol):
     """An engine outside the training process (RemoteEngine, and a ToolEngine around one): the
     asynchronous producer sends it each weight version itself."""
 
-    def push(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
+    def push_weights(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
         """Make the engine hold `weights` (checkpoint names, full tensors) as version `version`."""

@@ -121,6 +121,10 @@ class HFEngine:
         """Nothing to report: it samples from the trainer's module, no weights are copied."""
         return {}
 
+    def health(self) -> dict:
+        """In this process, on the trainer's own weights: alive whenever this process is."""
+        return {"engine": "hf", "version": None}
+
     def close(self) -> None:
         pass
 

@@ -197,7 +197,7 @@ class RemoteEngine:
             # every process: gathering sharded weights (FSDP2's full_tensor) is a collective
             with self.view() as model, full_weights(model) as weights:
                 if comm.is_main():
-                    self.push(weights, version, healths)
+                    self.push_weights(weights, version, healths)
             comm.barrier()  # nobody generates before the servers hold the new weights
         self.version = version
         return contextlib.nullcontext()
@@ -205,10 +205,17 @@ class RemoteEngine:
     def _healths(self) -> list[dict]:
         return [self._call("GET", u, "/health") for u in self.urls]
 
+    def health(self) -> dict:
+        """Every replica's /health answer, by URL (RolloutServerError, with the cause a dead
+        replica gives, when one cannot serve)."""
+        return {"engine": "remote", "version": self.version, "replicas": dict(zip(self.urls, self._healths()))}
+
     def _restarted(self, healths: list[dict]) -> bool:
         return any(self.instances.get(u) != h["instance"] for u, h in zip(self.urls, healths))
 
-    def push(self, weights: list[tuple[str, torch.Tensor]], version: int, healths: list[dict] | None = None) -> None:
+    def push_weights(
+        self, weights: list[tuple[str, torch.Tensor]], version: int, healths: list[dict] | None = None
+    ) -> None:
         """Training rank 0 alone: send `weights` (checkpoint names) as version `version` to every
         replica, (re)joining the weight group first when a replica is new or restarted."""
         t0 = time.perf_counter()

@@ -220,6 +220,10 @@ class VLLMEngine:
         """No weight-sync metrics: the weights are handed over in-process."""
         return {}
 
+    def health(self) -> dict:
+        """Colocated: an engine that died takes this process with it."""
+        return {"engine": "vllm", "version": self.version}
+
     def _wake(self) -> None:
         if self.asleep:
             self.llm.wake_up()

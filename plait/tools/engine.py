@@ -103,12 +103,15 @@ class ToolEngine:
     def weights_for_step(self, version: int):
         return self.engine.weights_for_step(version)
 
-    def push(self, weights: list, version: int) -> None:
+    def push_weights(self, weights: list, version: int) -> None:
         """For an engine outside the training process (a RemoteEngine): see rollout/base.py."""
-        self.engine.push(weights, version)
+        self.engine.push_weights(weights, version)
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
+
+    def health(self) -> dict:
+        return self.engine.health()
 
     def close(self) -> None:
         self.engine.close()

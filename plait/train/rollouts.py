@@ -246,7 +246,7 @@ class Producer:
                 self.cond.wait()
 
     def _push(self, version: int, weights: list) -> None:
-        self.engine.push(weights, version)
+        self.engine.push_weights(weights, version)
         with self.cond:
             self.engine_version = version
             self.pushes += 1

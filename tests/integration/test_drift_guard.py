@@ -85,14 +85,14 @@ def test_the_hf_generation_process_given_corrupted_weights_stops_the_run(
     pushed after round 1: round 2 stops the run."""
     from plait.rollout.remote import RemoteEngine
 
-    real = RemoteEngine.push
+    real = RemoteEngine.push_weights
 
     def corrupted_push(self, weights, version, *args, **kwargs):
         if version >= 1:
             weights = [(n, noisy(t)) for n, t in weights]
         return real(self, weights, version, *args, **kwargs)
 
-    monkeypatch.setattr(RemoteEngine, "push", corrupted_push)
+    monkeypatch.setattr(RemoteEngine, "push_weights", corrupted_push)
     out = tmp_path / "run"
     cfg = load_config(
         None,

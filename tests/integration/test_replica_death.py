@@ -169,4 +169,17 @@ def test_a_replica_that_refuses_an_update_stops_the_push_at_once(served):
     update request stops the push instead, with its reason; 64 MB cannot hide in socket buffers."""
     assert served.remote.settings.request_timeout_s >= 600
     with pytest.raises(RolloutServerError, match="weights the model does not have"):
-        served.remote.push([("not.a.weight", torch.zeros(16 * 2**20))], 1)
+        served.remote.push_weights([("not.a.weight", torch.zeros(16 * 2**20))], 1)
+
+
+def test_health_says_what_each_replica_holds_and_names_a_dead_one(served):
+    """The engine interface's health(): a live replica's /health answer; once its engine died,
+    RolloutServerError with the cause the replica gives."""
+    health = served.remote.health()
+    (answer,) = health["replicas"].values()
+    assert health["version"] == 0 and answer["version"] == 0 and answer["running"] == 0
+    served.replica.engine.model.register_forward_pre_hook(Fault(healthy=0))
+    with pytest.raises(RolloutServerError):
+        served.generate()
+    with pytest.raises(RolloutServerError, match="injected device fault|unreachable"):
+        served.remote.health()  # a 503 naming the cause, or no answer once the replica has exited

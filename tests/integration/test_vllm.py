@@ -383,7 +383,7 @@ def test_a_vllm_engine_given_corrupted_weights_stops_the_run(
 
         monkeypatch.setattr(vllm_engine, "full_weights", corrupted)
     else:
-        real_push = RemoteEngine.push
+        real_push = RemoteEngine.push_weights
 
         def corrupted_push(self, weights, version, *args, **kwargs):
             syncs["n"] += 1
@@ -391,7 +391,7 @@ def test_a_vllm_engine_given_corrupted_weights_stops_the_run(
                 weights = [(n, noisy(t)) for n, t in weights]
             return real_push(self, weights, version, *args, **kwargs)
 
-        monkeypatch.setattr(RemoteEngine, "push", corrupted_push)
+        monkeypatch.setattr(RemoteEngine, "push_weights", corrupted_push)
     server = RolloutServer(vllm_model, dp=1, env=helper_env) if mode == "server" else None
     try:
         out = tmp_path / "run"

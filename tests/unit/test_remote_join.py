@@ -55,4 +55,4 @@ def test_a_failed_join_stops_the_push_instead_of_waiting_out_the_rendezvous(repl
     with pytest.raises(
         RolloutServerError, match=r"/weights/join \(HTTP 500\): the replica.s workers died.*resume=auto"
     ):
-        engine.push([("w", torch.zeros(4))], version=1)
+        engine.push_weights([("w", torch.zeros(4))], version=1)
