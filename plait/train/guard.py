@@ -21,6 +21,7 @@ a second one stops at once.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -55,11 +56,12 @@ def check_drift(cfg, round_: int, gap: float, sampled_version: int) -> None:
     """Raise EngineDrift when round `round_`, sampled with the weights after `sampled_version`
     rounds, shows a mean log-prob gap past the limit. Rounds sampled with older weights by
     design (asynchronous runs) or with several versions (in-flight updates) are not checked:
-    their gap is the policy's own change."""
+    their gap is the policy's own change. Nor is a gap that is not finite: the trainer's own
+    log-probs are broken then (weights blown up), which the non-finite guard stops."""
     limit = drift_limit(cfg)
     if limit is None or sampled_version != round_ - 1 or cfg.rollout.inflight_updates:
         return
-    if not gap <= limit:  # NaN too
+    if math.isfinite(gap) and gap > limit:
         raise EngineDrift(
             f"round {round_}: the rollout engine's log-probs of the sampled tokens differ from the trainer's by "
             f"{gap:.3g} on average (limit {limit:g}: rollout.max_logprob_gap, {cfg.train.precision}). The engine "

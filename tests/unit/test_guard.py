@@ -102,8 +102,7 @@ def test_the_drift_guard_checks_synchronous_rounds_against_the_precisions_limit(
     check_drift(bf16, 3, 0.05, sampled_version=2)  # within bf16's rounding, not fp32's
     with pytest.raises(EngineDrift, match=r"round 3: .* by 0.02 on average \(limit 0.01.*resume=auto"):
         check_drift(fp32, 3, 0.02, sampled_version=2)
-    with pytest.raises(EngineDrift, match="by nan"):
-        check_drift(fp32, 3, float("nan"), sampled_version=2)
+    check_drift(fp32, 3, float("nan"), sampled_version=2)  # the trainer's own numbers broke: the non-finite guard's
     check_drift(fp32, 3, 0.5, sampled_version=1)  # sampled with older weights on purpose (async): not checked
     check_drift(load_config(None, ["rollout.max_logprob_gap=null"]), 3, 0.5, sampled_version=2)  # off
     with pytest.raises(EngineDrift, match="limit 0.001"):
