@@ -47,9 +47,15 @@ DRIFT_LIMITS = {"fp32": 1e-2, "bf16": 1e-1}
 
 
 def drift_limit(cfg) -> float | None:
-    """The largest mean |engine - trainer| log-prob a synchronous round may show (None: off)."""
-    limit = cfg.rollout.max_logprob_gap
-    return DRIFT_LIMITS["bf16" if cfg.train.precision == "bf16" else "fp32"] if limit == "auto" else limit
+    """The largest mean |engine - trainer| log-prob a synchronous round may show (None: off).
+    auto is off where the gap is not rounding alone by construction: vLLM reports log-probs of
+    the top-k / top-p truncated distribution, which the trainer does not recompute."""
+    r = cfg.rollout
+    if r.max_logprob_gap != "auto":
+        return r.max_logprob_gap
+    if r.engine == "vllm" and (r.top_p < 1.0 or r.top_k > 0):
+        return None
+    return DRIFT_LIMITS["bf16" if cfg.train.precision == "bf16" else "fp32"]
 
 
 def check_drift(cfg, round_: int, gap: float, sampled_version: int) -> None:
