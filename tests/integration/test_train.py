@@ -216,7 +216,7 @@ def test_cli_eval_scores_a_model_folder(tiny_model_path, prompts_jsonl, helper_e
 
 def test_keep_best_keeps_the_best_evaluated_model(tiny_model_path, prompts_jsonl, tmp_path, monkeypatch):
     """checkpoint.keep_best: RUN_DIR/best holds the model of the best evaluation (here the one
-    after step 2 of 0.1, 0.6, 0.3, 0.2), with best.json naming the step: a run that peaks and
+    after round 2 of 0.1, 0.6, 0.3, 0.2), with best.json naming the round: a run that peaks and
     degrades keeps its peak."""
     import plait.train.loop as loop
     from plait.evaluate import EvalResult
@@ -243,7 +243,7 @@ def test_keep_best_keeps_the_best_evaluated_model(tiny_model_path, prompts_jsonl
         ),
     )
     loop.train(cfg)
-    assert json.loads((out / "best" / "best.json").read_text()) == {"step": 2, "boxed_accuracy": 0.6}
+    assert json.loads((out / "best" / "best.json").read_text()) == {"round": 2, "step": 2, "boxed_accuracy": 0.6}
     best = load_file(str(out / "best" / "model.safetensors"))
     at_2 = load_file(str(out / "checkpoints" / "step_00000002" / "model.safetensors"))
     shared = [k for k in at_2 if k in best]
