@@ -77,7 +77,10 @@ def test_tensorboard_events_hold_the_scalars_and_samples(run_dir):
 
 def test_samples_log_prompt_completion_and_each_reward(run_dir):
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in samples] == [1, 1, 2, 2, 3, 3]  # log.samples=2 groups per step
+    assert [s["round"] for s in samples] == [1, 1, 2, 2, 3, 3]  # log.samples=2 groups per round
+    assert all(s["step"] == s["round"] for s in samples)  # `step`, the old name, is kept as an alias
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["step"]) for r in rows] == [(1, 1), (2, 2), (3, 3)]
     for s in samples:
         assert s["prompt"] and isinstance(s["completion"], str)
         assert set(s["rewards"]) == {"plait_test_rewards:vowel_share"}
