@@ -671,6 +671,13 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(5)
         where = f" [rank {rank}]" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         print(f"plait{where}: {err}", file=sys.stderr)
+        if isinstance(err, RolloutServerError):
+            from plait.rollout.remote import abandoned_collectives
+
+            if abandoned_collectives():  # a thread waits in gloo for a dead peer: exiting normally would abort
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(2)
         return 2
 
 

@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FuturesTimeout
 from urllib.parse import urlsplit
 
 import torch
@@ -45,6 +46,16 @@ def _resolve(future: Future, fn, *args) -> None:
         future.set_result(fn(*args))
     except BaseException as e:  # handed to the waiting thread
         future.set_exception(e)
+
+
+BROADCAST_GRACE_S = 10.0
+ABANDONED: list[Future] = []  # broadcasts left waiting on a peer that never joined (see _push)
+
+
+def abandoned_collectives() -> int:
+    """Threads of this process still inside a weight broadcast nobody will finish: a process
+    exiting normally with one of them aborts in gloo's destructors, so the CLI exits at once."""
+    return sum(not f.done() for f in ABANDONED)
 
 
 def _in_thread(fn, *args) -> Future:
@@ -273,6 +284,13 @@ class RemoteEngine:
             _wait_all([sending, *futures])
         except RolloutServerError:
             self.group = None
+            # Peers that died make the broadcast fail at once: let it, so that no thread is left
+            # inside gloo (a process exiting with one there aborts). One that never connected keeps
+            # it waiting: it is left behind, and counted for the command line's exit.
+            try:
+                sending.exception(timeout=BROADCAST_GRACE_S)
+            except FuturesTimeout:
+                ABANDONED.append(sending)
             raise
         except RuntimeError as e:  # a receiver died mid-broadcast
             self.group = None
