@@ -129,8 +129,7 @@ def train_round(run: Run, round_: int) -> RoundResult:
         groups, batch, cfg, [r.name for r in run.rewards], [r.weight for r in run.rewards]
     )
     update = policy_update(batch, cfg, run.backend, run.guard, round_, timer)
-    sampled_with = int(taken.info.get("async/scheduled_version", round_ - 1))
-    check_drift(cfg, round_, update["logprob_gap/before_update"], sampled_with)
+    check_drift(cfg, round_, update["logprob_gap/before_update"], taken.sampled_version)
     run.rollouts.publish(round_)  # async: these weights, for the rounds scheduled on them
     return RoundResult(groups, sampling, accuracy, update, forwards, taken.info)
 

@@ -64,6 +64,7 @@ class RoundBatch:
 
     groups: list[Group]
     sampling: SamplingStats
+    sampled_version: int  # the weights (rounds trained) it was sampled with
     info: dict[str, float] = field(default_factory=dict)
 
 
@@ -128,13 +129,14 @@ class SyncRollouts:
     def take(self, round_: int) -> RoundBatch:
         run = self.run
         if round_ in self.ahead:
-            return RoundBatch(*self.ahead.pop(round_).shares[comm.rank()])
+            ahead = self.ahead.pop(round_)
+            return RoundBatch(*ahead.shares[comm.rank()], ahead.version)
         with ExitStack() as weights:
             with run.timer("weight_sync"):  # HF: gather sharded weights once for the round; vLLM: copy them in
                 weights.enter_context(run.engine.weights_for_step(round_ - 1))
             sampler = Sampler(run.engine, run.cfg, run.rewards, run.timer, run.sandbox)
             groups, sampling = sampler.collect(run.take_prompts, run.prompts_per_round, round_)
-        return RoundBatch(groups, sampling)
+        return RoundBatch(groups, sampling, round_ - 1)
 
     def publish(self, round_: int) -> None:
         pass
@@ -346,7 +348,7 @@ class AsyncRollouts:
         info["async/weight_pushes"] = float(rollout.pushes)
         info["async/scheduled_version"] = float(rollout.version)
         info.update(rollout.sync)
-        return RoundBatch(groups, sampling, info)
+        return RoundBatch(groups, sampling, rollout.version, info)
 
     def publish(self, round_: int) -> None:
         """After round `round_`'s update: version `round_`, if a round still to generate uses it."""
