@@ -256,11 +256,11 @@ def _written_before(row: dict, step: int) -> bool:
 
 def trim_logs(run_dir: Path, step: int) -> int:
     """On a (re)start from round `step` (0: from scratch): keep the lines of metrics/samples/
-    eval.jsonl up to `step` (the rounds after it run again and log again; so does the final
+    eval/hashes.jsonl up to `step` (the rounds after it run again and log again; so does the final
     evaluation, written after the last checkpoint) and drop a line a crash cut short. Returns
     lines dropped."""
     dropped = 0
-    for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
+    for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl", "hashes.jsonl"):
         path = Path(run_dir) / name
         if not path.is_file():
             continue

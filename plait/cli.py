@@ -196,8 +196,9 @@ def _parser() -> argparse.ArgumentParser:
 
     df = sub.add_parser(
         "diff",
-        help="where two runs part: the first round whose metrics differ, the stage of the round it is in "
-        "(generation, scoring, loss, optimizer), and shared checkpoints' weights compared",
+        help="where two runs part: the first round whose metrics differ and the stage of the round it is in "
+        "(generation, scoring, loss, optimizer); the first whose per-round hashes differ (hashes.jsonl); shared "
+        "checkpoints' weights compared",
     )
     df.add_argument("run_a", help="a run directory")
     df.add_argument("run_b", help="another run directory")
@@ -251,6 +252,20 @@ def _load(args, overrides: list[str] | None = None):
     return config_from_dict(conv.config, overrides)
 
 
+def _restart_pinned() -> None:
+    """train.deterministic: the kernels' instruction set is read from the environment when torch
+    loads, which it has by now: set it and start this command again (once; returns when set)."""
+    from plait.train.determinism import missing_pins
+
+    missing = missing_pins()
+    if not missing or os.environ.get("PLAIT_PINNED_RESTART"):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    env = {**os.environ, **missing, "PLAIT_PINNED_RESTART": "1"}
+    os.execve(sys.executable, [sys.executable, "-m", "plait", *sys.argv[1:]], env)
+
+
 def cmd_train(args) -> int:
     from plait.config import load_config
     from plait.train.loop import train
@@ -274,6 +289,8 @@ def cmd_train(args) -> int:
     if args.resume is not None and cfg.output_dir is None:
         print("plait: --resume needs a run directory: `plait train --resume runs/NAME`", file=sys.stderr)
         return 2
+    if cfg.train.deterministic and args.program:
+        _restart_pinned()
     if cfg.cluster.launcher == "ray":
         from plait.cluster.ray_launcher import launch
 
@@ -491,7 +508,8 @@ def cmd_diff(args) -> int:
         print(f"plait diff: {err}", file=sys.stderr)
         return 2
     print(describe(parting, args.rtol))
-    return 0 if parting.round is None and all(eq for _, eq in parting.weights) else 1
+    hashes_agree = parting.hashes is None or parting.hashes.round is None
+    return 0 if parting.round is None and hashes_agree and all(eq for _, eq in parting.weights) else 1
 
 
 def cmd_report(args) -> int:
@@ -648,6 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     from plait.train.guard import DIVERGED_EXIT, PREEMPTED_EXIT, Preempted, TrainingDiverged
 
     args = _parser().parse_args(argv)
+    args.program = argv is None  # the process's own command line: it may restart itself (train.deterministic)
     try:
         return COMMANDS[args.command](args)
     except Preempted as stop:

@@ -4,8 +4,12 @@ Two runs of one config and seed on one machine are the same run, bit for bit; on
 or after a change, they part somewhere. This finds the first round whose metrics differ and,
 among that round's metrics, the earliest stage of the round that differs: generation (what was
 sampled), scoring (rewards), loss (the trainer's log-probs, ratios, clipping) or optimizer
-(gradient norm, learning rate). Measurements of speed and memory are never compared. Where
-both runs kept a checkpoint of the same round, their weights are compared too (local and ddp
+(gradient norm, learning rate). Measurements of speed and memory are never compared.
+
+Metrics are rounded summaries: two runs can agree on them and still differ. The per-round hashes
+(hashes.jsonl: sampled tokens, rewards, advantages in every run; the first gradient and the
+weights under train.deterministic) find the first stage that computed other bits. Where both
+runs kept a checkpoint of the same round, their weights are compared too (local and ddp
 checkpoints: model.safetensors), bit for bit.
 """
 
@@ -26,6 +30,15 @@ STAGES = (
     ("loss", ("logprob_gap", "loss", "clip/", "ratio/", "entropy", "kl", "tokens/trained_share")),
     ("optimizer", ("grad_norm", "lr", "nonfinite_steps", "ref_syncs")),
 )
+# the stages plait.train.hashes records, in round order, and what each one hashes
+HASH_STAGES = ("generation", "scoring", "advantages", "loss", "optimizer")
+HASH_MEANING = {
+    "generation": "the sampled token ids or the engine's log-probs",
+    "scoring": "the rewards",
+    "advantages": "the advantages",
+    "loss": "the gradients of the round's first update",
+    "optimizer": "the weights after the round",
+}
 # how long, how fast, how much memory: they differ between any two runs
 MEASURED = ("time/", "tokens/s_", "mfu/", "memory/", "comm/", "weight_sync/", "async/seconds_", "async/generator_")
 
@@ -64,6 +77,17 @@ class Parting:
     unshared: dict[str, list[str]] = field(default_factory=dict)  # run label -> metrics only it logged
     only_in: dict[str, list[int]] = field(default_factory=dict)  # run label -> rounds the other lacks
     weights: list[tuple[int, bool]] = field(default_factory=list)  # (round, equal) of shared checkpoints
+    hashes: HashParting | None = None  # None: a run has no hashes.jsonl
+
+
+@dataclass
+class HashParting:
+    """Where the per-round hashes part: `round` None when every shared round agrees."""
+
+    rounds_compared: int
+    stages: list[str]  # hashed by both runs
+    round: int | None = None
+    stage: str | None = None
 
 
 def metrics_by_round(run_dir: Path) -> dict[int, dict]:
@@ -96,6 +120,29 @@ def first_parting(a: dict[int, dict], b: dict[int, dict], rtol: float = 0.0) -> 
     return out
 
 
+def hashes_by_round(run_dir: Path) -> dict[int, dict] | None:
+    f = Path(run_dir) / "hashes.jsonl"
+    if not f.is_file():
+        return None
+    rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return {round_of(row): row for row in rows}
+
+
+def first_hash_parting(a: dict[int, dict], b: dict[int, dict]) -> HashParting:
+    """The first round, and stage in round order, whose hashes differ (stages either run did
+    not hash are skipped)."""
+    shared = sorted(set(a) & set(b))
+    stages = [s for s in HASH_STAGES if any(a[r].get(s) is not None and b[r].get(s) is not None for r in shared)]
+    out = HashParting(len(shared), stages)
+    for r in shared:
+        for stage in stages:
+            ha, hb = a[r].get(stage), b[r].get(stage)
+            if ha is not None and hb is not None and ha != hb:
+                out.round, out.stage = r, stage
+                return out
+    return out
+
+
 def checkpoint_weights(run_dir: Path) -> dict[int, Path]:
     found = {}
     for f in (Path(run_dir) / "checkpoints").glob("step_*/model.safetensors"):
@@ -115,6 +162,9 @@ def diff_runs(run_a: Path, run_b: Path, rtol: float = 0.0) -> Parting:
     parting = first_parting(metrics_by_round(run_a), metrics_by_round(run_b), rtol)
     ca, cb = checkpoint_weights(run_a), checkpoint_weights(run_b)
     parting.weights = [(r, weights_equal(ca[r], cb[r])) for r in sorted(set(ca) & set(cb))]
+    ha, hb = hashes_by_round(run_a), hashes_by_round(run_b)
+    if ha is not None and hb is not None:
+        parting.hashes = first_hash_parting(ha, hb)
     return parting
 
 
@@ -142,6 +192,15 @@ def describe(p: Parting, rtol: float = 0.0, shown: int = 8) -> str:
         if keys:
             more = " ..." if len(keys) > 8 else ""
             lines.append(f"only run {label} logged (not compared): {', '.join(keys[:8])}{more}")
+    h = p.hashes
+    if h is not None and h.rounds_compared:
+        if h.round is None:
+            lines.append(f"hashes ({', '.join(h.stages)}): equal on all {h.rounds_compared} rounds both hashed")
+        else:
+            lines.append(
+                f"hashes: the runs part at round {h.round}, first in its {h.stage} stage "
+                f"({HASH_MEANING[h.stage]} differ; stages hashed by both: {', '.join(h.stages)})"
+            )
     if p.weights:
         equal = [r for r, eq in p.weights if eq]
         parted = [r for r, eq in p.weights if not eq]

@@ -34,6 +34,7 @@ from pathlib import Path
 from plait.cluster.placement import Node, Placement, model_shape, plan_cluster, render, render_failure
 from plait.comm import free_port
 from plait.config import Config, ConfigError
+from plait.train.determinism import pinned_environment
 
 
 # environment every actor gets from the driver (besides cluster.ray.env)
@@ -65,7 +66,8 @@ def connect(address: str) -> bool:
     # Under `ray job submit` the job's own runtime env reaches every actor already, and Ray
     # refuses a driver runtime env that names one of its variables again.
     job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env", {}).get("env_vars", {})
-    env_vars = {k: v for k, v in os.environ.items() if (k.startswith("PLAIT_") or k in FORWARDED) and k not in job_env}
+    forwarded = (*FORWARDED, *pinned_environment())  # train.deterministic's pins, when set
+    env_vars = {k: v for k, v in os.environ.items() if (k.startswith("PLAIT_") or k in forwarded) and k not in job_env}
     runtime_env = {"env_vars": env_vars}
     try:
         if address == "local":

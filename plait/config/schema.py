@@ -506,6 +506,14 @@ class TrainConfig(Section):
         "auto", description="Where to train; auto = cuda when available, else cpu."
     )
     threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default).")
+    deterministic: bool = Field(
+        False,
+        description="Pin what can make two runs of one config differ: the kernels' instruction set (AVX2 code "
+        "paths of ATen, oneDNN and MKL on x86, set before torch loads), thread counts (written into the "
+        "resolved config), torch's deterministic algorithms; and add the round's first gradient and its final "
+        "weights to the hashes in hashes.jsonl (every run hashes its tokens, rewards and advantages there), so "
+        "`plait diff` names the stage where two runs part. The run header says what it could not pin.",
+    )
     max_nonfinite_steps: int = Field(
         3,
         ge=0,

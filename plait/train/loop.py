@@ -30,6 +30,7 @@ from plait.telemetry.advice import health_notes, suggestion
 from plait.train.backends import make_backend, resolve_device
 from plait.train.batch import collate
 from plait.train.guard import Preempted, StopSignal, check_drift
+from plait.train.hashes import gather_hashes, rollout_hashes
 from plait.train.hostmem import retained_host_memory
 from plait.train.metrics import (
     across_processes,
@@ -58,6 +59,7 @@ class RoundResult:
     update: dict[str, float]  # policy_update's metrics
     prepass_forwards: int  # forward passes of the log-prob prepass
     rollout: dict[str, float]  # async generation: the producer's time and pushes (empty when synchronous)
+    hashes: dict[str, str | None]  # this process's, by stage (plait.train.hashes)
 
 
 def train(cfg: Config, console: str | None = None) -> TrainResult:
@@ -128,10 +130,15 @@ def train_round(run: Run, round_: int) -> RoundResult:
     batch.advantages = step_advantages(
         groups, batch, cfg, [r.name for r in run.rewards], [r.weight for r in run.rewards]
     )
-    update = policy_update(batch, cfg, run.backend, run.guard, round_, timer)
+    hashes = rollout_hashes(groups, batch)  # what was sampled, scored and advantaged, for `plait diff`
+    deep = hashes if cfg.train.deterministic else None  # ... and the trainer's gradient and weights
+    update = policy_update(batch, cfg, run.backend, run.guard, round_, timer, deep)
+    if deep is not None:
+        with timer("hashes"):
+            deep.add_weights(run.backend.module)
     check_drift(cfg, round_, update["logprob_gap/before_update"], taken.sampled_version)
     run.rollouts.publish(round_)  # async: these weights, for the rounds scheduled on them
-    return RoundResult(groups, sampling, accuracy, update, forwards, taken.info)
+    return RoundResult(groups, sampling, accuracy, update, forwards, taken.info, hashes)
 
 
 def step_accuracy(groups: list[Group], metric: BoundReward, sampling: SamplingStats) -> list[float] | None:
@@ -173,6 +180,10 @@ def log_round(run: Run, round_: int, out: RoundResult) -> None:
     metrics.update(run.meter.measure(flops, metrics.pop("tokens/processed"), times))
     run.sink.log(round_, metrics)
     run.result.history.append(metrics)
+    hashes = gather_hashes(out.hashes)
+    if comm.is_main():
+        with (run.run_dir / "hashes.jsonl").open("a") as f:
+            f.write(json.dumps({"round": round_, "step": round_, **hashes}) + "\n")
     if comm.is_main() and cfg.log.sample_every_steps and round_ % cfg.log.sample_every_steps == 0:
         run.sink.samples(round_, [sample_record(round_, g) for g in out.groups[: cfg.log.samples]])
 

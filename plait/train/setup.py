@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import random
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -32,6 +32,7 @@ from plait.telemetry.memory import MemoryMeter
 from plait.telemetry.meter import StepMeter
 from plait.tools import Tools
 from plait.train.backends.base import Backend
+from plait.train.determinism import deterministic_process
 from plait.train.guard import NonFiniteGuard
 from plait.train.metrics import describe_processes
 from plait.train.rollouts import RolloutSource, SourceState, make_rollout_source
@@ -105,8 +106,10 @@ def open_run(cfg: Config, plan: BatchPlan, backend: Backend, console: str | None
             sink.print(f"{dropped} log line(s) after round {start} dropped: those rounds run again")
         sink.open(run_dir, cfg.log, cfg.model_dump(mode="json"), start)
     run = None
+    pins = ExitStack()
     try:
-        run = build_run(cfg, plan, backend, sink, run_dir)
+        pinned = pins.enter_context(deterministic_process(cfg, backend.device.type)) if cfg.train.deterministic else []
+        run = build_run(cfg, plan, backend, sink, run_dir, pinned)
         if resume_from is not None:
             resume(run, resume_from)
         yield run
@@ -114,6 +117,7 @@ def open_run(cfg: Config, plan: BatchPlan, backend: Backend, console: str | None
         if run is not None:
             close_rewards([*run.rewards, run.metric])
         sink.finish()
+        pins.close()
 
 
 def resolved_config(cfg: Config, plan: BatchPlan, backend: Backend, say) -> Config:
@@ -137,6 +141,8 @@ def resolved_config(cfg: Config, plan: BatchPlan, backend: Backend, say) -> Conf
         if r.generator_threads is None:
             r.generator_threads = max(1, cores - cfg.train.threads)
         say(f"on CPU: trainer {cfg.train.threads} thread(s), generation process {r.generator_threads}")
+    if cfg.train.deterministic and cfg.train.threads is None:  # written down, so a rerun uses the same count
+        cfg.train.threads = torch.get_num_threads()
     if cfg.train.backend == "auto":
         cfg.train.backend = backend.name
         n = plan.training_processes
@@ -144,8 +150,11 @@ def resolved_config(cfg: Config, plan: BatchPlan, backend: Backend, say) -> Conf
     return cfg
 
 
-def build_run(cfg: Config, plan: BatchPlan, backend: Backend, sink: MetricsSink, run_dir: Path) -> Run:
-    """Rewards, data, model, optimizer and engine, in the order that fails cheapest first."""
+def build_run(
+    cfg: Config, plan: BatchPlan, backend: Backend, sink: MetricsSink, run_dir: Path, pinned: list[str] = ()
+) -> Run:
+    """Rewards, data, model, optimizer and engine, in the order that fails cheapest first.
+    `pinned`: what train.deterministic pinned and could not, for the header."""
     say = sink.print
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -155,6 +164,8 @@ def build_run(cfg: Config, plan: BatchPlan, backend: Backend, sink: MetricsSink,
         f"over {plan.training_processes} process(es) ({backend.name}, {cfg.train.precision}), "
         f"micro-batch {plan.micro_batch_size} x {plan.gradient_accumulation_steps} accumulation"
     )
+    for line in pinned:
+        say(f"deterministic: {line}")
     sandbox = None
     if uses_sandbox(cfg):  # refuses (SandboxUnavailable) below sandbox.min_tier, before any model loads
         sandbox = Sandbox.from_config(cfg.sandbox)

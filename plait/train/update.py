@@ -30,6 +30,7 @@ from plait.telemetry import PhaseTimer
 from plait.train.backends.base import Backend, StepOutcome
 from plait.train.batch import micro_batches
 from plait.train.guard import NonFiniteGuard
+from plait.train.hashes import RoundHashes
 from plait.types import Batch, Group
 
 
@@ -187,10 +188,12 @@ def policy_update(
     guard: NonFiniteGuard | None = None,
     step: int = 0,
     timer: PhaseTimer | None = None,
+    hashes: RoundHashes | None = None,
 ) -> dict[str, float]:
     """num_iterations passes over the round's batch, each split into steps_per_generation
     optimizer updates. An update with a non-finite gradient is skipped by the backend; `guard`
-    counts it. Timed as `train` (forward + backward) and `optimizer` (clip + update)."""
+    counts it. Timed as `train` (forward + backward) and `optimizer` (clip + update). With
+    `hashes`, the gradient of the round's first update is hashed into it (train.deterministic)."""
     a = cfg.algo
     guard = guard or NonFiniteGuard(cfg.train.max_nonfinite_steps)
     timer = timer or PhaseTimer()
@@ -203,6 +206,9 @@ def policy_update(
             if iteration == 0 and part == 0:  # before any update of the round: the engine's gap alone
                 sums["first_update_gap_tokens"] = sums["logprob_gap_tokens"]
                 sums["first_update_tokens"] = sums["real_tokens"]
+                if hashes is not None:
+                    with timer("hashes"):
+                        hashes.add_gradient(backend.module)
             with timer("optimizer"):
                 outcome = backend.step(cfg.train.max_grad_norm)
             count_outcome(outcome, guard, step, sums)

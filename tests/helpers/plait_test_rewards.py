@@ -93,3 +93,16 @@ def used_a_tool(completions, **kwargs):
         if not (isinstance(c, list) and c and all({"role", "content"} <= set(m) for m in c)):
             raise TypeError(f"expected a conversation (a list of messages), got {c!r:.200}")
     return [1.0 if any(m["role"] == "tool" for m in c) else 0.0 for c in completions]
+
+
+def vowel_share_ulp_env(completions, **kwargs):
+    """vowel_share, but on call number $PLAIT_TEST_ULP_CALL its first score is one ulp larger (a
+    difference smaller than any rounding of the metrics, for `plait diff`'s hashes to find)."""
+    import math
+    import os
+
+    CALLS["n"] += 1
+    scores = vowel_share(completions, **kwargs)
+    if os.environ.get("PLAIT_TEST_ULP_CALL") and CALLS["n"] == int(os.environ["PLAIT_TEST_ULP_CALL"]):
+        scores[0] = math.nextafter(scores[0], math.inf)
+    return scores
