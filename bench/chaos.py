@@ -74,6 +74,7 @@ class Report:
     checkpoints_compared: int = 0
     checkpoints_differing: int = 0
     metrics_differing: list = field(default_factory=list)
+    hashes_identical: bool = False
     max_weight_diff: float = 0.0
     optimizer_identical: bool = False
     steps_logged: list = field(default_factory=list)
@@ -87,6 +88,7 @@ class Report:
             and not self.metrics_differing
             and self.max_weight_diff == 0.0
             and self.optimizer_identical
+            and self.hashes_identical
         )
 
 
@@ -367,6 +369,9 @@ def compare(ref: Path, out: Path, work: Path, report: Report) -> None:
             report.metrics_differing.append({"step": r["step"], "keys": bad[:5]})
     if report.steps_logged != sorted(refs):
         report.metrics_differing.append({"steps": report.steps_logged})
+    # the rounds' hashes (tokens, rewards, advantages): each round sampled and scored the same bits
+    hashes = [(out / "hashes.jsonl").read_text().splitlines(), (ref / "hashes.jsonl").read_text().splitlines()]
+    report.hashes_identical = hashes[0] == hashes[1] and len(hashes[0]) == len(rows)
 
 
 def main(argv=None) -> int:
@@ -429,7 +434,8 @@ def main(argv=None) -> int:
         say(
             f"final weights max |diff|: {report.max_weight_diff}; "
             f"optimizer state identical: {report.optimizer_identical}; "
-            f"metrics differing: {report.metrics_differing or 'none'}"
+            f"metrics differing: {report.metrics_differing or 'none'}; "
+            f"round hashes identical: {report.hashes_identical}"
         )
         say(f"chaos: {'PASS' if report.ok else 'FAIL'} in {report.seconds}s")
         if args.json:

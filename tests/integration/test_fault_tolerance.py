@@ -197,6 +197,8 @@ def test_sigterm_checkpoints_the_step_and_exits_75_then_resume_is_exact(
     assert [m["step"] for m in metrics_of(run)] == list(range(1, steps + 1))
     a, b = final_weights(straight), final_weights(run)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # each round, before and after the restart, sampled, scored and advantaged the same bits
+    assert (run / "hashes.jsonl").read_text() == (straight / "hashes.jsonl").read_text()
 
 
 def test_torchrun_max_restarts_resumes_a_killed_worker(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
@@ -285,6 +287,7 @@ def test_chaos_harness_finds_no_difference(tmp_path):
     assert report["corrupt_loads"] == 0 and report["checkpoints_differing"] == 0 and report["checkpoints_compared"] >= 3
     assert report["max_weight_diff"] == 0.0 and report["optimizer_identical"] and report["metrics_differing"] == []
     assert report["steps_logged"] == [1, 2, 3, 4, 5, 6]
+    assert report["hashes_identical"]  # every round sampled, scored and advantaged the same bits
 
 
 def test_a_diverging_run_exits_3_from_the_command_line(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
