@@ -99,6 +99,16 @@ TRENDS = (
         ),
     ),
     (
+        "groups/all_equal",
+        lambda first, last: last >= 0.8 and last > first,
+        lambda first, last, lr: (
+            f"{last:.0%} of the groups in the last third of the run had all-equal rewards (first third "
+            f"{first:.0%}): they carry no gradient. All right: the task is solved (stop, or harder data); all "
+            "wrong: it is out of reach or its reward cannot be earned (read samples.jsonl). "
+            "algo.dynamic_sampling=true draws more groups until they differ"
+        ),
+    ),
+    (
         "clip/fraction",
         lambda first, last: last > 0.2 and last > 2 * first,
         lambda first, last, lr: (
@@ -149,8 +159,41 @@ def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None
                 f"the evaluation ({metric}) peaked at {best[1]:.3f} (round {best[0]}) and ended at "
                 f"{scored[-1][1]:.3f}: checkpoint.keep_best=true keeps the best model; try {lower_lr}"
             )
+    notes += takeover_notes(history, cfg)
     for key, fires, note in TRENDS:
         values = [m[key] for m in history if m.get(key) is not None]
         if len(values) >= MIN_ROUNDS and fires(*_thirds(values)):
             notes.append(note(*_thirds(values), lower_lr))
+    return notes
+
+
+def takeover_notes(history: list[dict], cfg) -> list[str]:
+    """A reward that fell from its peak while another rose to near its best: the policy earns
+    the second at the first's expense (a format reward earned with wrong answers)."""
+    if cfg is None or len(cfg.rewards) < 2:
+        return []
+    curves, rounds = {}, {}
+    for r in cfg.rewards:
+        key = f"reward/{r.name}/mean"
+        rows = [(i, m) for i, m in enumerate(history) if m.get(key) is not None]
+        if len(rows) >= MIN_ROUNDS:
+            curves[r.name] = _smooth([m[key] for _, m in rows])
+            rounds[r.name] = [round_of(m) if ("round" in m or "step" in m) else i + 1 for i, m in rows]
+    notes = []
+    for name, curve in curves.items():
+        top = max(range(len(curve)), key=curve.__getitem__)
+        rise, fall = curve[top] - min(curve[: top + 1]), curve[top] - curve[-1]
+        if rise < 0.05 or fall < 0.5 * rise:
+            continue
+        risen = [o for o, c in curves.items() if o != name and len(c) == len(curve) and c[-1] - c[top] >= 0.2]
+        if not risen:
+            continue
+        weights = {r.name: r.weight for r in cfg.rewards}
+        other = max(risen, key=lambda o: curves[o][-1] - curves[o][top])
+        notes.append(
+            f"reward {name} fell from its peak ({curve[top]:.3f}, smoothed, around round {rounds[name][top]}) to "
+            f"{curve[-1]:.3f} while {other} rose to {curves[other][-1]:.3f}: the policy earns {other} at {name}'s "
+            f"expense. Lower {other}'s weight (now {weights[other]:g}), or reward it only together with {name} "
+            "(for answers in \\boxed{}: boxed_accuracy instead of boxed_format)"
+        )
     return notes

@@ -36,3 +36,32 @@ def test_each_note_fires_on_its_curve():
     assert "entropy collapsed (1.000 -> 0.100" in text
     assert "clipped share of tokens climbed (0.05 -> 0.40)" in text
     assert "gradient norm climbed (1 -> 5" in text
+
+
+DATA = __import__("pathlib").Path(__file__).parents[1] / "data"
+
+
+def test_a_recorded_format_takeover_is_named_with_its_knob():
+    """A real collapse: the demo's old recipe (accuracy 1.0 + boxed_format 0.5) at seed 1 on a
+    2-core Intel Xeon (AMX) learned to answer `a + b = \\boxed{a}`: format reward 0.98, accuracy 0."""
+    import json
+
+    history = [json.loads(line) for line in (DATA / "format-takeover-metrics.jsonl").read_text().splitlines()]
+    cfg = load_config(None, ["rewards=[{name: accuracy, weight: 1.0}, {name: boxed_format, weight: 0.5}]"])
+    text = "\n".join(health_notes(history, [], cfg, "boxed_accuracy"))
+    assert "reward accuracy fell from its peak" in text and "while boxed_format rose to 0.9" in text
+    assert "Lower boxed_format's weight (now 0.5)" in text and "boxed_accuracy instead of boxed_format" in text
+    assert "of the groups in the last third of the run had all-equal rewards" in text
+
+
+def test_no_takeover_note_when_both_rewards_rise():
+    cfg = load_config(None, ["rewards=[{name: accuracy, weight: 1.0}, {name: boxed_format, weight: 0.5}]"])
+    history = rounds(
+        reward__accuracy__mean=[0.05 * i for i in range(12)], reward__boxed_format__mean=[0.08 * i for i in range(12)]
+    )
+    assert not any("at accuracy's expense" in n for n in health_notes(history, [], cfg, "boxed_accuracy"))
+    falling = rounds(
+        reward__accuracy__mean=[0.1, 0.2, 0.3, 0.3, 0.2, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        reward__boxed_format__mean=[0.1 * i for i in range(12)],
+    )
+    assert any("at accuracy's expense" in n for n in health_notes(falling, [], cfg, "boxed_accuracy"))
