@@ -182,7 +182,9 @@ def _parser() -> argparse.ArgumentParser:
     rp = sub.add_parser(
         "report", help="write RUN_DIR/report/index.html (self-contained, offline) and PNG figures of a run"
     )
-    rp.add_argument("run_dir", help="a run directory (runs/NAME-TIME, or output_dir)")
+    rp.add_argument(
+        "run_dir", help="a run directory (runs/NAME-TIME, or output_dir); a folder of seed runs gets their comparison"
+    )
     rp.add_argument("--out", help="where to write (default RUN_DIR/report)")
 
     cp = sub.add_parser(
@@ -515,6 +517,14 @@ def cmd_diff(args) -> int:
 def cmd_report(args) -> int:
     from plait.report import ReportError, write_report
 
+    folder = Path(args.run_dir)
+    if not (folder / "metrics.jsonl").is_file() and any(folder.glob("*/metrics.jsonl")):
+        # a seed group (plait train --seeds): its page compares its runs, with each run's notes
+        from plait.compare import compare
+
+        summary, page = compare([folder], Path(args.out) if args.out else folder / "compare")
+        print(f"report: {page} (the runs of {folder}, compared: `plait report` on one run draws that run)")
+        return 0
     try:
         page = write_report(args.run_dir, args.out)
     except ReportError as err:

@@ -59,6 +59,7 @@ class Group:
     runs: list[Path]
     histories: list[list[dict]] = field(default_factory=list)
     finals: list[dict] = field(default_factory=list)  # each run's eval.jsonl "after" record, if any
+    notes: list[list[str]] = field(default_factory=list)  # each run's learning notes (plait.telemetry.advice)
 
 
 def read_group(path: Path) -> Group:
@@ -72,9 +73,24 @@ def read_group(path: Path) -> Group:
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
         group.histories.append(rows)
         evals = run / "eval.jsonl"
-        after = [json.loads(x) for x in evals.read_text().splitlines() if '"after"' in x] if evals.is_file() else []
+        records = [json.loads(x) for x in evals.read_text().splitlines() if x.strip()] if evals.is_file() else []
+        after = [e for e in records if e.get("tag") == "after"]
         group.finals.append(after[-1] if after else {})
+        group.notes.append(learning_notes(run, rows, records))
     return group
+
+
+def learning_notes(run: Path, history: list[dict], evals: list[dict]) -> list[str]:
+    """The notes a run printed at its end (read again from its files: its config.yaml, if this
+    plait can load it, names the knobs)."""
+    from plait.config import ConfigError, load_config
+    from plait.telemetry.advice import health_notes
+
+    try:
+        cfg = load_config(str(run / "config.yaml")) if (run / "config.yaml").is_file() else None
+    except (ConfigError, ValueError, OSError):  # another plait version's config
+        cfg = None
+    return health_notes(history, evals, cfg, cfg.eval.metric if cfg else None)
 
 
 def per_round(group: Group) -> dict[str, dict[int, list[float]]]:
@@ -129,6 +145,7 @@ def summarize(groups: list[Group], metric: str) -> dict:
         out["groups"][g.label] = {
             "runs": [str(r) for r in g.runs],
             "final": {"values": final_values(g, metric)},
+            "notes": {r.name: n for r, n in zip(g.runs, g.notes) if n},
             "rounds": {k: {r: band(v) for r, v in sorted(by.items())} for k, by in sorted(rounds.items())},
         }
         vals = out["groups"][g.label]["final"]["values"]
@@ -163,6 +180,9 @@ def describe(summary: dict) -> str:
                 first, last = by[min(by)], by[max(by)]
                 start = f"{first['mean']:.4g} +- {first['std']:.2g}"
                 lines.append(f"  {key:<24} {start}  ->  {last['mean']:.4g} +- {last['std']:.2g}")
+    for label, g in summary["groups"].items():
+        for run, notes in g.get("notes", {}).items():
+            lines += [f"{label}/{run}, learning: {note}" for note in notes]
     for t in summary["tests"]:
         w = t["welch"]
         if w is None:

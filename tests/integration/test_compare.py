@@ -86,3 +86,11 @@ def test_seed_lists():
     assert parse_seeds("0,1,2") == [0, 1, 2] and parse_seeds("0-2,7,1") == [0, 1, 2, 7]
     with pytest.raises(ValueError, match="give seeds as"):
         parse_seeds("a-b")
+
+
+def test_report_of_a_seed_group_is_its_comparison(groups, tmp_path):
+    root, _, _, env = groups
+    shown = plait("report", str(root / "lr-low"), "--out", str(tmp_path / "page"), env=env)
+    assert shown.returncode == 0, shown.stderr
+    page = (tmp_path / "page" / "index.html").read_text()
+    assert "<img" in page and "mean +- sd over runs" in page

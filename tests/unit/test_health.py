@@ -65,3 +65,19 @@ def test_no_takeover_note_when_both_rewards_rise():
         reward__boxed_format__mean=[0.1 * i for i in range(12)],
     )
     assert any("at accuracy's expense" in n for n in health_notes(falling, [], cfg, "boxed_accuracy"))
+
+
+def test_a_seed_groups_comparison_names_each_runs_notes(tmp_path):
+    """`plait compare` / `plait report` of a seed group: a run's notes, read from its files."""
+    import shutil
+
+    from plait.compare import compare, describe
+
+    run = tmp_path / "group" / "seed-1"
+    run.mkdir(parents=True)
+    shutil.copy(DATA / "format-takeover-metrics.jsonl", run / "metrics.jsonl")
+    cfg = load_config(None, ["rewards=[{name: accuracy, weight: 1.0}, {name: boxed_format, weight: 0.5}]"])
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    summary, page = compare([tmp_path / "group"], tmp_path / "out")
+    assert "group/seed-1, learning: reward accuracy fell from its peak" in describe(summary)
+    assert "at accuracy&#x27;s expense" in page.read_text()
