@@ -75,7 +75,6 @@ def test_a_hostile_cell_is_contained_and_the_session_goes_on(box, tmp_path):
     """A cell that kills its parent, forks, writes outside its directory and dials out: each
     fails or dies inside the sandbox, the trainer (this process) is untouched, and the next
     call of the same completion still has the session's state."""
-    import os
 
     marker = tmp_path / "escaped"
     runner, cells = python_runner(box), []
@@ -90,7 +89,6 @@ def test_a_hostile_cell_is_contained_and_the_session_goes_on(box, tmp_path):
     res = runner.run(Call("python", {"code": hostile}), cells)
     assert res.status in ("error", "timeout"), res
     assert not marker.exists()
-    assert os.getpid() > 0  # still here
     assert runner.run(Call("python", {"code": "print(secret)"}), cells).output == "kept\n"
     # replayed or not (it may have finished with an error), its forks ran no later cell
 
