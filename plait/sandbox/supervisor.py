@@ -115,16 +115,22 @@ def find_bwrap() -> str | None:
         return shutil.which("bwrap")
 
 
-def seccomp_filter_file(directory: str) -> str:
-    """Write the deny-list as a BPF program (bubblewrap loads it with --seccomp FD)."""
+def seccomp_filter_file(directory: str, denied: tuple[str, ...] = DENIED_SYSCALLS) -> str:
+    """Write the deny-list as a BPF program (bubblewrap loads it with --seccomp FD). A name
+    libseccomp does not know is refused (InfraError): skipping it would leave a hole unseen."""
     import pyseccomp as sc
 
+    numbers = {name: sc.resolve_syscall(sc.Arch.NATIVE, name) for name in denied}
+    unknown = [name for name, nr in numbers.items() if nr == -1]  # libseccomp's "no such syscall"
+    if unknown:
+        raise InfraError(
+            f"libseccomp knows no syscall named {', '.join(unknown)}: the seccomp deny-list would miss it "
+            "(a misspelt name, or a libseccomp older than the syscall: update libseccomp / pyseccomp)"
+        )
     f = sc.SyscallFilter(defaction=sc.ALLOW)
-    for name in DENIED_SYSCALLS:
-        try:
+    for name, nr in numbers.items():
+        if nr >= 0:  # below -1: a syscall of other architectures only, nothing to deny here
             f.add_rule(sc.ERRNO(1), name)  # EPERM
-        except Exception:  # a syscall this architecture lacks
-            pass
     for family in DENIED_SOCKET_FAMILIES:
         f.add_rule(sc.ERRNO(97), "socket", sc.Arg(0, sc.EQ, family))  # EAFNOSUPPORT
     flags_arg = 1 if os.uname().machine.startswith("s390") else 0  # clone(stack, flags, ...) there
