@@ -104,6 +104,11 @@ def per_round(group: Group) -> dict[str, dict[int, list[float]]]:
     return out
 
 
+def run_curves(group: Group, key: str) -> list[list[tuple[int, float]]]:
+    """Each run's (round, value) pairs of one metric."""
+    return [[(round_of(row), float(row[key])) for row in history if key in row] for history in group.histories]
+
+
 def band(values: list[float]) -> dict[str, float]:
     """Mean, sample standard deviation (0 for one run), min and max of the runs' values."""
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
@@ -147,6 +152,7 @@ def summarize(groups: list[Group], metric: str) -> dict:
             "final": {"values": final_values(g, metric)},
             "notes": {r.name: n for r, n in zip(g.runs, g.notes) if n},
             "rounds": {k: {r: band(v) for r, v in sorted(by.items())} for k, by in sorted(rounds.items())},
+            "curves": {k: run_curves(g, k) for k in HEADLINE},  # each run's own, for the figures
         }
         vals = out["groups"][g.label]["final"]["values"]
         if vals:
@@ -214,15 +220,19 @@ def figure(summary: dict, key: str) -> bytes | None:
             continue
         rounds = sorted(by)
         mean = [by[r]["mean"] for r in rounds]
-        (line,) = ax.plot(rounds, mean, label=f"{label} (n={max(by[r]['n'] for r in rounds)})")
+        (line,) = ax.plot(rounds, mean, label=f"{label} (n={max(by[r]['n'] for r in rounds)})", linewidth=2)
         ax.fill_between(
-            rounds, [by[r]["min"] for r in rounds], [by[r]["max"] for r in rounds], alpha=0.2, color=line.get_color()
+            rounds, [by[r]["min"] for r in rounds], [by[r]["max"] for r in rounds], alpha=0.15, color=line.get_color()
         )
+        for curve in g.get("curves", {}).get(key, []):
+            if curve:
+                xs, ys = zip(*curve)
+                ax.plot(xs, ys, linewidth=0.7, alpha=0.6, color=line.get_color())
         drawn = True
     if not drawn:
         plt.close(fig)
         return None
-    ax.set_title(f"{key}: mean per round; band: min to max over runs", fontsize=9)
+    ax.set_title(f"{key}: mean per round (thick), each run (thin); band: min to max over runs", fontsize=9)
     ax.set_xlabel("round")
     ax.set_ylabel(key)
     ax.legend(fontsize=8)

@@ -134,9 +134,9 @@ def test_unknown_reward_and_task_suggest_names():
 def test_yaml_file_and_overrides(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump({"train": {"learning_rate": 3e-6}, "rollout": {"num_generations": 4}}))
-    cfg = load_config(f, ["train.learning_rate=1e-6", "rewards.1.weight=2", "rollout.stop=['</answer>']"])
+    cfg = load_config(f, ["train.learning_rate=1e-6", "rewards.2.weight=2", "rollout.stop=['</answer>']"])
     assert cfg.train.learning_rate == 1e-6 and cfg.rollout.num_generations == 4
-    assert cfg.rewards[1].weight == 2 and cfg.rewards[1].name == "boxed_format"
+    assert cfg.rewards[2].weight == 2 and cfg.rewards[2].name == "boxed_format"
     assert cfg.rollout.stop == ["</answer>"]
     # the resolved config round-trips
     again = Config.model_validate(yaml.safe_load(cfg.to_yaml()))
