@@ -28,10 +28,11 @@ from typing import Iterator
 X86_PINS = {
     "ATEN_CPU_CAPABILITY": "avx2",  # ATen's vectorized kernels: the AVX2 build on every x86 CPU
     "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN's JIT kernels
-    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-    # MKL's conditional numerical reproducibility: the AVX2 code path on any CPU that has it; STRICT
-    # also drops its choices by memory alignment (and by thread count, where MKL can)
-    "MKL_CBWR": "AVX2,STRICT",
+    # MKL's conditional numerical reproducibility (fixed cache sizes, deterministic reductions,
+    # static scheduling; STRICT: no choices by memory alignment). COMPATIBLE is the one code
+    # branch MKL honors on every x86 vendor: it documents its AVX2/AVX512 branches as Intel-only,
+    # falling back to its default dispatch elsewhere without a warning.
+    "MKL_CBWR": "COMPATIBLE,STRICT",
 }
 COMMON_PINS = {
     "CUBLAS_WORKSPACE_CONFIG": ":4096:8",  # cuBLAS: fixed workspaces (torch's deterministic mode asks for it)
@@ -83,7 +84,10 @@ def pinned_lines(capability: str, threads: int, device_type: str) -> list[str]:
         )
     if "ATEN_CPU_CAPABILITY" in pinned_environment():
         if capability == "AVX2":
-            lines.append("kernels pinned to their AVX2 code paths (ATen, oneDNN; MKL conditional reproducibility)")
+            lines.append(
+                "kernels pinned: ATen and oneDNN to their AVX2 code paths, MKL to its conditional-reproducibility "
+                "COMPATIBLE branch"
+            )
         elif capability in ("DEFAULT", "AVX"):
             lines.append(
                 f"[yellow]this CPU has no AVX2 (ATen runs its {capability} kernels): it repeats only CPUs alike"
@@ -105,6 +109,8 @@ def unpinnable(cfg) -> list[str]:
         )
         if cfg.rollout.vllm.mode == "server":
             notes.append("the rollout server repeats only if it runs in this mode on a machine alike")
+    if cfg.train.precision == "bf16":
+        notes.append("bf16 on CPU runs oneDNN kernels, whose blocking may follow the CPU's caches: pinned per machine")
     notes.append(
         "a reward or tool call that reaches its time limit (rewards[].timeout_s, sandboxed code) "
         "depends on the machine's load"

@@ -143,6 +143,9 @@ def resolved_config(cfg: Config, plan: BatchPlan, backend: Backend, say) -> Conf
         say(f"on CPU: trainer {cfg.train.threads} thread(s), generation process {r.generator_threads}")
     if cfg.train.deterministic and cfg.train.threads is None:  # written down, so a rerun uses the same count
         cfg.train.threads = torch.get_num_threads()
+    if cfg.train.deterministic and r.packed_weights:  # oneDNN's packed kernels have no reproducible mode
+        r.packed_weights = False
+        say("train.deterministic: rollout.packed_weights=false (generation through MKL's reproducible matmul)")
     if cfg.train.backend == "auto":
         cfg.train.backend = backend.name
         n = plan.training_processes

@@ -71,7 +71,8 @@ def test_two_processes_give_identical_metrics_and_hashes(runs):
     assert len({h["optimizer"] for h in ha}) == 3  # the weights move every round: the hash sees it
     assert "deterministic: threads pinned to" in shown.stdout
     if platform.machine() == "x86_64":  # the restart set the caps before torch loaded
-        assert "kernels pinned to their AVX2 code paths" in shown.stdout, shown.stdout[:3000]
+        assert "kernels pinned: ATen and oneDNN to their AVX2 code paths" in shown.stdout, shown.stdout[:3000]
+        assert "rollout.packed_weights=false" in shown.stdout
         assert "not pinned" not in shown.stdout
     assert yaml.safe_load((a / "config.yaml").read_text())["train"]["threads"] >= 1  # written down for reruns
 
