@@ -149,6 +149,16 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+KERNEL_CAP_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def _kernel_caps() -> str:
+    """The environment variables that pick other matmul kernels (train.deterministic sets them):
+    part of the cache key, so a capped run's peak is not taken for the CPU's."""
+    caps = [f"{k}={os.environ[k]}" for k in KERNEL_CAP_VARIABLES if os.environ.get(k)]
+    return "|" + ",".join(caps) if caps else ""
+
+
 def measure_cpu_peak(dtype: torch.dtype, threads: int, size: int = 2048, repeats: int = 3) -> float:
     """The best FLOP/s of a large square matmul on this CPU with `threads` threads: what the
     CPU's vector units reach in practice (the datasheet peak of a CPU depends on clocks and
@@ -174,7 +184,7 @@ def cpu_peak(precision: str) -> float:
     (a second or so the first time)."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     threads = torch.get_num_threads()
-    key = f"{_cpu_name()}|{threads} threads|{dtype}|torch {torch.__version__}"
+    key = f"{_cpu_name()}|{threads} threads|{dtype}|torch {torch.__version__}{_kernel_caps()}"
     path = _cache_file()
     try:
         cache = json.loads(path.read_text())

@@ -1,6 +1,7 @@
 """The telemetry's pieces: FLOPs model against torch's own FLOP counter, device peaks, phase
 timing, memory, the end-of-run suggestion."""
 
+import json
 import time
 
 import pytest
@@ -201,3 +202,22 @@ def test_decode_roofline_counts_what_a_decode_step_reads_and_computes(tiny_model
     assert kind == "memory" and seconds == pytest.approx(cost.bytes(rows, context) / 1e9)
     assert cost.bound(rows, context, bandwidth=1e15, peak=1e9)[1] == "compute"
     assert gpu_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12 and gpu_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+
+
+def test_the_measured_cpu_peak_is_cached_per_kernel_cap(tmp_path, monkeypatch):
+    """A run under train.deterministic's caps (MKL's reproducible branch runs a matmul several
+    times slower) must not leave its peak as the CPU's: the caps are part of the cache key."""
+    from plait.telemetry import flops
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for name in flops.KERNEL_CAP_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    measured = []
+    monkeypatch.setattr(flops, "measure_cpu_peak", lambda dtype, threads: measured.append(1) or 1e9 * len(measured))
+    plain = flops.cpu_peak("fp32")
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE,STRICT")
+    capped = flops.cpu_peak("fp32")
+    monkeypatch.delenv("MKL_CBWR")
+    assert (plain, capped, flops.cpu_peak("fp32")) == (1e9, 2e9, 1e9)  # measured twice, the plain one reread
+    keys = json.loads((tmp_path / "plait" / "peak_flops.json").read_text())
+    assert len(keys) == 2 and any("MKL_CBWR=COMPATIBLE,STRICT" in k for k in keys)
