@@ -87,21 +87,32 @@ def _thirds(values: list[float]) -> tuple[float, float]:
     return sum(values[:n]) / n, sum(values[-n:]) / n
 
 
-# (metric, fires(first third's mean, last third's), the note(first, last, "a lower learning rate"))
+def _entropy_knobs(history: list[dict], lower_lr: str) -> str:
+    """Clip-higher lets low-probability tokens grow, but only where the ratio is clipped at all:
+    a run whose every update starts on-policy (one update a round) never clips, and the knob
+    would change nothing."""
+    if any((m.get("clip/fraction") or 0) > 0 for m in history):
+        return f"clip-higher (algo.epsilon_high > algo.epsilon), an entropy bonus (algo.entropy_coeff), or {lower_lr}"
+    return (
+        f"an entropy bonus (algo.entropy_coeff) or {lower_lr}; not clip-higher: no token was clipped "
+        "in any round (each update started from the weights that sampled it), so it would change nothing"
+    )
+
+
+# (metric, fires(first third's mean, last third's), the note(first, last, "a lower learning rate", history))
 TRENDS = (
     (
         "entropy",
         lambda first, last: first > 0 and last < 0.2 * first,
-        lambda first, last, lr: (
+        lambda first, last, lr, history: (
             f"entropy collapsed ({first:.3f} -> {last:.3f}, first vs last third): the policy is "
-            "settling on few answers. Try clip-higher (algo.epsilon_high > algo.epsilon), an entropy bonus "
-            f"(algo.entropy_coeff), or {lr}"
+            f"settling on few answers. Try {_entropy_knobs(history, lr)}"
         ),
     ),
     (
         "groups/all_equal",
         lambda first, last: last >= 0.8 and last > first,
-        lambda first, last, lr: (
+        lambda first, last, lr, history: (
             f"{last:.0%} of the groups in the last third of the run had all-equal rewards (first third "
             f"{first:.0%}): they carry no gradient. All right: the task is solved (stop, or harder data); all "
             "wrong: it is out of reach or its reward cannot be earned (read samples.jsonl). "
@@ -111,7 +122,7 @@ TRENDS = (
     (
         "clip/fraction",
         lambda first, last: last > 0.2 and last > 2 * first,
-        lambda first, last, lr: (
+        lambda first, last, lr, history: (
             f"the clipped share of tokens climbed ({first:.2f} -> {last:.2f}): updates move the "
             f"policy too far. Try {lr} or fewer algo.num_iterations"
         ),
@@ -119,7 +130,7 @@ TRENDS = (
     (
         "grad_norm",
         lambda first, last: first > 0 and last > 3 * first,
-        lambda first, last, lr: (
+        lambda first, last, lr, history: (
             f"the gradient norm climbed ({first:.3g} -> {last:.3g}, first vs last third): "
             f"training is getting unstable. Try {lr} or a smaller train.max_grad_norm"
         ),
@@ -163,7 +174,7 @@ def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None
     for key, fires, note in TRENDS:
         values = [m[key] for m in history if m.get(key) is not None]
         if len(values) >= MIN_ROUNDS and fires(*_thirds(values)):
-            notes.append(note(*_thirds(values), lower_lr))
+            notes.append(note(*_thirds(values), lower_lr, history))
     return notes
 
 

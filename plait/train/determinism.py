@@ -1,7 +1,7 @@
 """`train.deterministic`: everything that can make two runs of one config differ, pinned, and
 what cannot be, said.
 
-Two processes running one config on one machine already repeat each other; what moves results
+Two runs of one config on one machine already repeat each other; what moves results
 between machines and runs is the kernels' reduction order: which instruction set ATen, oneDNN
 and MKL dispatch to (AVX-512 sums in other chunks than AVX2), MKL's choices by memory alignment
 and thread count, and the number of threads splitting a reduction. The mode pins them:

@@ -33,9 +33,18 @@ def test_each_note_fires_on_its_curve():
     text = "\n".join(health_notes(history, evals, CFG, "accuracy"))
     assert "the reward fell from its peak" in text and "train.learning_rate (now 3e-05)" in text
     assert "the evaluation (accuracy) peaked at 0.600 (round 5) and ended at 0.200" in text
-    assert "entropy collapsed (1.000 -> 0.100" in text
+    assert "entropy collapsed (1.000 -> 0.100" in text and "Try clip-higher" in text  # tokens were clipped
     assert "clipped share of tokens climbed (0.05 -> 0.40)" in text
     assert "gradient norm climbed (1 -> 5" in text
+
+
+def test_an_entropy_collapse_without_clipping_is_not_sent_to_clip_higher():
+    """One update a round starts on-policy: the ratio is 1, nothing is clipped, and clip-higher
+    would change nothing (the demo's runs: clip fraction 0.000 in every round)."""
+    history = rounds(entropy=[2.0] * 4 + [0.8] * 4 + [0.1] * 4, clip__fraction=[0.0] * 12)
+    (note,) = health_notes(history, [], CFG, "accuracy")
+    assert "entropy collapsed (2.000 -> 0.100" in note and "entropy bonus (algo.entropy_coeff)" in note
+    assert "not clip-higher: no token was clipped" in note and "Try clip-higher" not in note
 
 
 DATA = __import__("pathlib").Path(__file__).parents[1] / "data"
