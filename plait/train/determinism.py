@@ -86,7 +86,7 @@ def pinned_lines(capability: str, threads: int, device_type: str) -> list[str]:
         if capability == "AVX2":
             lines.append(
                 "kernels pinned: ATen and oneDNN to their AVX2 code paths, MKL to its conditional-reproducibility "
-                "COMPATIBLE branch"
+                "COMPATIBLE branch (rounds about 2x slower on CPU: docs/reproducibility.md#cost)"
             )
         elif capability in ("DEFAULT", "AVX"):
             lines.append(
