@@ -133,10 +133,26 @@ socket.getaddrinfo = getaddrinfo
 '''
 
 
+def _no_network_prefix() -> list[str]:
+    """A command prefix that runs its command in a network namespace of its own (only loopback,
+    brought up): outside hosts are unreachable to native code too, not only to Python's socket
+    module. [] where the kernel refuses the namespace (no root and no user namespaces)."""
+    if shutil.which("unshare") is None:
+        return []
+    up = 'ip link set lo up 2>/dev/null; exec "$@"' if shutil.which("ip") else 'exec "$@"'
+    for flags in (["-n"], ["-r", "-n"]):  # as root; as a user mapped to root in a user namespace
+        prefix = ["unshare", *flags, "sh", "-c", up, "sh"]
+        if subprocess.run([*prefix, "true"], capture_output=True).returncode == 0:
+            return prefix
+    return []
+
+
 def test_a_run_reaches_no_host_with_the_network_blocked(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
-    """With HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE unset and every outside connection refused (in
-    every Python process of the run: the trainer and the rewards' own processes), train, check
-    and eval run, and nothing tried to go out."""
+    """With HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE unset, train, check and eval run and nothing
+    tried to go out. Two layers: every Python process of the run (the trainer and the rewards'
+    own processes) logs and refuses an outside connection or name lookup, which says what was
+    tried; and, where the kernel allows it, the run is in a network namespace with loopback only,
+    so a native library's connection cannot leave either (it would fail the run)."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(textwrap.dedent(SITE))
@@ -146,6 +162,13 @@ def test_a_run_reaches_no_host_with_the_network_blocked(tiny_model_path, prompts
     probe = subprocess.run([sys.executable, "-c", "import socket; socket.getaddrinfo('huggingface.co', 443)"], env=env)
     assert probe.returncode != 0 and "huggingface.co" in log.read_text()
     log.unlink()
+    isolated = _no_network_prefix()
+    if isolated:  # the namespace works: below Python's socket module (python -S: no sitecustomize)
+        reach = "import socket; socket.create_connection(('1.1.1.1', 80), 5)"
+        cut = subprocess.run([*isolated, sys.executable, "-S", "-c", reach], capture_output=True, text=True)
+        assert cut.returncode != 0 and "unreachable" in cut.stderr, cut.stderr[-2000:]
+    else:
+        print("no network namespace here (unshare refused): the Python-level block alone is tested")
     out = tmp_path / "run"
     sets = tiny_overrides(tiny_model_path, prompts_jsonl, out, "train.max_steps=2", "eval.after=true")
     flags = sum((["--set", s] for s in sets), [])
@@ -155,7 +178,7 @@ def test_a_run_reaches_no_host_with_the_network_blocked(tiny_model_path, prompts
         ["eval", str(out), "--set", f"data.eval_path={prompts_jsonl[1]}"],
     ):
         res = subprocess.run(
-            [sys.executable, "-m", "plait", *args], env=env, capture_output=True, text=True, timeout=600
+            [*isolated, sys.executable, "-m", "plait", *args], env=env, capture_output=True, text=True, timeout=600
         )
         assert res.returncode == 0, (args[0], res.stderr[-3000:])
     assert not log.exists(), log.read_text()
