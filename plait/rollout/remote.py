@@ -292,10 +292,11 @@ class RemoteEngine:
             except FuturesTimeout:
                 ABANDONED.append(sending)
             raise
-        except RuntimeError as e:  # a receiver died mid-broadcast
+        except RuntimeError as e:  # a receiver died mid-broadcast (it may fail before its update request)
             self.group = None
             raise RolloutServerError(
-                f"sending weights to the rollout servers failed: {e}. {_resume_hint(self.own_process)}"
+                f"{self.label} {', '.join(self.urls)}: sending it the weights failed ({e}). "
+                f"{_resume_hint(self.own_process)}"
             ) from None
         return sum(m.nbytes for m in metas)
 
