@@ -21,11 +21,12 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _runs import train_metrics
 
 
 def run_once(k: int, seed: int, steps: int, prompts: int, work: Path) -> list[dict]:
@@ -47,11 +48,7 @@ def run_once(k: int, seed: int, steps: int, prompts: int, work: Path) -> list[di
         "log.console=none",
         f"output_dir={out}",
     ]
-    cmd = [sys.executable, "-m", "plait", "train", *sum((["--set", s] for s in sets), [])]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise SystemExit(f"bench/async.py: k={k} seed={seed} failed:\n{res.stderr[-3000:]}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return train_metrics(sets, out, f"bench/async.py: k={k} seed={seed}")
 
 
 def sign_flip_p(diffs: list[float], trials: int = 20000, seed: int = 0) -> float:

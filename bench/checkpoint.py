@@ -11,12 +11,11 @@ plus any wait for the previous save), the median step time, and the checkpoint's
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from _runs import train_metrics
 
 
 def run(out: Path, steps: int, model: str, async_save: bool) -> list[dict]:
@@ -36,9 +35,7 @@ def run(out: Path, steps: int, model: str, async_save: bool) -> list[dict]:
     ]
     if model != "smollm2":
         sets.append(f"model.name_or_path={model}")
-    cmd = [sys.executable, "-m", "plait", "train", *sum((["--set", s] for s in sets), [])]
-    subprocess.run(cmd, check=True, capture_output=True)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return train_metrics(sets, out, f"bench/checkpoint.py: run {out}")
 
 
 def main() -> None:

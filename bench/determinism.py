@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _runs import train_metrics
+
 
 def run_once(deterministic: bool, rounds: int, out: Path) -> list[dict]:
     sets = [
@@ -33,11 +35,7 @@ def run_once(deterministic: bool, rounds: int, out: Path) -> list[dict]:
         "log.console=none",
         f"output_dir={out}",
     ]
-    cmd = [sys.executable, "-m", "plait", "train", *sum((["--set", s] for s in sets), [])]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise SystemExit(f"bench/determinism.py: run {out} failed:\n{res.stderr[-3000:]}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return train_metrics(sets, out, f"bench/determinism.py: run {out}")
 
 
 def seconds_per_round(rows: list[dict]) -> float:

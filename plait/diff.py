@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from plait.train.hashes import STAGES as HASH_STAGES
 from plait.types import round_of
 
 
@@ -30,8 +31,7 @@ STAGES = (
     ("loss", ("logprob_gap", "loss", "clip/", "ratio/", "entropy", "kl", "tokens/trained_share")),
     ("optimizer", ("grad_norm", "lr", "nonfinite_steps", "ref_syncs")),
 )
-# the stages plait.train.hashes records, in round order, and what each one hashes
-HASH_STAGES = ("generation", "scoring", "advantages", "loss", "optimizer")
+# what each stage plait.train.hashes records (HASH_STAGES, in round order) hashes
 HASH_MEANING = {
     "generation": "the sampled token ids or the engine's log-probs",
     "scoring": "the rewards",
