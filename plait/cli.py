@@ -131,6 +131,12 @@ def _parser() -> argparse.ArgumentParser:
         default="current",
         help="TRL version whose defaults fill the keys the recipe leaves out (Open-R1 pins 0.18)",
     )
+    cc.add_argument(
+        "--trainer",
+        choices=["grpo", "rloo"],
+        default="grpo",
+        help="the TRL trainer the recipe is for: GRPOTrainer, or RLOOTrainer (leave-one-out advantages)",
+    )
 
     e = sub.add_parser("eval", help="greedy accuracy of a model (folder, run dir or checkpoint) on a task")
     e.add_argument("model", help="model folder, run directory, checkpoint, or 'smollm2-135m-instruct'")
@@ -231,6 +237,12 @@ def _recipe_arguments(p: argparse.ArgumentParser) -> None:
         default="current",
         help="with --trl-config: the TRL version whose defaults fill keys the recipe leaves out",
     )
+    p.add_argument(
+        "--trl-trainer",
+        choices=["grpo", "rloo"],
+        default="grpo",
+        help="with --trl-config: the TRL trainer the recipe is for (GRPOTrainer or RLOOTrainer)",
+    )
 
 
 def _load(args, overrides: list[str] | None = None):
@@ -247,7 +259,7 @@ def _load(args, overrides: list[str] | None = None):
     if args.config is not None:
         raise ConfigError([f"give a plait config ({args.config}) or --trl-config, not both"])
     processes = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
-    conv = recipe_to_config(args.trl_config, processes, args.trl_defaults)
+    conv = recipe_to_config(args.trl_config, processes, args.trl_defaults, args.trl_trainer)
     if os.environ.get("RANK", "0") == "0":
         print(f"plait: {args.trl_config} as a plait config (`plait convert-config` writes it out):", file=sys.stderr)
         print(describe(conv), file=sys.stderr)
@@ -624,7 +636,7 @@ def cmd_convert_config(args) -> int:
     from plait.config.load import config_from_dict
     from plait.config.trl import describe, recipe_to_config, to_yaml
 
-    conv = recipe_to_config(args.recipe, args.processes, args.trl_defaults)
+    conv = recipe_to_config(args.recipe, args.processes, args.trl_defaults, args.trainer)
     config_from_dict(conv.config)  # a conversion that doesn't validate is our bug: say so now
     text = to_yaml(conv.config, args.recipe)
     if args.output:

@@ -103,7 +103,8 @@ class Batch:
 
     input_ids, attention_mask: [B, T] with T = prompt_len + completion_len.
     completion_mask: [B, C] which completion positions are real tokens that count in the loss.
-    advantages: [B] one scalar per completion, broadcast over its tokens.
+    advantages: [B] one scalar per completion, broadcast over its tokens, or [B, C] per token
+        (REINFORCE++ with the KL in the reward).
     old_logprobs / ref_logprobs / sampling_logprobs: [B, C] or None.
     """
 

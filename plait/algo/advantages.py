@@ -1,16 +1,22 @@
-"""Group-relative advantages (GRPO, Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300).
+"""Advantage estimators: how a completion's reward becomes the weight of its tokens' gradient.
 
-Rewards are [groups, num_generations]; NaN marks "not applicable" (a reward returned None)
-and is left out of that group's statistics, getting advantage 0.
+GRPO (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300) centres each reward on its group's
+mean; the others in ESTIMATORS change the baseline or the normalization. Rewards are
+[groups, num_generations]; NaN marks "not applicable" (a reward returned None, or every reward
+did) and is left out of that group's statistics, getting advantage 0.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 
 EPS = 1e-4
 SCALES = ("group", "batch", "none")  # what the centred rewards are divided by (group_advantages)
+# the estimators whose advantages are token returns whitened over the round's tokens (REINFORCE++)
+TOKEN_WHITENED = ("reinforce_pp", "reinforce_pp_baseline")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # how several rewards combine (combine_rewards)
 
 
@@ -45,6 +51,14 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = E
     return torch.nan_to_num(centred, nan=0.0)
 
 
+def weighted_total(per_reward: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_k w_k r_k of per_reward [R, groups, n]: a None counts as 0 (as in TRL), and a
+    completion every reward left unscored is NaN."""
+    unscored = per_reward.isnan().all(0)
+    total = (torch.nan_to_num(per_reward, nan=0.0) * weights[:, None, None]).sum(0)
+    return total.masked_fill(unscored, float("nan"))
+
+
 def combine_rewards(
     per_reward: torch.Tensor, weights: torch.Tensor, mode: str = "sum_then_normalize", scale: str = "group"
 ) -> torch.Tensor:
@@ -58,12 +72,124 @@ def combine_rewards(
     None drops out of its own reward's statistics, and an all-None completion gets advantage 0
     and stays out of the batch std too.
     """
-    unscored = per_reward.isnan().all(0)  # [groups, n]
     if mode == "sum_then_normalize":
-        total = (torch.nan_to_num(per_reward, nan=0.0) * weights[:, None, None]).sum(0)
-        return group_advantages(total.masked_fill(unscored, float("nan")), scale)
+        return group_advantages(weighted_total(per_reward, weights), scale)
     if mode not in AGGREGATIONS:
         raise ValueError(f"mode must be one of {AGGREGATIONS}, got {mode!r}")
+    unscored = per_reward.isnan().all(0)  # [groups, n]
     summed = sum(w * group_advantages(r, scale) for w, r in zip(weights, per_reward))
     scored = summed[~unscored]
     return summed / (scored.std() + EPS) if scored.numel() > 1 else summed
+
+
+# ---------------------------------------------------------------- other estimators
+#
+# Each takes rewards [groups, n] (NaN = unscored) and the completions' token counts [groups, n]
+# and returns the same shape, NaN kept where the reward was NaN; `scale` is group / batch / none.
+
+
+def _scaled(centred: torch.Tensor, rewards: torch.Tensor, scale: str) -> torch.Tensor:
+    """centred / group std of the rewards, or whitened over the batch (the advantages' own mean
+    and std, as TRL's RLOO normalize_advantages), or as is."""
+    if scale == "group":
+        return centred / (_nanstd(rewards, dim=1, keepdim=True) + EPS)
+    if scale == "batch":
+        return (centred - torch.nanmean(centred)) / (_nanstd(centred) + EPS)
+    if scale != "none":
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    return centred
+
+
+def grpo_advantages(rewards: torch.Tensor, lengths: torch.Tensor, scale: str = "group") -> torch.Tensor:
+    """GRPO: r - mean of the group (group_advantages, whose "batch" divides by the rewards' std)."""
+    scored = group_advantages(rewards, scale)
+    return scored.masked_fill(rewards.isnan(), float("nan"))
+
+
+def rloo_advantages(rewards: torch.Tensor, lengths: torch.Tensor, scale: str = "none") -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024, arXiv:2402.14740): each completion's baseline is the mean of
+    the *other* scored completions of its group,
+
+        A_i = r_i - (sum_j r_j - r_i) / (m - 1)  =  m / (m - 1) (r_i - mean r),   m scored,
+
+    so the baseline never contains the completion it judges. A group with fewer than two scored
+    completions has no baseline: NaN (advantage 0, left out of the batch statistics). Same as
+    TRL's RLOOTrainer (scale "batch" is its normalize_advantages=True)."""
+    scored = ~rewards.isnan()
+    m = scored.sum(1, keepdim=True).to(rewards.dtype)
+    others = (torch.nansum(rewards, 1, keepdim=True) - rewards) / (m - 1)
+    centred = torch.where(m > 1, rewards - others, float("nan"))  # NaN: out of any batch statistics
+    return _scaled(centred, rewards, scale)
+
+
+def opo_advantages(rewards: torch.Tensor, lengths: torch.Tensor, scale: str = "none") -> torch.Tensor:
+    """OPO, on-policy RL with the optimal baseline (Hao et al. 2025, arXiv:2505.23585): the
+    baseline is the group's length-weighted mean reward, b = sum_j l_j r_j / sum_j l_j, the
+    variance-minimizing baseline when the loss sums over tokens (pair with loss_type dr_grpo).
+    A group whose scored completions have no tokens falls back to the plain mean."""
+    scored = ~rewards.isnan()
+    w = torch.where(scored, lengths.to(rewards.dtype), torch.zeros_like(rewards))
+    weighted = torch.nansum(rewards * w, 1, keepdim=True) / w.sum(1, keepdim=True)
+    baseline = torch.where(w.sum(1, keepdim=True) > 0, weighted, torch.nanmean(rewards, 1, keepdim=True))
+    return _scaled(rewards - baseline, rewards, scale)
+
+
+def reinforce_pp_scores(rewards: torch.Tensor, lengths: torch.Tensor, scale: str = "batch") -> torch.Tensor:
+    """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262): no group baseline; the scores become
+    token returns (reinforce_pp_returns) that are whitened over the whole round's tokens."""
+    return rewards.clone()
+
+
+def reinforce_pp_baseline_scores(rewards: torch.Tensor, lengths: torch.Tensor, scale: str = "batch") -> torch.Tensor:
+    """REINFORCE++-baseline: the group mean is subtracted first (no std division: OpenRLHF's
+    reinforce_baseline, veRL's reinforce_plus_plus_baseline), then whitened like REINFORCE++."""
+    return rewards - torch.nanmean(rewards, 1, keepdim=True)
+
+
+Estimator = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": grpo_advantages,
+    "rloo": rloo_advantages,
+    "opo": opo_advantages,
+    "reinforce_pp": reinforce_pp_scores,
+    "reinforce_pp_baseline": reinforce_pp_baseline_scores,
+}
+# the scale each estimator uses when algo.scale_rewards is left unset (its authors' choice)
+DEFAULT_SCALE = {
+    "grpo": "group",
+    "rloo": "none",
+    "opo": "none",
+    "reinforce_pp": "batch",
+    "reinforce_pp_baseline": "batch",
+}
+
+
+def reinforce_pp_returns(scores: torch.Tensor, mask: torch.Tensor, token_kl: torch.Tensor | None, beta: float):
+    """Token returns with gamma = 1, [B, C]: the score is the reward of the last token and
+    -beta x KL_t the reward of every token (the KL-in-reward form REINFORCE++ is used with), so
+
+        G_t = score - beta * sum_{s >= t} KL_s.
+
+    Without a KL penalty every token of a completion carries its score."""
+    returns = scores[:, None].expand_as(mask).to(torch.float32)
+    if token_kl is not None:
+        future_kl = (token_kl * mask).flip(-1).cumsum(-1).flip(-1)
+        returns = returns - beta * future_kl
+    return returns * mask
+
+
+def whiten(values: torch.Tensor, sums: tuple[float, float, float], scale: str) -> torch.Tensor:
+    """(G - mean) / std with the round's token statistics, as OpenRLHF normalizes REINFORCE++
+    (biased variance floored at 1e-8; veRL's masked_whiten uses the unbiased one, a relative
+    difference of 1 / (2 x tokens)). `sums` = (tokens, sum G, sum G^2) over every process's
+    loss tokens; scale "none" only centres (OpenRLHF's no_advantage_std_norm)."""
+    count, total, squares = sums
+    if count == 0:
+        return torch.zeros_like(values)
+    mean = total / count
+    out = values - mean
+    if scale == "batch":
+        out = out / max(squares / count - mean * mean, 1e-8) ** 0.5
+    elif scale != "none":
+        raise ValueError(f"REINFORCE++ whitens over the batch's tokens: scale must be batch or none, got {scale!r}")
+    return out

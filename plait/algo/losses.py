@@ -122,6 +122,11 @@ def importance_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch
 # ---------------------------------------------------------------- objectives
 
 
+def per_token(advantages: torch.Tensor) -> torch.Tensor:
+    """[B] advantages (one per completion) broadcast over the tokens; [B, C] ones as they are."""
+    return advantages[:, None] if advantages.dim() == 1 else advantages
+
+
 def clipped_objective(logp, log_ratio, advantages, s: LossSettings):
     """PPO's clipped surrogate (Schulman et al. 2017) as GRPO uses it, per token:
 
@@ -133,7 +138,7 @@ def clipped_objective(logp, log_ratio, advantages, s: LossSettings):
     Returns (loss, low-clip mask, high-clip mask, delta-capped mask).
     """
     ratio = torch.exp(log_ratio)
-    adv = advantages[:, None]
+    adv = per_token(advantages)
     unclipped_ratio = ratio if s.delta is None else torch.clamp(ratio, max=s.delta)
     clipped = torch.clamp(ratio, 1 - s.epsilon, 1 + s.eps_high) * adv
     loss = -torch.min(unclipped_ratio * adv, clipped)
@@ -151,7 +156,7 @@ def cispo_objective(logp, log_ratio, advantages, s: LossSettings):
     """
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio, max=s.weight_cap).detach()
-    loss = -weight * advantages[:, None] * logp
+    loss = -weight * per_token(advantages) * logp
     high = ratio > s.weight_cap
     none = torch.zeros_like(high)
     return loss, none, high, none
@@ -182,7 +187,8 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This micro-batch's share of the step loss, and summed statistics (per token sums).
 
-    logp, old_logp, ref_logp, entropy, token_weights, mask, policy_mask: [B, C]; advantages: [B].
+    logp, old_logp, ref_logp, entropy, token_weights, mask, policy_mask: [B, C]; advantages: [B]
+    (one per completion) or [B, C].
     token_weights multiply the per-token policy term (the engine-mismatch correction);
     policy_mask keeps the policy term of some tokens only (high_entropy_mask), while the KL
     term and the normalizers still see every token of `mask`, as in arXiv:2506.01939.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from plait.algo.advantages import TOKEN_WHITENED
 from plait.config.load import did_you_mean
 from plait.config.schema import Config, ConfigError
 
@@ -272,6 +273,23 @@ def check_objective(cfg: Config, env: Env) -> list[str]:
     if a.entropy_coeff and a.top_entropy_quantile < 1:
         out.append(
             "algo.entropy_coeff with top_entropy_quantile < 1: the bonus would only reach the kept tokens; pick one"
+        )
+    return out
+
+
+def check_advantages(cfg: Config, env: Env) -> list[str]:
+    """Estimator options that belong to another estimator."""
+    a, out = cfg.algo, []
+    est, scale = a.advantage_estimator, a.scale_rewards
+    if est in TOKEN_WHITENED and scale == "group":
+        out.append(
+            f"algo.advantage_estimator={est} whitens the returns over the whole batch's tokens: "
+            "algo.scale_rewards must be batch (the default, null) or none (centre only)"
+        )
+    if est != "grpo" and a.reward_aggregation != "sum_then_normalize":
+        out.append(
+            f"algo.reward_aggregation={a.reward_aggregation} normalizes each reward GRPO's way (GDPO); "
+            f"with advantage_estimator={est} use sum_then_normalize, or advantage_estimator=grpo"
         )
     return out
 
@@ -595,6 +613,7 @@ CHECKS: tuple[Check, ...] = (
     check_sampling,
     check_reference_model,
     check_objective,
+    check_advantages,
     check_prompt_filters,
     check_clip_higher,
     check_warmup,

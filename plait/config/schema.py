@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from plait.algo.advantages import AGGREGATIONS, SCALES
+from plait.algo.advantages import AGGREGATIONS, ESTIMATORS, SCALES
 from plait.algo.kl import KL_ESTIMATORS
 from plait.algo.losses import IS_LEVELS, LOSS_TYPES
 
@@ -28,6 +28,7 @@ KlEstimator = Literal[tuple(KL_ESTIMATORS)]
 ImportanceLevel = Literal[IS_LEVELS]
 RewardScale = Literal[SCALES]
 RewardAggregation = Literal[AGGREGATIONS]
+AdvantageEstimator = Literal[tuple(ESTIMATORS)]
 
 
 class ConfigError(ValueError):
@@ -344,8 +345,14 @@ class AlgoConfig(Section):
     importance_sampling_level: ImportanceLevel = Field(
         "token", description="Importance ratio per token (GRPO) or per sequence (GSPO)."
     )
-    scale_rewards: RewardScale = Field(
-        "group", description="Divide centred rewards by the group std, the batch std, or nothing."
+    advantage_estimator: AdvantageEstimator = Field(
+        "grpo",
+        description=f"How rewards become advantages: {', '.join(ESTIMATORS)} (docs/algorithms.md, 'Advantages').",
+    )
+    scale_rewards: RewardScale | None = Field(
+        None,
+        description="Divide the centred rewards by the group std, by the batch std (whiten over the batch), or "
+        "nothing; null = the estimator's own (group for grpo, none for rloo and opo, batch for reinforce_pp*).",
     )
     reward_aggregation: RewardAggregation = Field(
         "sum_then_normalize",

@@ -49,6 +49,12 @@ TRL_DEFAULTS: dict[str, dict[str, Any]] = {
         "save_steps": 500,
         "vllm_mode": "colocate",
     },
+    # RLOOConfig's own defaults where they differ from GRPOConfig's (`--trainer rloo`)
+    "rloo": {
+        "beta": 0.05,
+        "num_generations": 2,
+        "normalize_advantages": False,
+    },
     "0.18": {
         "beta": 0.04,
         "loss_type": "bnpo",
@@ -176,15 +182,27 @@ def _ceil_div(a: float, b: float) -> int:
     return max(1, math.ceil(a / b))
 
 
+TRAINERS = ("grpo", "rloo")  # the TRL trainers whose recipes convert
+
+
 def convert_recipe(
-    recipe: dict[str, Any], processes: int = 1, defaults: str = "current", dataset_rows: int | None = None
+    recipe: dict[str, Any],
+    processes: int = 1,
+    defaults: str = "current",
+    dataset_rows: int | None = None,
+    trainer: str = "grpo",
 ) -> Conversion:
     """`recipe` as plait config. `processes`: the training processes TRL would run on (its
     world size, which enters the batch arithmetic); `dataset_rows`: the training rows, needed
-    only to turn num_train_epochs into rounds."""
-    if defaults not in TRL_DEFAULTS:
-        raise ValueError(f"defaults must be one of {sorted(TRL_DEFAULTS)}, got {defaults!r}")
+    only to turn num_train_epochs into rounds; `trainer`: the TRL trainer the recipe is for
+    (GRPOTrainer, or RLOOTrainer with its own defaults and advantages)."""
+    if defaults not in TRL_DEFAULTS or defaults == "rloo":
+        raise ValueError(f"defaults must be one of current, 0.18, got {defaults!r}")
+    if trainer not in TRAINERS:
+        raise ValueError(f"trainer must be one of {TRAINERS}, got {trainer!r}")
     base = {**TRL_DEFAULTS["current"], **(TRL_DEFAULTS[defaults] if defaults != "current" else {})}
+    if trainer == "rloo":
+        base.update(TRL_DEFAULTS["rloo"])
     out = Conversion()
     used: set[str] = set()
 
@@ -205,7 +223,7 @@ def convert_recipe(
     _data(recipe, get, given, unmapped, out)
     rounds_per_epoch = _batch(recipe, get, given, unmapped, out, processes, dataset_rows)
     _optimizer(recipe, get, given, unmapped, out, rounds_per_epoch)
-    _algorithm(recipe, get, given, unmapped, out)
+    (_rloo_algorithm if trainer == "rloo" else _algorithm)(recipe, get, given, unmapped, out)
     _sampling(recipe, get, given, unmapped, out)
     _rewards(recipe, get, given, unmapped, out)
     for key, why in NO_EFFECT.items():
@@ -214,7 +232,7 @@ def convert_recipe(
             out.ignored.append((key, recipe[key], why))
     for key in recipe:
         if key not in used:
-            out.unmapped.append((key, recipe[key], "not a GRPO recipe key plait knows"))
+            out.unmapped.append((key, recipe[key], f"not a {trainer.upper()} recipe key plait knows"))
     out.set("eval.before", False)  # TRL's recipes evaluate on a test split; plait needs data.eval_path
     out.set("eval.after", False)
     return out
@@ -456,6 +474,40 @@ def _algorithm(recipe, get, given, unmapped, out: Conversion) -> None:
         unmapped("off_policy_mask_threshold", "plait has no off-policy sequence mask")
 
 
+def _rloo_algorithm(recipe, get, given, unmapped, out: Conversion) -> None:
+    """RLOOTrainer: leave-one-out advantages, optionally whitened over the batch, and the KL to
+    the reference as a k1 penalty in the reward (summed over the completion)."""
+    out.set("algo.advantage_estimator", "rloo")
+    out.set("algo.scale_rewards", "batch" if get("normalize_advantages") else "none")
+    beta = float(get("beta"))
+    out.set("algo.beta", beta)
+    if beta > 0:
+        out.set("algo.kl_in_reward", True)
+        out.set("algo.kl_estimator", "k1")
+    out.set("algo.epsilon", float(get("epsilon")))
+    if given("epsilon_high"):
+        out.set("algo.epsilon_high", float(recipe["epsilon_high"]))
+    # RLOO's objective clips one ratio per completion, exp(sum of the token log-ratios); plait
+    # clips per token. dr_grpo sums each completion's tokens as RLOO does, over a constant
+    out.set("algo.loss_type", "dr_grpo")
+    out.notes.append(
+        "RLOO's loss clips one ratio per completion over its summed log-probs; plait's loss_type=dr_grpo clips "
+        "per token and divides by max_completion_length where RLOO divides by 1: on a first pass (num_iterations "
+        "1) the same gradient direction, 1/max_completion_length as large (Adam undoes the scale, max_grad_norm "
+        "clipping does not)"
+    )
+    if given("mask_truncated_completions"):
+        out.set("algo.mask_truncated_completions", recipe["mask_truncated_completions"])
+    if given("reward_clip_range"):
+        unmapped("reward_clip_range", "plait does not clip rewards; clamp inside the reward function")
+    if get("sync_ref_model", False):
+        out.set("algo.ref_model_sync_steps", int(get("ref_model_sync_steps", 512)))
+        out.set("algo.ref_model_mixup_alpha", float(get("ref_model_mixup_alpha", 0.6)))
+    else:
+        get("ref_model_sync_steps")
+        get("ref_model_mixup_alpha")
+
+
 def _sampling(recipe, get, given, unmapped, out: Conversion) -> None:
     out.set("rollout.max_completion_length", int(get("max_completion_length")))
     out.set("rollout.temperature", float(get("temperature")))
@@ -537,7 +589,7 @@ def _rewards(recipe, get, given, unmapped, out: Conversion) -> None:
         unmapped(key, "configures Open-R1's code rewards, which plait does not have")
 
 
-def recipe_to_config(path, processes: int = 1, defaults: str = "current") -> Conversion:
+def recipe_to_config(path, processes: int = 1, defaults: str = "current", trainer: str = "grpo") -> Conversion:
     """convert_recipe of the YAML file at `path`; when the recipe gives epochs (or saves per
     epoch), the dataset's rows are counted to turn them into rounds."""
     from pathlib import Path
@@ -548,7 +600,7 @@ def recipe_to_config(path, processes: int = 1, defaults: str = "current") -> Con
     recipe = read_yaml(Path(path))
     if not isinstance(recipe, dict):
         raise ConfigError([f"recipe '{path}' must hold a mapping at the top level"])
-    out = convert_recipe(recipe, processes, defaults)
+    out = convert_recipe(recipe, processes, defaults, trainer=trainer)
     wants_rows = any(key == "num_train_epochs" for key, _, _ in out.unmapped) or (
         recipe.get("save_strategy") == "epoch"
     )
@@ -561,7 +613,7 @@ def recipe_to_config(path, processes: int = 1, defaults: str = "current") -> Con
         except (DataError, OSError, ValueError) as err:
             out.notes.append(f"the dataset could not be read to count its rows ({err})")
         else:
-            out = convert_recipe(recipe, processes, defaults, dataset_rows=rows)
+            out = convert_recipe(recipe, processes, defaults, dataset_rows=rows, trainer=trainer)
     return out
 
 

@@ -66,5 +66,8 @@ def _cut(mb: Batch, first: int, last: int) -> Batch:
     """Keep columns [first, last) of the sequence (completion tensors: [.., last - prompt_len))."""
     c_end = last - mb.prompt_len
     return mb.map(
-        lambda t: t[:, first:last], completion=lambda t: t[:, :c_end], row=lambda t: t, prompt_len=mb.prompt_len - first
+        lambda t: t[:, first:last],
+        completion=lambda t: t[:, :c_end],
+        row=lambda t: t if t.dim() == 1 else t[:, :c_end],  # token-level advantages run along the completion
+        prompt_len=mb.prompt_len - first,
     )

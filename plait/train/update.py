@@ -1,7 +1,7 @@
 """The policy update of one round: log-prob prepass, advantages, and the clipped update.
 
     batch (collated groups) -> logprob_prepass  (old and reference log-probs, no gradients)
-                            -> step_advantages  (group-relative, over every process's groups)
+                            -> step_advantages  (algo.advantage_estimator, over every process's groups)
                             -> policy_update    (num_iterations x steps_per_generation updates)
 
 The arithmetic lives in plait.algo (pure tensor functions); this module feeds it micro-batches
@@ -16,8 +16,16 @@ from contextlib import nullcontext
 import torch
 
 from plait import comm
-from plait.algo.advantages import combine_rewards
-from plait.algo.kl import sequence_kl
+from plait.algo.advantages import (
+    DEFAULT_SCALE,
+    ESTIMATORS,
+    TOKEN_WHITENED,
+    combine_rewards,
+    reinforce_pp_returns,
+    weighted_total,
+    whiten,
+)
+from plait.algo.kl import KL_ESTIMATORS, sequence_kl
 from plait.algo.logprobs import (
     can_pack,
     completion_logprobs,
@@ -99,10 +107,11 @@ def logprob_prepass(batch: Batch, cfg, backend: Backend) -> int:
 def step_advantages(
     groups: list[Group], batch: Batch, cfg, reward_names: list[str], weights: list[float]
 ) -> torch.Tensor:
-    """[B] advantages of this process's rows from every reward (None -> NaN), with the KL
-    penalty as one more reward (weight beta) when `kl_in_reward`. Rewards of every process's
-    groups are gathered first, so batch-level statistics (scale_rewards=batch) see the whole
-    round, exactly as in one process."""
+    """This process's advantages from every reward (None -> NaN): [B], or [B, C] when they vary
+    along the completion (REINFORCE++ with the KL in the reward). Rewards of every process's
+    groups are gathered first, so batch statistics see the whole round, exactly as in one
+    process. With `kl_in_reward` the KL penalty is one more reward (weight beta, summed over the
+    completion), or for REINFORCE++ a reward on every token."""
     nan = float("nan")
     per_reward = torch.tensor(
         [[[nan if v is None else v for v in g.rewards[name]] for g in groups] for name in reward_names],
@@ -110,14 +119,34 @@ def step_advantages(
     )
     w = torch.tensor(weights, dtype=torch.float32)
     a = cfg.algo
-    if a.kl_in_reward:
+    estimator, token_level = a.advantage_estimator, a.advantage_estimator in TOKEN_WHITENED
+    scale = a.scale_rewards or DEFAULT_SCALE[estimator]
+    if a.kl_in_reward and not token_level:
         seq_kl = sequence_kl(batch.old_logprobs, batch.ref_logprobs, batch.completion_mask, a.kl_estimator)
         per_reward = torch.cat([per_reward, -seq_kl.reshape(1, len(groups), -1)])
         w = torch.cat([w, torch.tensor([a.beta])])
     everyone = comm.all_gather_rows(per_reward, dim=1)  # [R, groups of all processes, n]
-    adv = combine_rewards(everyone, w, a.reward_aggregation, a.scale_rewards)
     mine = slice(comm.rank() * len(groups), (comm.rank() + 1) * len(groups))
-    return adv[mine].reshape(-1)
+    if a.reward_aggregation != "sum_then_normalize":  # GDPO normalizes each reward first (grpo only)
+        return combine_rewards(everyone, w, a.reward_aggregation, scale)[mine].reshape(-1)
+    lengths = comm.all_gather_rows(batch.completion_mask.sum(1).float().reshape(len(groups), -1))
+    adv = ESTIMATORS[estimator](weighted_total(everyone, w), lengths, scale)[mine].reshape(-1)
+    if token_level:
+        adv = reinforce_pp_advantages(adv, batch, cfg, scale)
+    return torch.nan_to_num(adv, nan=0.0)
+
+
+def reinforce_pp_advantages(scores: torch.Tensor, batch: Batch, cfg, scale: str) -> torch.Tensor:
+    """REINFORCE++'s token returns whitened over the loss tokens of every process's scored
+    completions: [B] when every token of a completion has the same return, else [B, C]."""
+    a = cfg.algo
+    mask = batch.completion_mask.float() * (~scores.isnan())[:, None]
+    token_kl = KL_ESTIMATORS[a.kl_estimator](batch.old_logprobs, batch.ref_logprobs) if a.kl_in_reward else None
+    returns = reinforce_pp_returns(torch.nan_to_num(scores, nan=0.0), mask, token_kl, a.beta)
+    sums = comm.all_sum([float(mask.sum()), float(returns.double().sum()), float((returns.double() ** 2).sum())])
+    if token_kl is None:
+        return whiten(scores, sums, scale)  # NaN stays NaN: unscored rows get 0
+    return whiten(returns, sums, scale) * mask
 
 
 def train_micro_batch(

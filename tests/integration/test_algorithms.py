@@ -43,6 +43,9 @@ TWO_REWARDS = (
 )
 
 
+KL_IN_REWARD = ["algo.beta=0.05", "algo.kl_in_reward=true", "train.micro_batch_size=2"]
+
+
 def _weights_moved_apart(a, b) -> bool:
     return any(not torch.equal(a[k], b[k]) for k in a)
 
@@ -107,6 +110,17 @@ OPTIONS = {
         ["algo.reward_aggregation=normalize_then_sum", TWO_REWARDS],
         [TWO_REWARDS],
         lambda h, b: h[0]["reward/total/mean"] == b[0]["reward/total/mean"],  # same samples, other advantages
+    ),
+    "rloo": (
+        ["algo.advantage_estimator=rloo"],
+        [],
+        lambda h, b: h[0]["reward/total/mean"] == b[0]["reward/total/mean"],  # same samples, other advantages
+    ),
+    "reinforce-pp-token-kl": (
+        # token advantages [B, C] through micro-batches cut to their own length
+        ["algo.advantage_estimator=reinforce_pp", *KL_IN_REWARD],
+        KL_IN_REWARD,
+        lambda h, b: h[0]["reward/total/mean"] == b[0]["reward/total/mean"] and "kl" not in h[-1],
     ),
     "overlong": (
         [

@@ -203,7 +203,17 @@ def test_a_config_problem_is_reported_once_and_stops_every_process(
 
 
 VARIANTS = {  # backend options, model/algorithm options that change what each backend must handle
-    "fsdp2-kl-checkpointing": (BACKENDS["fsdp2"], ["algo.beta=0.1", "model.gradient_checkpointing=true"]),
+    # REINFORCE++'s token advantages are whitened over both processes' tokens, with the KL of a
+    # sharded reference model in the reward
+    "fsdp2-reinforce-pp-kl-in-reward-checkpointing": (
+        BACKENDS["fsdp2"],
+        [
+            "algo.beta=0.1",
+            "algo.kl_in_reward=true",
+            "algo.advantage_estimator=reinforce_pp_baseline",
+            "model.gradient_checkpointing=true",
+        ],
+    ),
     "zero3-kl-checkpointing": (BACKENDS["zero3"], ["algo.beta=0.1", "model.gradient_checkpointing=true"]),
     "ddp-lora": (BACKENDS["ddp"], ["model.lora={r: 4}"]),
 }
@@ -213,8 +223,8 @@ VARIANTS = {  # backend options, model/algorithm options that change what each b
 def test_reference_model_checkpointing_and_lora_match_one_process(
     variant, tiny_model_path, prompts_jsonl, tmp_path, helper_env
 ):
-    """A sharded reference model (KL), activation checkpointing, and LoRA under ddp train
-    the same as in one process."""
+    """A sharded reference model (KL in the loss, or in REINFORCE++'s token rewards), activation
+    checkpointing, and LoRA under ddp train the same as in one process."""
     import shutil
 
     backend, extra = VARIANTS[variant]
@@ -223,7 +233,7 @@ def test_reference_model_checkpointing_and_lora_match_one_process(
     train(load_config(None, _options(tiny_model_path, prompts_jsonl, single, *extra)))
     res = _torchrun(_options(tiny_model_path, prompts_jsonl, run, *extra, *backend), helper_env)
     assert res.returncode == 0, res.stderr[-3000:]
-    if "algo.beta=0.1" in extra:
+    if "algo.beta=0.1" in extra and "algo.kl_in_reward=true" not in extra:
         kl = [m["kl"] for m in _metrics(run)]
         assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 1e-4  # the policy moved away from the reference
     assert_same_run(run, single)

@@ -332,3 +332,14 @@ def test_a_run_is_named_after_its_data_and_model():
     assert run_name(own) == "gsm8k_train-Qwen2.5-0.5B"
     assert default_run_dir(own).name.startswith("gsm8k_train-Qwen2.5-0.5B-")
     assert run_name(load_config(None, ["name=mine"])) == "mine"
+
+
+def test_estimator_options_that_belong_to_another_estimator_are_refused():
+    probs = problems_of(["algo.advantage_estimator=reinforce_pp", "algo.scale_rewards=group"])
+    assert any("whitens the returns over the whole batch" in p and "scale_rewards" in p for p in probs)
+    probs = problems_of(["algo.advantage_estimator=rloo", "algo.reward_aggregation=normalize_then_sum"])
+    assert any("use sum_then_normalize, or advantage_estimator=grpo" in p for p in probs)
+    with pytest.raises(ConfigError, match="grpo.*rloo.*opo.*reinforce_pp"):
+        load_config(None, ["algo.advantage_estimator=ppo"])
+    for est in ("rloo", "opo", "reinforce_pp", "reinforce_pp_baseline"):
+        validate(load_config(None, [f"algo.advantage_estimator={est}"]), world_size=1)

@@ -258,3 +258,20 @@ def test_check_reads_a_recipe(tmp_path, capsys, tiny_model_path, flag):
     captured = capsys.readouterr()
     assert "ok: 1 training process(es); 1 prompts x 4 generations" in captured.out
     assert "as a plait config" in captured.err
+
+
+def test_an_rloo_recipe_converts_with_rloos_defaults_and_advantages():
+    conv = convert_recipe({"max_steps": 4, "normalize_advantages": True, "reward_clip_range": [-1, 1]}, trainer="rloo")
+    c = conv.config
+    a = c["algo"]
+    assert a["advantage_estimator"] == "rloo" and a["scale_rewards"] == "batch"  # normalize_advantages
+    # RLOOConfig's beta 0.05 goes into the reward as k1, as RLOOTrainer does
+    assert (a["beta"], a["kl_in_reward"], a["kl_estimator"]) == (0.05, True, "k1")
+    assert c["rollout"]["num_generations"] == 2  # RLOOConfig's default, not GRPOConfig's 8
+    assert a["loss_type"] == "dr_grpo" and any("RLOO's loss clips one ratio per completion" in n for n in conv.notes)
+    assert [k for k, _, _ in conv.unmapped] == ["reward_clip_range"]
+    config_from_dict(c)
+    plain = convert_recipe({"max_steps": 4, "beta": 0.0}, trainer="rloo").config["algo"]
+    assert plain["scale_rewards"] == "none" and "kl_in_reward" not in plain
+    with pytest.raises(ValueError, match="trainer"):
+        convert_recipe({"max_steps": 4}, trainer="ppo")
