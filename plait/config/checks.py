@@ -436,6 +436,13 @@ def check_task(cfg: Config, env: Env) -> list[str]:
     from plait.data.tasks import CAPACITY
 
     d, out = cfg.data, []
+    if cfg.environments:
+        if d.messages_field is not None:
+            out.append("environments give text prompts: drop data.messages_field")
+        if d.task is not None or d.path is not None:
+            which = f"data.task ({d.task!r})" if d.task is not None else f"data.path ({d.path!r})"
+            out.append(f"environments and {which} both give prompts: remove one")
+        return out
     if d.task is None and d.path is None:
         out.append("data: set data.path (your prompts) or data.task (a built-in task, see `plait tasks`)")
     elif d.task is not None and d.path is not None:
@@ -454,6 +461,24 @@ def check_task(cfg: Config, env: Env) -> list[str]:
     return out
 
 
+def check_environments(cfg: Config, env: Env) -> list[str]:
+    """Each environment builds a problem and scores its own answer, offline, before any model
+    loads; the `environment` reward needs environments to score against."""
+    uses = [r.name for r in cfg.rewards if r.name == "environment"] + (
+        ["eval.metric"] if cfg.eval.metric == "environment" else []
+    )
+    if not cfg.environments:
+        if uses:
+            return [
+                "the `environment` reward (in rewards or eval.metric) scores with an environment's verifier, but "
+                "no environments are configured: add an `environments:` section or pick another reward"
+            ]
+        return []
+    from plait.envs import environment_problems
+
+    return environment_problems(cfg.environments, cfg.seed)
+
+
 def check_data_files(cfg: Config, env: Env) -> list[str]:
     """Prompt files that can be read, and held-out prompts when evaluation is on."""
     from plait.data import source_problem
@@ -463,7 +488,7 @@ def check_data_files(cfg: Config, env: Env) -> list[str]:
         why = source_problem(getattr(d, key), d.format)
         if why:
             out.append(f"data.{key}: {why}")
-    if _evaluating(cfg) and d.task is None and d.eval_path is None:
+    if _evaluating(cfg) and d.task is None and d.eval_path is None and not cfg.environments:
         out.append(
             "eval is on but there is no held-out data: set data.eval_path, or eval.before=false and eval.after=false"
         )
@@ -621,6 +646,7 @@ CHECKS: tuple[Check, ...] = (
     check_tools,
     check_eval_metric,
     check_task,
+    check_environments,
     check_data_files,
     check_device,
     check_model,

@@ -664,6 +664,29 @@ class ClusterConfig(Section):
     ray: RayConfig = Field(default_factory=RayConfig, description="Options of launcher ray.")
 
 
+class EnvironmentSpec(Section):
+    type: Literal["reasoning_gym"] = Field(
+        description="reasoning_gym: a reasoning-gym dataset, scored by its own score_answer (docs/environments.md)."
+    )
+    dataset: str = Field(description="The reasoning-gym dataset, e.g. basic_arithmetic, leg_counting.")
+    config: dict[str, Any] = Field(default_factory=dict, description="The dataset's own options (its config class).")
+    name: str | None = Field(None, description="Label in metrics and eval (null = the dataset's name).")
+    size: int = Field(1000, ge=1, description="Training problems generated (indices 0..size-1 of the seeded dataset).")
+    eval_size: int = Field(50, ge=1, description="Held-out problems (another seed; any also in training are left out).")
+    seed: int | None = Field(None, description="The dataset's seed (null = the run's seed).")
+    weight: float | None = Field(
+        None,
+        gt=0,
+        description="Share of the training prompts (null = in proportion to size; with weights the sizes' sum "
+        "is split by them, an unweighted entry weighing 1).",
+    )
+    answer_format: Literal["answer_tag", "boxed"] = Field(
+        "answer_tag",
+        description="Where the completion states its answer: <answer>...</answer> (reasoning-gym's system prompt) "
+        "or \\boxed{...}.",
+    )
+
+
 class Config(Section):
     name: str | None = Field(
         None, description="Run name (null = from the data and the model, e.g. arithmetic-smollm2-135m-instruct)."
@@ -688,6 +711,26 @@ class Config(Section):
     log: LogConfig = Field(default_factory=LogConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    environments: list[EnvironmentSpec] = Field(
+        default_factory=list,
+        description="Environments whose problems are the prompts, a mixture (docs/environments.md); they replace "
+        "the built-in task, the reward defaults to `environment` and eval.metric too.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _environments_bring_their_prompts_and_verifier(cls, data: Any) -> Any:
+        """With environments, the built-in task is off and each environment's own verifier is
+        the reward and the eval metric, unless the config says otherwise."""
+        if not isinstance(data, dict) or not data.get("environments"):
+            return data
+        data = dict(data)
+        section = dict(data.get("data") or {})
+        if "task" not in section and section.get("path") is None:
+            data["data"] = {**section, "task": None}
+        data.setdefault("rewards", [{"name": "environment"}])
+        data["eval"] = {"metric": "environment", **(data.get("eval") or {})}
+        return data
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -12,6 +12,9 @@ from plait.data.tasks import TASKS, task_rows
 from plait.types import Prompt
 
 
+# a row's own system prompt (environments set it), used when data.system_prompt is unset
+SYSTEM_COLUMN = "_system"
+
 __all__ = ["TASKS", "load_rows", "build_prompts", "PromptOrder", "DataError", "source_problem", "data_problems"]
 
 
@@ -146,8 +149,14 @@ def _chat_messages(value) -> bool:
     )
 
 
-def load_rows(data_cfg, split: str, seed: int = 0) -> list[dict]:
-    """Rows for 'train' or 'eval' from the configured task or files."""
+def load_rows(data_cfg, split: str, seed: int = 0, environments=None) -> list[dict]:
+    """Rows for 'train' or 'eval' from the configured environments, task or files."""
+    if environments:
+        from plait.envs import environment_rows
+
+        rows = environment_rows(environments, split, seed, data_cfg.system_prompt)
+        prompt, answer = data_cfg.prompt_field, data_cfg.answer_field or "answer"  # under the names the data says
+        return [{prompt: r.pop("prompt"), answer: r.pop("answer"), **r} for r in rows]
     if data_cfg.task is not None:
         n = data_cfg.num_train if split == "train" else data_cfg.num_eval
         return task_rows(data_cfg.task, split, n, seed)
@@ -171,8 +180,9 @@ def build_prompts(rows: list[dict], tokenizer, data_cfg, log=print, tools: list[
             messages = [dict(m) for m in row[key]]
         else:
             messages = [{"role": "user", "content": str(row[key])}]
-        if data_cfg.system_prompt and not any(m.get("role") == "system" for m in messages):
-            messages = [{"role": "system", "content": data_cfg.system_prompt}, *messages]
+        system = data_cfg.system_prompt or row.get(SYSTEM_COLUMN)  # an environment's own, when unset
+        if system and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": system}, *messages]
         conversational = data_cfg.conversational
         if conversational is None:
             conversational = data_cfg.messages_field is not None
@@ -190,7 +200,7 @@ def build_prompts(rows: list[dict], tokenizer, data_cfg, log=print, tools: list[
             too_long.append(i)
             continue
         answer = row.get(data_cfg.answer_field) if data_cfg.answer_field else None
-        columns = {k: v for k, v in row.items() if k != key}  # the answer column also under its own name
+        columns = {k: v for k, v in row.items() if k not in (key, SYSTEM_COLUMN)}  # the answer also under its name
         reference = None if answer is None else str(answer)
         prompts.append(Prompt(i, text, ids, reference, columns, source, messages if templated else None))
     if too_long:

@@ -19,6 +19,7 @@ import os
 import sys
 from typing import Callable
 
+from plait.envs import environment
 from plait.rewards.code import code_pass, code_tests_passed
 from plait.rewards.format import boxed_format, reasoning_steps, tag_count, think_format
 from plait.rewards.length import cosine_length, length_penalty, soft_overlong_punishment
@@ -43,6 +44,7 @@ BUILTIN: dict[str, RewardFn] = {
     "reward_model": reward_model,
     "code_pass": code_pass,
     "code_tests_passed": code_tests_passed,
+    "environment": environment,
 }
 
 

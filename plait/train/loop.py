@@ -199,14 +199,26 @@ def run_eval(run: Run, tag: str, version: int) -> float:
         )
     correct, n = comm.all_sum([res.accuracy * res.n, res.n])
     accuracy = correct / max(1.0, n)
-    run.say(f"[bold cyan]eval {tag}[/]: {cfg.eval.metric} = {accuracy:.3f} on {n:.0f} held-out prompts (greedy)")
+    per_env = environment_accuracy(run, res)
+    shown = "".join(f", {label} {acc:.3f}" for label, acc in per_env.items())
+    run.say(f"[bold cyan]eval {tag}[/]: {cfg.eval.metric} = {accuracy:.3f} on {n:.0f} held-out prompts (greedy){shown}")
     if comm.is_main():
         with (run.run_dir / "eval.jsonl").open("a") as f:
             record = {"tag": tag, "round": version, "step": version, cfg.eval.metric: accuracy, "n": int(n)}
+            record.update({f"env/{label}": acc for label, acc in per_env.items()})
             f.write(json.dumps(record) + "\n")
     if cfg.checkpoint.keep_best:
         keep_if_best(run, version, accuracy)
     return accuracy
+
+
+def environment_accuracy(run: Run, res) -> dict[str, float]:
+    """The evaluation's mean score per environment, over every process's prompts."""
+    labels = sorted({str(p.columns["environment"]) for p in run.eval_prompts if "environment" in p.columns})
+    if not labels:
+        return {}
+    sums = comm.all_sum([v for label in labels for v in res.by_environment.get(label, (0.0, 0))])
+    return {label: sums[2 * i] / max(1.0, sums[2 * i + 1]) for i, label in enumerate(labels)}
 
 
 def keep_if_best(run: Run, version: int, accuracy: float) -> None:

@@ -40,8 +40,31 @@ def rollout_metrics(groups: list[Group], accuracy: list[float] | None = None) ->
     out["completion/truncated"] = sum(c.truncated for g in groups for c in g.completions) / max(1, len(lengths))
     out["tokens/generated"] = float(sum(_sampled(c) for g in groups for c in g.completions))
     out.update(tool_metrics([c for g in groups for c in g.completions]))
+    out.update(environment_metrics(groups))
     if accuracy is not None:
         out["accuracy"] = statistics.fmean(accuracy) if accuracy else float("nan")
+    return out
+
+
+def environment_metrics(groups: list[Group]) -> dict[str, float]:
+    """Per environment (the prompts' `environment` column): mean summed reward, the verifier's
+    mean score, completion length, and the completions its verifier failed on (None: an
+    infrastructure error, trained on as nothing)."""
+    by_env: dict[str, list[Group]] = {}
+    for g in groups:
+        label = g.prompt.columns.get("environment")
+        if label is not None:
+            by_env.setdefault(str(label), []).append(g)
+    out: dict[str, float] = {}
+    for label, gs in sorted(by_env.items()):
+        completions = [c for g in gs for c in g.completions]
+        scores = [v for g in gs for v in g.rewards.get("environment", [])]
+        scored = [v for v in scores if v is not None]
+        out[f"env/{label}/reward_mean"] = statistics.fmean(v for g in gs for v in g.total)
+        out[f"env/{label}/score_mean"] = statistics.fmean(scored) if scored else float("nan")
+        out[f"env/{label}/length_mean"] = statistics.fmean(len(c.token_ids) for c in completions)
+        out[f"env/{label}/completions"] = float(len(completions))
+        out[f"env/{label}/errors"] = float(len(scores) - len(scored))
     return out
 
 

@@ -12,10 +12,14 @@ from plait.config import ConfigError
 
 
 def run_name(cfg) -> str:
-    """`name`, else the data's (the built-in task, or the prompt file's stem) and the model's."""
+    """`name`, else the data's (the built-in task, the prompt file's stem, or the first
+    environment and how many more) and the model's."""
     if cfg.name:
         return cfg.name
     data = cfg.data.task or Path(cfg.data.path or "data").stem
+    if cfg.environments:
+        labels = [e.name or e.dataset for e in cfg.environments]
+        data = labels[0] + (f"+{len(labels) - 1}" if len(labels) > 1 else "")
     return f"{data}-{Path(cfg.model.name_or_path.rstrip('/')).name}"
 
 

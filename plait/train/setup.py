@@ -182,10 +182,14 @@ def build_run(
     if tools.enabled:
         say(tools.describe())
     schemas = tools.schemas
-    prompts = build_prompts(load_rows(cfg.data, "train", cfg.seed), tokenizer, cfg.data, log=say, tools=schemas)
+    prompts = build_prompts(
+        load_rows(cfg.data, "train", cfg.seed, cfg.environments), tokenizer, cfg.data, log=say, tools=schemas
+    )
     evaluating = cfg.eval.before or cfg.eval.after or cfg.eval.every_steps
     eval_prompts = (
-        build_prompts(load_rows(cfg.data, "eval", cfg.seed), tokenizer, cfg.data, log=say, tools=schemas)
+        build_prompts(
+            load_rows(cfg.data, "eval", cfg.seed, cfg.environments), tokenizer, cfg.data, log=say, tools=schemas
+        )
         if evaluating
         else []
     )

@@ -1,0 +1,90 @@
+"""Environments: task generators that bring their own verifier (config section `environments`).
+
+Each entry of the section is one environment; together they are a weighted mixture of prompts.
+Every row an environment makes carries two columns beside its prompt and answer:
+
+    environment   the entry's label (its `name`, else its dataset), for per-environment metrics
+    env_source    where the problem came from, enough to rebuild it where it is scored
+
+The built-in reward `environment` scores a completion with its environment's own verifier.
+An environment that fails while scoring (raises) is an infrastructure error, not a wrong
+answer: the completion's reward is None, so it is left out of the advantages' statistics and
+trains on nothing, and the round counts it under `env/<label>/errors`.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+from plait.data import SYSTEM_COLUMN
+from plait.envs import reasoning_gym
+
+
+TYPES: dict[str, ModuleType] = {"reasoning_gym": reasoning_gym}
+
+log = logging.getLogger(__name__)
+
+
+def label(spec) -> str:
+    return spec.name or spec.dataset
+
+
+def train_sizes(specs) -> list[int]:
+    """Training problems per environment: each one's `size`, or, when weights are given, the
+    weights' shares of the sizes' sum (an unweighted entry weighs 1)."""
+    sizes = [s.size for s in specs]
+    if all(s.weight is None for s in specs):
+        return sizes
+    weights = [1.0 if s.weight is None else s.weight for s in specs]
+    return [max(1, round(sum(sizes) * w / sum(weights))) for w in weights]
+
+
+def environment_rows(specs, split: str, seed: int, system_prompt: str | None) -> list[dict]:
+    """The mixture's rows for 'train' or 'eval', environment by environment (the prompt order
+    shuffles them). Each environment is seeded by its own `seed`, else the run's."""
+    out = []
+    for spec, size in zip(specs, train_sizes(specs)):
+        kind = TYPES[spec.type]
+        rows = kind.rows(spec, label(spec), split, seed if spec.seed is None else spec.seed, size)
+        if system_prompt is None:
+            for row in rows:
+                row[SYSTEM_COLUMN] = kind.system_prompt(spec)
+        out += rows
+    return out
+
+
+def environment_problems(specs, seed: int) -> list[str]:
+    """`plait check`: each environment builds a row and scores its own answer, offline."""
+    out = []
+    labels = [label(s) for s in specs]
+    if len(set(labels)) != len(labels):
+        out.append(f"environments: labels must differ, got {labels}; give the entries different `name`s")
+    for spec in specs:
+        out += TYPES[spec.type].problems(spec, label(spec), seed if spec.seed is None else spec.seed)
+    return out
+
+
+def _text(completion) -> str:
+    """A completion as text (conversational data gives the assistant's messages)."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(m.get("content") or "" for m in completion if m.get("role") == "assistant")
+
+
+def environment(completions: list, env_source: list[dict | None], **_) -> list[float | None]:
+    """Each completion scored by the verifier of the environment its prompt came from; None
+    where that verifier failed (an infrastructure error, logged) or the row has no environment."""
+    out: list[float | None] = []
+    for completion, source in zip(completions, env_source):
+        if not source:
+            out.append(None)
+            continue
+        try:
+            out.append(TYPES[source["type"]].score(source, _text(completion)))
+        except Exception as err:
+            log.warning(
+                "environment %s failed to score a completion: %s: %s", source.get("dataset"), type(err).__name__, err
+            )
+            out.append(None)
+    return out

@@ -1,0 +1,132 @@
+"""reasoning-gym (https://github.com/open-thought/reasoning-gym): procedural task generators,
+each with its own verifier, `score_answer(answer, entry)`.
+
+A row keeps where its problem came from (dataset, config, seed, size, index), never the entry
+itself: the scoring process rebuilds the entry from those, because some datasets (arc_agi,
+rearc) score wrong after a JSON round-trip of their entries.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from typing import Any
+
+
+# reasoning-gym's default system prompt asks for <answer> tags; with answer_format=boxed, this
+BOXED_PROMPT = "Solve the problem. Put only the final answer in \\boxed{}."
+# the eval split's seed: far from any train seed, so the two splits are drawn apart
+EVAL_SEED_OFFSET = 1_000_003
+
+
+@functools.lru_cache(maxsize=64)
+def _dataset(name: str, config_json: str, seed: int, size: int):
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(name, seed=seed, size=size, **json.loads(config_json))
+
+
+def dataset(source: dict):
+    """The reasoning-gym dataset a row came from (cached per process)."""
+    return _dataset(source["dataset"], json.dumps(source["config"], sort_keys=True), source["seed"], source["size"])
+
+
+def system_prompt(spec) -> str:
+    if spec.answer_format == "boxed":
+        return BOXED_PROMPT
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    return SYSTEM_PROMPTS["default"]
+
+
+def rows(spec, label: str, split: str, seed: int, train_size: int) -> list[dict]:
+    """The problems of the environment `spec` for `split`: `train_size` of them for "train";
+    for "eval", `spec.eval_size` drawn with another seed, less those also in the train split."""
+    train = {"dataset": spec.dataset, "config": spec.config, "seed": seed, "size": train_size}
+    source = train if split == "train" else {**train, "seed": seed + EVAL_SEED_OFFSET, "size": spec.eval_size}
+    ds = dataset(source)
+    seen = {dataset(train)[i]["question"] for i in range(train_size)} if split == "eval" else set()
+    out = []
+    for i in range(source["size"]):
+        entry = ds[i]
+        if entry["question"] in seen:
+            continue
+        out.append(
+            {
+                "prompt": entry["question"],
+                "answer": None if entry["answer"] is None else str(entry["answer"]),
+                "environment": label,
+                "env_source": {"type": "reasoning_gym", **source, "index": i, "answer_format": spec.answer_format},
+            }
+        )
+    return out
+
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def extract_answer(text: str, answer_format: str) -> str | None:
+    """The model's final answer: the last <answer>...</answer> (reasoning-gym's convention), or
+    the last \\boxed{...}."""
+    if answer_format == "boxed":
+        from plait.rewards.math import last_boxed  # plait.rewards imports this package
+
+        return last_boxed(text)
+    found = _ANSWER_TAG.findall(text)
+    return found[-1].strip() if found else None
+
+
+def score(source: dict, text: str) -> float:
+    """The dataset's own verdict on the completion's answer (0 when it gave none). Raises when
+    the environment itself fails: that is an infrastructure error, not a score."""
+    answer = extract_answer(text, source["answer_format"])
+    if answer is None:
+        return 0.0
+    ds = dataset(source)
+    return float(ds.score_answer(answer=answer, entry=ds[source["index"]]))
+
+
+def problems(spec, label: str, seed: int) -> list[str]:
+    """What `plait check` finds before a model loads: an unknown dataset or option, entries
+    without a reference answer, a verifier that does not give its own answer full marks."""
+    try:
+        import reasoning_gym  # noqa: F401
+        from reasoning_gym.factory import DATASETS
+    except ImportError:
+        return [f"environments: '{label}' needs reasoning-gym: pip install 'plait[envs]' (make setup installs it)"]
+    if spec.dataset not in DATASETS:
+        from plait.config.load import did_you_mean
+
+        return [
+            f"environments: '{label}': reasoning-gym has no dataset '{spec.dataset}'"
+            f'{did_you_mean(spec.dataset, list(DATASETS))} (`python -c "import reasoning_gym.factory as f; '
+            'print(sorted(f.DATASETS))"` lists them)'
+        ]
+    try:
+        first = rows(spec, label, "train", seed, 1)[0]
+    except Exception as err:  # the dataset's own config validation: name the option
+        return [f"environments: '{label}': reasoning-gym could not build '{spec.dataset}' with {spec.config}: {err}"]
+    if first["answer"] is None:
+        return [
+            f"environments: '{label}': '{spec.dataset}' entries have no reference answer (answer is None), so "
+            "plait can't check a completion's answer offline; pick another dataset"
+        ]
+    source = first["env_source"]
+    wrapped = (
+        f"\\boxed{{{first['answer']}}}" if spec.answer_format == "boxed" else f"<answer>{first['answer']}</answer>"
+    )
+    try:
+        full = score(source, wrapped)
+    except Exception as err:
+        return [f"environments: '{label}': scoring its own answer raised {type(err).__name__}: {err}"]
+    if full < 1.0:
+        return [
+            f"environments: '{label}': '{spec.dataset}' scores its own reference answer {full:g}, not 1, with "
+            f"answer_format={spec.answer_format}; try the other answer_format"
+        ]
+    return []
+
+
+def describe(spec: Any) -> str:
+    return f"reasoning-gym '{spec.dataset}'" + (f" {spec.config}" if spec.config else "")

@@ -1,0 +1,65 @@
+"""A reasoning-gym mixture trains end to end on a tiny model: per-environment metrics and
+evaluation, the environment's verifier as the reward, and an exact resume."""
+
+import json
+
+import pytest
+import torch
+from test_train import crash_then_resume, final_weights, tiny_overrides
+
+from plait.config import load_config
+from plait.train.loop import train
+
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("reasoning_gym")
+
+MIXTURE = (
+    "environments=["
+    "{type: reasoning_gym, dataset: basic_arithmetic, config: {min_terms: 2, max_terms: 2, max_digits: 1}, "
+    "size: 40, eval_size: 6},"
+    "{type: reasoning_gym, dataset: leg_counting, name: legs, config: {min_animals: 1, max_animals: 2}, "
+    "size: 40, eval_size: 6, answer_format: boxed}]"
+)
+# the test's prompt files off: the environments give the prompts
+OFF = ["data.path=null", "data.eval_path=null", MIXTURE]
+
+
+def test_a_mixture_trains_with_metrics_and_evaluation_per_environment(tiny_model_path, prompts_jsonl, tmp_path):
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tiny_model_path,
+            prompts_jsonl,
+            tmp_path / "run",
+            *OFF,
+            "train.max_steps=2",
+            "rewards=[{name: environment}, {name: 'plait_test_rewards:vowel_share'}]",
+            "eval.before=true",
+            "eval.after=true",
+            "eval.metric=environment",
+        ),
+    )
+    result = train(cfg)
+    completions = 0
+    for m in result.history:
+        assert m["reward/environment/mean"] == m["reward/environment/mean"]  # scored, not NaN
+        for label in ("basic_arithmetic", "legs"):
+            assert m.get(f"env/{label}/errors", 0.0) == 0.0
+        completions += sum(m.get(f"env/{label}/completions", 0) for label in ("basic_arithmetic", "legs"))
+    assert completions == 2 * 2 * 4  # every completion of both rounds belongs to one environment
+    records = [json.loads(line) for line in (result.run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [r["tag"] for r in records] == ["before", "after"]
+    for r in records:
+        assert {"environment", "env/basic_arithmetic", "env/legs"} <= set(r) and r["n"] > 6
+
+
+def test_resume_through_an_environment_is_exact(tiny_model_path, prompts_jsonl, tmp_path):
+    straight, crashed, result = crash_then_resume(tiny_model_path, prompts_jsonl, tmp_path, *OFF)
+    assert len(result.history) == 2
+    a, b = final_weights(straight), final_weights(crashed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # the same problems and tokens sampled in every round, the resumed ones included
+    hashes = [[json.loads(line) for line in (d / "hashes.jsonl").read_text().splitlines()] for d in (straight, crashed)]
+    by_round = [{h["round"]: h["generation"] for h in hs} for hs in hashes]
+    assert sorted(by_round[0]) == [1, 2, 3, 4] and by_round[0] == by_round[1]

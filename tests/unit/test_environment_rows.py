@@ -1,0 +1,113 @@
+"""reasoning-gym environments: rows that rebuild their problem where they are scored, the
+dataset's own verifier as the reward, failures counted as infrastructure errors, and the
+checks `plait check` makes before a model loads."""
+
+import json
+
+import pytest
+
+from plait.config import ConfigError, load_config, validate
+from plait.data import SYSTEM_COLUMN, load_rows
+from plait.envs import environment, environment_rows, train_sizes
+from plait.train.metrics import environment_metrics
+
+
+pytest.importorskip("reasoning_gym")
+
+ARITH = "{type: reasoning_gym, dataset: basic_arithmetic, config: {min_terms: 2, max_terms: 2, max_digits: 1}"
+LEGS = "{type: reasoning_gym, dataset: leg_counting, config: {min_animals: 1, max_animals: 2}"
+
+
+def config(*envs: str, extra=()):
+    return load_config(None, ["environments=[" + ", ".join(envs) + "]", *extra])
+
+
+def test_rows_are_seeded_and_rebuild_their_problem_where_scored():
+    cfg = config(ARITH + ", size: 20, eval_size: 10}", LEGS + ", size: 10, answer_format: boxed}")
+    rows = load_rows(cfg.data, "train", 3, cfg.environments)
+    assert [r["environment"] for r in rows] == ["basic_arithmetic"] * 20 + ["leg_counting"] * 10
+    assert rows == load_rows(cfg.data, "train", 3, cfg.environments)  # the same seed, the same problems
+    assert rows != load_rows(cfg.data, "train", 4, cfg.environments)
+    # the row carries where its problem came from, not the entry: JSON-safe, and enough to score
+    json.dumps(rows)
+    for row in (rows[0], rows[25]):
+        fmt = row["env_source"]["answer_format"]
+        right = f"<answer>{row['answer']}</answer>" if fmt == "answer_tag" else f"so \\boxed{{{row['answer']}}}"
+        scores = environment([right, "I don't know", "<answer>-12345</answer>"], [row["env_source"]] * 3)
+        assert scores[:2] == [1.0, 0.0] and scores[2] < 1  # no answer: 0; a wrong one: the dataset's verdict
+    # each environment asks for its own answer format unless data.system_prompt is set
+    assert "<answer>" in rows[0][SYSTEM_COLUMN] and "\\boxed{}" in rows[25][SYSTEM_COLUMN]
+    own = load_config(None, [f"environments=[{ARITH}, size: 5}}]", "data.system_prompt=Be brief."])
+    assert all(SYSTEM_COLUMN not in r for r in load_rows(own.data, "train", 0, own.environments))
+
+
+def test_the_eval_split_holds_no_training_problem():
+    cfg = config(ARITH + ", size: 60, eval_size: 40}")
+    train = {r["prompt"] for r in load_rows(cfg.data, "train", 0, cfg.environments)}
+    held_out = load_rows(cfg.data, "eval", 0, cfg.environments)
+    assert held_out and not train & {r["prompt"] for r in held_out}
+    assert len(held_out) < 40  # one-digit sums repeat: the repeats were left out
+
+
+def test_weights_split_the_sizes_sum():
+    cfg = config(ARITH + ", size: 30, weight: 3}", LEGS + ", size: 10}")
+    assert train_sizes(cfg.environments) == [30, 10]  # 40 split 3 : 1
+    cfg = config(ARITH + ", size: 10}", LEGS + ", size: 30}")
+    assert train_sizes(cfg.environments) == [10, 30]  # no weights: the sizes
+    rows = environment_rows(
+        config(ARITH + ", size: 30, weight: 1}", LEGS + ", size: 10}").environments, "train", 0, None
+    )
+    assert sum(r["environment"] == "basic_arithmetic" for r in rows) == 20
+
+
+def test_a_failing_environment_is_an_infrastructure_error_not_a_score(caplog):
+    row = environment_rows(config(ARITH + ", size: 2}").environments, "train", 0, None)[0]
+    broken = {**row["env_source"], "dataset": "no_such_dataset"}
+    assert environment(["<answer>1</answer>", "<answer>1</answer>"], [broken, None]) == [None, None]
+    assert "no_such_dataset failed to score" in caplog.text
+    # counted per environment, and left out of its mean score
+    from plait.types import Completion, Group, Prompt
+
+    def group(label, scores):
+        c = Completion(
+            prompt_index=0, token_ids=[1, 2], text="", logprobs=[0.0, 0.0], truncated=False, finish_reason="eos"
+        )
+        p = Prompt(0, "", [1], columns={"environment": label})
+        return Group(p, [c] * len(scores), {"environment": scores}, [s or 0.0 for s in scores])
+
+    m = environment_metrics([group("a", [1.0, None]), group("b", [0.0, 0.0])])
+    assert (m["env/a/errors"], m["env/a/score_mean"], m["env/a/completions"]) == (1.0, 1.0, 2.0)
+    assert (m["env/b/errors"], m["env/b/score_mean"]) == (0.0, 0.0)
+
+
+def test_environments_replace_the_task_and_bring_their_reward_and_metric():
+    cfg = config(ARITH + "}")
+    assert cfg.data.task is None and [r.name for r in cfg.rewards] == ["environment"]
+    assert cfg.eval.metric == "environment"
+    validate(cfg, world_size=1)
+    # the config's own choices stand
+    cfg = load_config(None, [f"environments=[{ARITH}}}]", "rewards=[{name: accuracy}]", "eval.metric=accuracy"])
+    assert [r.name for r in cfg.rewards] == ["accuracy"] and cfg.eval.metric == "accuracy"
+
+
+def _problems(*overrides):
+    with pytest.raises(ConfigError) as err:
+        validate(load_config(None, list(overrides)), world_size=1)
+    return "\n".join(err.value.problems)
+
+
+def test_plait_check_names_each_environment_problem_and_its_fix():
+    text = _problems("environments=[{type: reasoning_gym, dataset: leg_countin}]")
+    assert "no dataset 'leg_countin'" in text and "leg_counting" in text
+    text = _problems("environments=[{type: reasoning_gym, dataset: basic_arithmetic, config: {bogus: 1}}]")
+    assert "could not build 'basic_arithmetic'" in text and "bogus" in text
+    text = _problems("environments=[{type: reasoning_gym, dataset: rush_hour}]")
+    assert "no reference answer" in text and "pick another dataset" in text
+    text = _problems(f"environments=[{ARITH}}}, {ARITH}}}]")
+    assert "labels must differ" in text
+    text = _problems(f"environments=[{ARITH}}}]", "data.task=arithmetic")
+    assert "environments and data.task ('arithmetic') both give prompts" in text
+    text = _problems("rewards=[{name: environment}]")
+    assert "no environments are configured" in text
+    with pytest.raises(ConfigError, match="reasoning_gym"):
+        load_config(None, ["environments=[{type: gymnasium, dataset: x}]"])
