@@ -215,7 +215,18 @@ VARIANTS = {  # backend options, model/algorithm options that change what each b
         ],
     ),
     "zero3-kl-checkpointing": (BACKENDS["zero3"], ["algo.beta=0.1", "model.gradient_checkpointing=true"]),
-    "ddp-lora": (BACKENDS["ddp"], ["model.lora={r: 4}"]),
+    # and a reasoning-gym mixture as the prompts, its verifier as a reward and eval metric
+    "ddp-lora-environments": (
+        BACKENDS["ddp"],
+        [
+            "model.lora={r: 4}",
+            "data.path=null",
+            "data.eval_path=null",
+            "environments=[{type: reasoning_gym, dataset: basic_arithmetic, size: 40, eval_size: 4}, "
+            "{type: reasoning_gym, dataset: leg_counting, size: 40, eval_size: 4, answer_format: boxed}]",
+            "rewards=[{name: 'plait_test_rewards:vowel_share_crash_env'}, {name: environment}]",
+        ],
+    ),
 }
 
 
