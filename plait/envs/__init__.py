@@ -15,6 +15,7 @@ trains on nothing, and the round counts it under `env/<label>/errors`.
 from __future__ import annotations
 
 import logging
+import re
 from types import ModuleType
 
 from plait.data import SYSTEM_COLUMN
@@ -72,19 +73,42 @@ def _text(completion) -> str:
     return "".join(m.get("content") or "" for m in completion if m.get("role") == "assistant")
 
 
-def environment(completions: list, env_source: list[dict | None], **_) -> list[float | None]:
+def environment(
+    completions: list, env_source: list[dict | None], unformatted_credit: float = 0.0, **_
+) -> list[float | None]:
     """Each completion scored by the verifier of the environment its prompt came from; None
-    where that verifier failed (an infrastructure error, logged) or the row has no environment."""
+    where that verifier failed (an infrastructure error, logged) or the row has no environment.
+
+    unformatted_credit: the share of the score an answer earns when it is not where the
+    environment asked for it (its last number, else its last line, is given to the verifier),
+    so a model that does not box its answers yet gets a signal; the eval metric, bound without
+    kwargs, stays strict."""
     out: list[float | None] = []
     for completion, source in zip(completions, env_source):
         if not source:
             out.append(None)
             continue
+        kind, text = TYPES[source["type"]], _text(completion)
         try:
-            out.append(TYPES[source["type"]].score(source, _text(completion)))
+            score = kind.score(source, text)
+            if score == 0 and unformatted_credit and kind.extract_answer(text, source["answer_format"]) is None:
+                score = unformatted_credit * kind.score_answer(source, last_statement(text))
+            out.append(score)
         except Exception as err:
             log.warning(
                 "environment %s failed to score a completion: %s: %s", source.get("dataset"), type(err).__name__, err
             )
             out.append(None)
     return out
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_statement(text: str) -> str:
+    """What a completion ends on: its last number, else its last non-empty line."""
+    numbers = _NUMBER.findall(text)
+    if numbers:
+        return numbers[-1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1].rstrip(".") if lines else ""

@@ -77,14 +77,17 @@ def extract_answer(text: str, answer_format: str) -> str | None:
     return found[-1].strip() if found else None
 
 
-def score(source: dict, text: str) -> float:
-    """The dataset's own verdict on the completion's answer (0 when it gave none). Raises when
+def score_answer(source: dict, answer: str) -> float:
+    """The dataset's own verdict on `answer` for the row's problem, rebuilt here. Raises when
     the environment itself fails: that is an infrastructure error, not a score."""
-    answer = extract_answer(text, source["answer_format"])
-    if answer is None:
-        return 0.0
     ds = dataset(source)
     return float(ds.score_answer(answer=answer, entry=ds[source["index"]]))
+
+
+def score(source: dict, text: str) -> float:
+    """score_answer of the completion's answer (0 when it gave none where asked)."""
+    answer = extract_answer(text, source["answer_format"])
+    return 0.0 if answer is None else score_answer(source, answer)
 
 
 def problems(spec, label: str, seed: int) -> list[str]:

@@ -111,3 +111,12 @@ def test_plait_check_names_each_environment_problem_and_its_fix():
     assert "no environments are configured" in text
     with pytest.raises(ConfigError, match="reasoning_gym"):
         load_config(None, ["environments=[{type: gymnasium, dataset: x}]"])
+
+
+def test_unformatted_credit_scores_an_answer_outside_the_asked_format():
+    row = environment_rows(config(ARITH + ", size: 2, answer_format: boxed}").environments, "train", 0, None)[0]
+    source, answer = row["env_source"], row["answer"]
+    texts = [f"\\boxed{{{answer}}}", f"The sum is {answer}.", "The sum is 12345.", f"\\boxed{{12345}} or {answer}"]
+    assert environment(texts, [source] * 4) == [1.0, 0.0, 0.0, 0.0]  # strict: only the box counts
+    # a boxed wrong answer earns no credit: the credit is for an answer not yet in the format
+    assert environment(texts, [source] * 4, unformatted_credit=0.5) == [1.0, 0.5, 0.0, 0.0]
