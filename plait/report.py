@@ -218,6 +218,35 @@ def fig_tools(history) -> bytes | None:
     return _png(fig)
 
 
+def fig_environments(history, evals) -> bytes | None:
+    """Per environment: the verifier's mean score on the training samples, held-out scores
+    as diamonds, and the share of completions its verifier failed on."""
+    labels = sorted({k.split("/")[1] for m in history for k in m if k.startswith("env/") and k.endswith("/score_mean")})
+    if not labels:
+        return None
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    _lines(ax, history, [(f"env/{label}/score_mean", label) for label in labels], "verifier score")
+    for i, label in enumerate(labels):
+        ev = [(round_of(e), e[f"env/{label}"]) for e in evals if f"env/{label}" in e]
+        ax.plot([r for r, _ in ev], [v for _, v in ev], "D", color=f"C{i}", ms=7)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("verifier score (line: samples, diamond: held-out)")
+    errors = [
+        {
+            "round": round_of(m),
+            **{
+                label: m.get(f"env/{label}/errors", 0) / max(1, m.get(f"env/{label}/completions", 0))
+                for label in labels
+            },
+        }
+        for m in history
+    ]
+    _lines(ax2, errors, [(label, label) for label in labels], "share")
+    ax2.set_ylim(-0.02, 1.02)
+    ax2.set_title("completions the verifier failed on")
+    return _png(fig)
+
+
 def fig_memory(history) -> bytes | None:
     keys = sorted({k for m in history for k in m if k.startswith("memory/")})
     if not keys:
@@ -237,6 +266,7 @@ def make_figures(history: list[dict], evals: list[dict], metric: str) -> list[Fi
         ("throughput", "Throughput and MFU", fig_throughput(history)),
         ("async", "Asynchronous generation", fig_async(history)),
         ("tools", "Tool use (tools/calls_per_completion, tools/used_share, tools/error_share)", fig_tools(history)),
+        ("environments", "Environments (env/<label>/score_mean, env/<label>/errors)", fig_environments(history, evals)),
         ("memory", "Memory", fig_memory(history)),
     ]
     return [Figure(n, t, png) for n, t, png in made if png is not None]

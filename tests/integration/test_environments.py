@@ -52,6 +52,10 @@ def test_a_mixture_trains_with_metrics_and_evaluation_per_environment(tiny_model
     assert [r["tag"] for r in records] == ["before", "after"]
     for r in records:
         assert {"environment", "env/basic_arithmetic", "env/legs"} <= set(r) and r["n"] > 6
+    from plait.report import write_report
+
+    page = write_report(result.run_dir)
+    assert (page.parent / "figures" / "environments.png").is_file() and "Environments" in page.read_text()
 
 
 def test_resume_through_an_environment_is_exact(tiny_model_path, prompts_jsonl, tmp_path):
