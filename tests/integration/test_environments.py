@@ -67,3 +67,23 @@ def test_resume_through_an_environment_is_exact(tiny_model_path, prompts_jsonl, 
     hashes = [[json.loads(line) for line in (d / "hashes.jsonl").read_text().splitlines()] for d in (straight, crashed)]
     by_round = [{h["round"]: h["generation"] for h in hs} for hs in hashes]
     assert sorted(by_round[0]) == [1, 2, 3, 4] and by_round[0] == by_round[1]
+
+
+def test_an_asynchronous_run_scores_with_the_environment(tiny_model_path, prompts_jsonl, tmp_path):
+    """Generated in the HF engine's own process a round ahead: the rows' columns travel with
+    the prompts, and the verifier scores in the trainer's process."""
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tiny_model_path,
+            prompts_jsonl,
+            tmp_path / "run",
+            *OFF,
+            "train.max_steps=2",
+            "rollout.max_staleness=1",
+            "rewards=[{name: environment}, {name: 'plait_test_rewards:vowel_share'}]",
+        ),
+    )
+    history = train(cfg).history
+    assert len(history) == 2
+    assert all(sum(m.get(f"env/{e}/completions", 0) for e in ("basic_arithmetic", "legs")) == 8 for m in history)
