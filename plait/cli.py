@@ -680,6 +680,7 @@ def _enable_faulthandler() -> None:
 def main(argv: list[str] | None = None) -> int:
     from plait.config import ConfigError
     from plait.data import DataError
+    from plait.envs import EnvironmentFailed
     from plait.rewards.runner import RewardError
     from plait.rollout.remote import RolloutServerError
     from plait.sandbox import SandboxUnavailable
@@ -704,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("plait: interrupted (no checkpoint written for the step in progress)", file=sys.stderr)
         return 130
-    except (ConfigError, DataError, RewardError, SandboxUnavailable, RolloutServerError) as err:
+    except (ConfigError, DataError, RewardError, EnvironmentFailed, SandboxUnavailable, RolloutServerError) as err:
         rank = os.environ.get("RANK", "0")
         if isinstance(err, ConfigError) and rank != "0":
             # under torchrun every process usually finds the same config problem: give rank 0

@@ -680,6 +680,13 @@ class EnvironmentSpec(Section):
         description="Share of the training prompts (null = in proportion to size; with weights the sizes' sum "
         "is split by them, an unweighted entry weighing 1).",
     )
+    max_error_share: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Stop the run when the verifier fails (raises) on more than this share of a round's completions "
+        "of this environment; fewer failures are left out of training and counted (env/<label>/errors).",
+    )
     answer_format: Literal["answer_tag", "boxed"] = Field(
         "answer_tag",
         description="Where the completion states its answer: <answer>...</answer> (reasoning-gym's system prompt) "

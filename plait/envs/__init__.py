@@ -73,8 +73,16 @@ def _text(completion) -> str:
     return "".join(m.get("content") or "" for m in completion if m.get("role") == "assistant")
 
 
+class EnvironmentFailed(RuntimeError):
+    """An environment's verifier failed on too many of a round's completions: the run stops."""
+
+
+# the last exception each environment's verifier raised in this process, for the stop message
+LAST_ERROR: dict[str, str] = {}
+
+
 def environment(
-    completions: list, env_source: list[dict | None], unformatted_credit: float = 0.0, **_
+    completions: list, env_source: list[dict | None], unformatted_credit: float = 0.0, **columns
 ) -> list[float | None]:
     """Each completion scored by the verifier of the environment its prompt came from; None
     where that verifier failed (an infrastructure error, logged) or the row has no environment.
@@ -84,7 +92,8 @@ def environment(
     so a model that does not box its answers yet gets a signal; the eval metric, bound without
     kwargs, stays strict."""
     out: list[float | None] = []
-    for completion, source in zip(completions, env_source):
+    labels = columns.get("environment") or [None] * len(completions)
+    for completion, source, name in zip(completions, env_source, labels):
         if not source:
             out.append(None)
             continue
@@ -98,8 +107,25 @@ def environment(
             log.warning(
                 "environment %s failed to score a completion: %s: %s", source.get("dataset"), type(err).__name__, err
             )
+            LAST_ERROR[str(name or source.get("dataset"))] = f"{type(err).__name__}: {err}"
             out.append(None)
     return out
+
+
+def error_share_problem(specs, metrics: dict[str, float], round_: int) -> str | None:
+    """Why the run must stop: an environment whose verifier failed on more than its
+    `max_error_share` of the round's completions (None: none did)."""
+    for spec in specs:
+        name = label(spec)
+        errors, n = metrics.get(f"env/{name}/errors", 0.0), metrics.get(f"env/{name}/completions", 0.0)
+        if n and errors / n > spec.max_error_share:
+            cause = LAST_ERROR.get(name, "see the warnings above")
+            return (
+                f"environment '{name}' failed to score {errors:.0f} of its {n:.0f} completions in round {round_} "
+                f"(more than its max_error_share {spec.max_error_share:g}); its last error: {cause}. Those were "
+                "not trained on; fix the environment, then resume=auto continues from the last checkpoint"
+            )
+    return None
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

@@ -24,6 +24,7 @@ from plait import comm
 from plait.checkpoint import save_checkpoint, wait_for_saves
 from plait.config import Config, ConfigError, resolve_backend, validate
 from plait.data import data_problems
+from plait.envs import EnvironmentFailed, error_share_problem
 from plait.evaluate import evaluate
 from plait.rewards.runner import BoundReward, call_rewards, reward_inputs
 from plait.telemetry.advice import health_notes, suggestion
@@ -180,6 +181,9 @@ def log_round(run: Run, round_: int, out: RoundResult) -> None:
     metrics.update(run.meter.measure(flops, metrics.pop("tokens/processed"), times))
     run.sink.log(round_, metrics)
     run.result.history.append(metrics)
+    failing = error_share_problem(cfg.environments, metrics, round_)
+    if failing:  # every process sees the same gathered counts, so all stop here
+        raise EnvironmentFailed(failing)
     hashes = gather_hashes(out.hashes)
     if comm.is_main():
         with (run.run_dir / "hashes.jsonl").open("a") as f:

@@ -87,3 +87,69 @@ def test_an_asynchronous_run_scores_with_the_environment(tiny_model_path, prompt
     history = train(cfg).history
     assert len(history) == 2
     assert all(sum(m.get(f"env/{e}/completions", 0) for e in ("basic_arithmetic", "legs")) == 8 for m in history)
+
+
+def _broken_verifier(monkeypatch):
+    """basic_arithmetic's verifier raises on any answer but the reference, as a buggy
+    environment would that still passes `plait check` (fault injection)."""
+    from reasoning_gym.arithmetic.basic_arithmetic import BasicArithmeticDataset
+
+    right = BasicArithmeticDataset.score_answer
+
+    def score_answer(self, answer, entry):
+        if answer != entry["answer"]:
+            raise RuntimeError("the verifier crashed")
+        return right(self, answer, entry)
+
+    monkeypatch.setattr(BasicArithmeticDataset, "score_answer", score_answer)
+
+
+def test_verifier_failures_are_left_out_and_counted_below_the_limit(
+    tiny_model_path, prompts_jsonl, tmp_path, monkeypatch
+):
+    _broken_verifier(monkeypatch)
+    mixture = MIXTURE.replace("size: 40, eval_size: 6},", "size: 40, eval_size: 6, max_error_share: 1.0},", 1)
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tiny_model_path,
+            prompts_jsonl,
+            tmp_path / "run",
+            "data.path=null",
+            "data.eval_path=null",
+            mixture,
+            "train.max_steps=2",
+            # the tiny model never writes the asked format: its last words go to the verifier
+            "rewards=[{name: environment, kwargs: {unformatted_credit: 0.5}}, "
+            "{name: 'plait_test_rewards:vowel_share'}]",
+        ),
+    )
+    history = train(cfg).history
+    for m in history:
+        assert m.get("env/basic_arithmetic/errors", 0) == m.get("env/basic_arithmetic/completions", 0)
+        assert m.get("env/legs/errors", 0) == 0
+    assert sum(m.get("env/basic_arithmetic/errors", 0) for m in history) > 0
+
+
+def test_a_verifier_failing_past_its_limit_stops_the_run_with_its_message(
+    tiny_model_path, prompts_jsonl, tmp_path, monkeypatch, capsys
+):
+    from plait.cli import main
+
+    _broken_verifier(monkeypatch)
+    out = tmp_path / "run"
+    env = "{type: reasoning_gym, dataset: basic_arithmetic, size: 20, eval_size: 4}"
+    opts = tiny_overrides(
+        tiny_model_path,
+        prompts_jsonl,
+        out,
+        "data.path=null",
+        "data.eval_path=null",
+        f"environments=[{env}]",
+        "rewards=[{name: environment, kwargs: {unformatted_credit: 0.5}}]",
+        "checkpoint.save_steps=1",
+    )
+    assert main(["train", *sum((["--set", o] for o in opts), [])]) == 2
+    err = capsys.readouterr().err
+    assert "environment 'basic_arithmetic' failed to score 8 of its 8 completions in round 1" in err
+    assert "RuntimeError: the verifier crashed" in err and "resume=auto" in err
