@@ -9,6 +9,11 @@ costs); `train` is the policy-update part of it. Peak memory is each process's p
 or peak CUDA allocation (GPU), from RUN_DIR/cluster.json. On a CPU with few cores the
 processes share them, so distributed runs are *slower* there: the bench then shows what each
 backend costs in memory and overhead, not a speed-up.
+
+With --packing both, each backend runs twice, with each group packed into one row
+(train.shared_prompt_pass=true, the default) and with padded rows (false); `train tok/s` is the
+completion tokens trained per second of the policy update (tokens/s_train), and the last
+column the packed run's gain over the padded one.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ def run(name: str, extra: list[str], args, root: Path) -> dict:
         "processes": len(procs),
         "step_s": statistics.fmean(m["time/step"] for m in steps),
         "train_s": statistics.fmean(m["time/train"] for m in steps),
+        "train_tokens_per_s": statistics.fmean(m["tokens/s_train"] for m in steps),
         "generate_s": statistics.fmean(m["time/generate"] for m in steps),
         "params_per_process_M": procs[0]["params_local"] / 1e6,
         "peak_mb_per_process": max(p[mem_key] for p in procs),
@@ -82,20 +88,36 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="OMP threads per process")
     ap.add_argument("--only", nargs="*", default=list(BACKENDS))
+    ap.add_argument(
+        "--packing", choices=["on", "off", "both"], default="on", help="groups packed into one row (shared_prompt_pass)"
+    )
     args = ap.parse_args()
+    packings = {"on": [True], "off": [False], "both": [True, False]}[args.packing]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only:
-            rows.append(run(name, BACKENDS[name], args, Path(tmp)))
-            print(json.dumps(rows[-1]), flush=True)
+            for packed in packings:
+                extra = [*BACKENDS[name], f"train.shared_prompt_pass={str(packed).lower()}"]
+                row = run(f"{name}-{'packed' if packed else 'padded'}", extra, args, Path(tmp))
+                rows.append({**row, "backend": name, "packed": packed})
+                print(json.dumps(rows[-1]), flush=True)
     labels = {"peak_rss_mb": "peak RSS per process (MB)", "peak_cuda_mb": "peak CUDA memory per process (MB)"}
     label = labels[rows[0]["memory"]]
-    print(f"\n| backend | processes | step s | train s | generate s | params/process (M) | {label} |")
-    print("|---|---|---|---|---|---|---|")
+    padded = {r["backend"]: r for r in rows if not r["packed"]}
+    head = ["backend", "rows", "processes", "step s", "train s", "train tok/s", "generate s", "params/process (M)"]
+    print("\n| " + " | ".join([*head, label, "packed / padded tok/s"]) + " |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        gain = (
+            r["train_tokens_per_s"] / padded[r["backend"]]["train_tokens_per_s"]
+            if r["packed"] and r["backend"] in padded
+            else None
+        )
+        gain = "" if gain is None else f"{gain:.2f}x"
         print(
-            f"| {r['backend']} | {r['processes']} | {r['step_s']:.1f} | {r['train_s']:.1f} | {r['generate_s']:.1f} | "
-            f"{r['params_per_process_M']:.1f} | {r['peak_mb_per_process']:.0f} |"
+            f"| {r['backend']} | {'packed' if r['packed'] else 'padded'} | {r['processes']} | {r['step_s']:.1f} | "
+            f"{r['train_s']:.1f} | {r['train_tokens_per_s']:.0f} | {r['generate_s']:.1f} | "
+            f"{r['params_per_process_M']:.1f} | {r['peak_mb_per_process']:.0f} | {gain} |"
         )
 
 

@@ -212,19 +212,27 @@ def packed_group_logprobs(
     runs: list[int],
     temperature: float = 1.0,
     with_entropy: bool | str = False,
+    through_forward: bool = False,
 ):
     """completion_logprobs with each group packed into one row (pack_groups): a group's prompt
     goes through the model once and no padding goes through it at all, forward and backward;
     the output head runs only where a completion token is predicted. [B, C] out, zeros at
-    padding (as the masked loss ignores them)."""
+    padding (as the masked loss ignores them).
+
+    through_forward: call the model's own forward (a DDP, FSDP2 or ZeRO wrapper, whose hooks
+    pair one forward with one backward and gather sharded weights) rather than its decoder and
+    output head apart; the head then also runs on the positions between the earliest predicting
+    one and the row's end."""
     packed = pack_groups(input_ids, attention_mask, prompt_len, runs)
     dtype = next(model.parameters()).dtype
     bias = torch.zeros(packed.allowed.shape, dtype=dtype, device=input_ids.device)
     bias = bias.masked_fill(~packed.allowed, torch.finfo(dtype).min)
-    hidden = model.get_decoder()(
-        input_ids=packed.input_ids, attention_mask=bias, position_ids=packed.position_ids, use_cache=False
-    ).last_hidden_state
-    logits = model.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1])[packed.source])
+    inputs = {"input_ids": packed.input_ids, "attention_mask": bias, "position_ids": packed.position_ids}
+    if through_forward:
+        logits = _packed_logits_by_forward(model, inputs, packed)
+    else:
+        hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+        logits = model.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1])[packed.source])
     logits = scale_logits(logits, temperature)
     out = selective_log_softmax(logits, packed.targets, chunk=512, with_entropy=with_entropy)
     shape = (input_ids.shape[0], input_ids.shape[1] - prompt_len)
@@ -234,6 +242,17 @@ def packed_group_logprobs(
         return zeros.index_put((packed.rows, packed.cols), values)
 
     return (place(out[0]), place(out[1])) if with_entropy else place(out)
+
+
+def _packed_logits_by_forward(model, inputs: dict, packed: PackedGroups) -> torch.Tensor:
+    """[N, V] logits at the packed rows' predicting positions, from the model's forward with
+    logits_to_keep = the positions from the earliest predicting one on."""
+    width = packed.input_ids.shape[1]
+    group, pos = packed.source // width, packed.source % width
+    first = int(pos.min())
+    keep = torch.arange(first, width, device=pos.device)
+    logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits  # [G, width - first, V]
+    return logits.reshape(-1, logits.shape[-1])[group * (width - first) + pos - first]
 
 
 def _spread(t: torch.Tensor, runs: list[int]) -> torch.Tensor:

@@ -489,9 +489,9 @@ class TrainConfig(Section):
     shared_prompt_pass: bool = Field(
         True,
         description="Run each group's prompt through the model once for all its completions, forward and "
-        "backward: each group packed into one row (prompt, then its completions, no padding; a KV cache handed on "
-        "for models with scaled logits); applies to backend local without gradient checkpointing, others run every "
-        "padded row whole.",
+        "backward: each group packed into one row (prompt, then its completions, no padding), under every backend "
+        "(DDP, FSDP2, ZeRO through their own forward); models with scaled logits get a KV cache handed on instead "
+        "on backend local, padded rows elsewhere. Off with gradient checkpointing.",
     )
     retain_host_memory: bool = Field(
         True,

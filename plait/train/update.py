@@ -42,35 +42,48 @@ from plait.train.hashes import RoundHashes
 from plait.types import Batch, Group
 
 
-def shares_prompts(cfg, backend: Backend) -> bool:
-    """Whether a group's prompt goes through the model once for all its completions: the
-    backend must allow it, and activation checkpointing must be off (it recomputes without a
-    KV cache)."""
-    return cfg.train.shared_prompt_pass and backend.shares_prompt_pass and not cfg.model.gradient_checkpointing
+def prompt_sharing(cfg, backend: Backend) -> str | None:
+    """How a group's prompt goes through the model once for all its completions: "parts" (a
+    plain model in one process: the group packed into one row through the decoder and output
+    head apart, or a KV-cached prompt pass), "forward" (DDP, FSDP2, ZeRO: packed, through the
+    wrapper's own forward, whose hooks pair one forward with one backward), or None
+    (train.shared_prompt_pass off, or activation checkpointing, which recomputes without it)."""
+    if not cfg.train.shared_prompt_pass or cfg.model.gradient_checkpointing:
+        return None
+    return "parts" if backend.shares_prompt_pass else "forward"
 
 
-def sequence_logprobs(model, mb: Batch, temperature: float, with_entropy: bool | str = False, shared: bool = False):
-    """[B, C] completion log-probs (and entropies) of a micro-batch; with `shared`, rows with
-    the same prompt share one prompt pass, and (where the model allows) each group is packed
-    into one row without padding (same numbers to float rounding, fewer FLOPs)."""
-    if shared:
+def sequence_logprobs(
+    model, mb: Batch, temperature: float, with_entropy: bool | str = False, sharing: str | None = None
+):
+    """[B, C] completion log-probs (and entropies) of a micro-batch; with `sharing`, each group
+    is packed into one row without padding where the model allows (same numbers to float
+    rounding, fewer FLOPs), else (a plain model only) its rows share one prompt pass."""
+    if sharing:
         runs = prompt_runs(mb.input_ids, mb.attention_mask, mb.prompt_len)
-        if can_pack(model):  # one row per group, no padding at all
+        if can_pack(getattr(model, "module", model)):  # one row per group, no padding at all
             return packed_group_logprobs(
-                model, mb.input_ids, mb.attention_mask, mb.prompt_len, runs, temperature, with_entropy
+                model,
+                mb.input_ids,
+                mb.attention_mask,
+                mb.prompt_len,
+                runs,
+                temperature,
+                with_entropy,
+                through_forward=sharing == "forward",
             )
-        if len(runs) < len(mb) and mb.prompt_len > 1:  # a 1-token prompt has nothing to share
+        if sharing == "parts" and len(runs) < len(mb) and mb.prompt_len > 1:  # a 1-token prompt shares nothing
             return shared_prompt_logprobs(
                 model, mb.input_ids, mb.attention_mask, mb.prompt_len, runs, temperature, with_entropy
             )
     return completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature, with_entropy)
 
 
-def reference_logprobs(model, ref_model, mb: Batch, temperature: float, shared: bool = False) -> torch.Tensor:
+def reference_logprobs(model, ref_model, mb: Batch, temperature: float, sharing: str | None = None) -> torch.Tensor:
     """log-probs under the reference: a separate copy, or the base model under LoRA."""
     ctx = model.disable_adapter() if ref_model is None else nullcontext()
     with ctx:
-        return sequence_logprobs(ref_model or model, mb, temperature, shared=shared)
+        return sequence_logprobs(ref_model or model, mb, temperature, sharing=sharing)
 
 
 @torch.no_grad()
@@ -89,16 +102,16 @@ def logprob_prepass(batch: Batch, cfg, backend: Backend) -> int:
     temperature = cfg.rollout.temperature or 1.0
     old = torch.zeros_like(batch.completion_mask, dtype=torch.float32)
     ref = torch.zeros_like(old)
-    shared = shares_prompts(cfg, backend)
+    sharing = prompt_sharing(cfg, backend)
     size = cfg.train.micro_batch_size
     for start, mb in zip(range(0, len(batch), size), micro_batches(batch, size)):
         mb = mb.to(backend.device)
         rows, cols = slice(start, start + len(mb)), slice(0, mb.completion_mask.shape[1])
         with backend.autocast():
             if need_old:
-                old[rows, cols] = sequence_logprobs(model, mb, temperature, shared=shared).float().cpu()
+                old[rows, cols] = sequence_logprobs(model, mb, temperature, sharing=sharing).float().cpu()
             if a.beta > 0:
-                ref[rows, cols] = reference_logprobs(model, ref_model, mb, temperature, shared).float().cpu()
+                ref[rows, cols] = reference_logprobs(model, ref_model, mb, temperature, sharing).float().cpu()
     batch.old_logprobs = old if need_old else None
     batch.ref_logprobs = ref if a.beta > 0 else None
     return int(need_old) + int(a.beta > 0)
@@ -158,7 +171,7 @@ def train_micro_batch(
     with_entropy = True if a.top_entropy_quantile < 1 or a.entropy_coeff > 0 else "logged"
     with backend.autocast():
         logp, entropy = sequence_logprobs(
-            model, mb, cfg.rollout.temperature or 1.0, with_entropy, shares_prompts(cfg, backend)
+            model, mb, cfg.rollout.temperature or 1.0, with_entropy, prompt_sharing(cfg, backend)
         )
     logp, entropy = logp.float(), entropy.float()
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()  # one pass: ratio is exactly 1

@@ -1,6 +1,7 @@
 """The telemetry's pieces: FLOPs model against torch's own FLOP counter, device peaks, phase
 timing, memory, the end-of-run suggestion."""
 
+import functools
 import json
 import time
 
@@ -142,10 +143,11 @@ def test_shared_prompt_pass_flops_match_the_group_cost_model(tiny):
     assert cost.train_groups([p], [[c] * n]) < 0.8 * cost.train([p + c] * n)
 
 
-@pytest.mark.parametrize("way", ["shared_cache", "packed"])
+@pytest.mark.parametrize("way", ["shared_cache", "packed", "packed_forward"])
 def test_shared_prompt_pass_gives_the_plain_log_probs_and_gradients(tiny, way):
     """Two groups with prompts of different lengths (left padding) and ragged completions:
-    sharing each prompt's pass (a KV cache handed on, or each group packed into one row)
+    sharing each prompt's pass (a KV cache handed on, or each group packed into one row, through
+    the decoder and head apart or through the model's own forward as DDP/FSDP2/ZeRO need)
     changes nothing but float rounding, forward and backward, entropies included."""
     from plait.algo.logprobs import completion_logprobs, packed_group_logprobs, prompt_runs, shared_prompt_logprobs
 
@@ -161,7 +163,11 @@ def test_shared_prompt_pass_gives_the_plain_log_probs_and_gradients(tiny, way):
     runs = prompt_runs(ids, mask, p)
     assert runs == [4, 3]
     real = mask[:, p:].bool()
-    fn = shared_prompt_logprobs if way == "shared_cache" else packed_group_logprobs
+    fn = {
+        "shared_cache": shared_prompt_logprobs,
+        "packed": packed_group_logprobs,
+        "packed_forward": functools.partial(packed_group_logprobs, through_forward=True),
+    }[way]
     plain, plain_ent = completion_logprobs(model, ids, mask, p, temperature=0.7, with_entropy=True)
     shared, shared_ent = fn(model, ids, mask, p, runs, temperature=0.7, with_entropy=True)
     torch.testing.assert_close(shared[real], plain[real], rtol=1e-5, atol=1e-5)
