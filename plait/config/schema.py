@@ -244,6 +244,12 @@ class RolloutConfig(Section):
         "when a round's generation starts (faster decoding matmuls, for one extra copy of the weights while "
         "generating).",
     )
+    lora_push: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="With model.lora and generation in another process (engine hf with max_staleness > 0, a rollout "
+        "server): send the engine the adapter alone each round (it adds B @ A x scale to its base copy), or the "
+        "merged weights. Engines that can't take an adapter (vLLM) get merged weights either way.",
+    )
     two_stage: TwoStageConfig | None = Field(
         None,
         description="Sample a few candidates per prompt first; spend the rest of the group only on prompts "

@@ -24,7 +24,7 @@ from dataclasses import asdict
 import torch
 
 from plait.rollout import replica
-from plait.rollout.weights import TensorMeta, receive_buckets, weight_group
+from plait.rollout.weights import TensorMeta, adapter_part, apply_adapter, receive_buckets, weight_group
 from plait.types import Prompt, SamplingParams
 
 
@@ -42,9 +42,13 @@ class HFReplica:
         self.group = None
         self.engine = None
         self.failed: str | None = None
+        # LoRA pushes: the base weights an adapter is added to (copied at the first such push, while
+        # the model still holds what it loaded), and the weights a whole push has overwritten since
+        self.base: dict[str, torch.Tensor] = {}
+        self.overwritten: set[str] = set()
 
     def describe(self) -> dict:
-        return dict(tensor_parallel_size=1, model=self.spec["model"], engine="hf")
+        return dict(tensor_parallel_size=1, model=self.spec["model"], engine="hf", adapters=True)
 
     def limits(self) -> tuple[int, int]:
         """(longest prompt + completion, vocabulary size) of the served model."""
@@ -112,9 +116,17 @@ class HFReplica:
 
     async def receive(self, metas: list, buckets: list, version: int) -> None:
         metas_ = [TensorMeta(n, d, tuple(s)) for n, d, s in metas]
-        unknown = [m.name for m in metas_ if m.name not in self.params]
+        targets = [(adapter_part(m.name) or (m.name,))[0] for m in metas_]
+        unknown = [n for n in targets if n not in self.params]
         if unknown:
             raise ValueError(f"weights the model does not have: {unknown[:5]} (is it the trainer's model?)")
+        adapted = {n for m, n in zip(metas_, targets) if adapter_part(m.name)}
+        lost = sorted(adapted & self.overwritten - set(self.base))
+        if lost:
+            raise ValueError(
+                f"a LoRA adapter for {lost[0]}, whose base weights a whole push has overwritten since this server "
+                "started: restart the server (or set rollout.lora_push=merged)"
+            )
         if not self.inflight:  # the gate holds generation back: load in place
             await asyncio.to_thread(self._receive_into, metas_, buckets, None)
             self.version = version
@@ -127,13 +139,26 @@ class HFReplica:
             self._current_version()
 
     def _receive_into(self, metas: list[TensorMeta], buckets: list, staged: dict | None) -> None:
+        adapters: dict[str, dict[str, torch.Tensor]] = {}
         with torch.no_grad():
             for bucket in receive_buckets(self.group, metas, buckets, self.device):
                 for name, t in bucket:
+                    part = adapter_part(name)
+                    if part is not None:
+                        adapters.setdefault(part[0], {})[part[1]] = t
+                        continue
+                    self.overwritten.add(name)
                     if staged is None:
                         self.params[name].copy_(t)
                     else:
                         staged[name] = t  # a view of this bucket's own buffer: no copy needed
+            for name, parts in adapters.items():
+                base = self.base.setdefault(name, self.params[name].detach().clone())
+                merged = apply_adapter(base, parts)
+                if staged is None:
+                    self.params[name].copy_(merged)
+                else:
+                    staged[name] = merged
 
     def _current_version(self) -> int:
         """Between two decoding steps (in-flight mode): swap in weights that arrived."""

@@ -29,7 +29,16 @@ import torch
 from plait import comm
 from plait.models import pad_id_of
 from plait.rollout.vllm_engine import sampling_dict, to_completion
-from plait.rollout.weights import full_weights, metas_of, plan_buckets, send_buckets, weight_group
+from plait.rollout.weights import (
+    adapter_part,
+    adapter_weights,
+    full_weights,
+    metas_of,
+    plan_buckets,
+    pushes_adapters,
+    send_buckets,
+    weight_group,
+)
 from plait.types import Completion, Prompt, SamplingParams
 
 
@@ -92,6 +101,13 @@ def _resume_hint(own_process: bool = False) -> str:
     )
 
 
+def remote_engine(engine):
+    """The RemoteEngine under `engine` (a ToolEngine wraps one), or None."""
+    while engine is not None and not isinstance(engine, RemoteEngine):
+        engine = getattr(engine, "engine", None)
+    return engine
+
+
 class RemoteEngine:
     def __init__(
         self,
@@ -136,6 +152,7 @@ class RemoteEngine:
         self.group = None
         self.pool = ThreadPoolExecutor(max(2, len(self.urls)))
         self._last_sync: dict[str, float] = {}  # metrics of the last weights_for_step: stats()
+        self.lora_push = cfg.rollout.lora_push
 
     # -------------------------------------------------------------- HTTP
 
@@ -206,9 +223,11 @@ class RemoteEngine:
         self._last_sync = {}
         if needed:
             # every process: gathering sharded weights (FSDP2's full_tensor) is a collective
-            with self.view() as model, full_weights(model) as weights:
-                if comm.is_main():
-                    self.push_weights(weights, version, healths)
+            with self.view() as model:
+                adapters = comm.broadcast_object(self.takes_adapter(model, healths) if comm.is_main() else None)
+                with (adapter_weights if adapters else full_weights)(model) as weights:
+                    if comm.is_main():
+                        self.push_weights(weights, version, healths)
             comm.barrier()  # nobody generates before the servers hold the new weights
         self.version = version
         return contextlib.nullcontext()
@@ -239,8 +258,17 @@ class RemoteEngine:
         gb = nbytes / 1e9
         self._last_sync = {
             "weight_sync/gb": gb,
+            "weight_sync/adapter": float(any(adapter_part(n) for n, _ in weights)),
             "weight_sync/seconds_per_gb": (time.perf_counter() - t0) / max(1e-9, gb),
         }
+
+    def takes_adapter(self, model, healths: list[dict] | None = None) -> bool:
+        """Training rank 0: does this push send `model`'s LoRA adapter alone? rollout.lora_push
+        says so, the model's only trained weights are its adapter's, and every replica can
+        apply one (the HF engine can; vLLM's servers get merged weights)."""
+        if self.lora_push != "adapter" or not pushes_adapters(model):
+            return False
+        return all(h.get("adapters") for h in (healths if healths is not None else self._healths()))
 
     def stats(self) -> dict[str, float]:
         """The last weights_for_step's broadcast: gigabytes sent and seconds per gigabyte (on
@@ -272,7 +300,9 @@ class RemoteEngine:
         self.group = group.result()
 
     def _push(self, weights: list[tuple[str, torch.Tensor]], version: int) -> int:
-        weights = [(n, t.to(self.dtype)) for n, t in weights]  # the engine's dtype: half the bytes in bf16
+        # the engine's dtype (half the bytes in bf16); an adapter's factors stay as trained, so the
+        # engine's merge computes what the trainer's would
+        weights = [(n, t if adapter_part(n) else t.to(self.dtype)) for n, t in weights]
         metas = metas_of(weights)
         buckets = plan_buckets(metas, self.settings.sync_bucket_mb * 2**20)
         body = dict(version=version, metas=[[m.name, m.dtype, list(m.shape)] for m in metas], buckets=buckets)

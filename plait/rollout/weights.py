@@ -91,6 +91,59 @@ def full_weights(model) -> Iterator[list[tuple[str, torch.Tensor]]]:
         yield out
 
 
+# the parts of one adapted layer an adapter push sends, after the base weight's checkpoint name
+ADAPTER_PARTS = ("lora_A", "lora_B", "lora_scaling")
+
+
+def adapter_part(name: str) -> tuple[str, str] | None:
+    """(base weight name, part) of an adapter push's tensor name, or None for a plain weight."""
+    base, _, part = name.rpartition(":")
+    return (base, part) if base and part in ADAPTER_PARTS else None
+
+
+def pushes_adapters(model) -> bool:
+    """Can the engine get this model as its LoRA adapter alone? A peft model with one active
+    LoRA adapter, plain (no DoRA, no fan_in_fan_out), whose every trained weight is in it
+    (no modules_to_save): everything else is the base the engine loaded."""
+    config = getattr(model, "peft_config", None)
+    if not config or len(config) != 1:
+        return False
+    (c,) = config.values()
+    if getattr(c, "use_dora", False) or getattr(c, "fan_in_fan_out", False) or getattr(c, "modules_to_save", None):
+        return False
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    return bool(trained) and all(".lora_A." in n or ".lora_B." in n for n in trained)
+
+
+@contextlib.contextmanager
+def adapter_weights(model) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The LoRA adapter alone (pushes_adapters must hold): for each adapted layer, its A and B
+    (in the trainer's dtype) and its scale, named `<base weight's checkpoint name>:<part>`. The
+    engine adds (B @ A) x scale to its own copy of the base, as peft's get_delta_weight does, so
+    it holds what full_weights would have sent."""
+    from peft.tuners.lora import LoraLayer
+
+    out = []
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if not isinstance(m, LoraLayer):
+                continue
+            for a in (a for a in m.active_adapters if a in m.lora_A):
+                base = _peft_name(f"{name}.base_layer.weight")
+                A, B = (w.detach() for w in (m.lora_A[a].weight, m.lora_B[a].weight))
+                A, B = (w.full_tensor() if hasattr(w, "full_tensor") else w for w in (A, B))
+                out += [(f"{base}:lora_A", A), (f"{base}:lora_B", B)]
+                out.append((f"{base}:lora_scaling", torch.tensor([float(m.scaling[a])], dtype=torch.float64)))
+        yield out
+
+
+def apply_adapter(base: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """base + (B @ A) x scale, in the adapter's dtype (peft's get_delta_weight for a Linear),
+    cast to the base's dtype."""
+    delta = (parts["lora_B"] @ parts["lora_A"]) * float(parts["lora_scaling"])
+    return (base.to(delta.dtype) + delta).to(base.dtype)
+
+
 def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[list[int]]:
     """Indices of `metas` grouped into buckets of one dtype and at most `bucket_bytes` each
     (a tensor larger than that gets a bucket of its own). Order within a dtype is kept."""

@@ -33,7 +33,8 @@ import torch
 
 from plait import comm
 from plait.data import PromptOrder
-from plait.rollout.weights import full_weights
+from plait.rollout.remote import remote_engine
+from plait.rollout.weights import adapter_part, adapter_weights, full_weights
 from plait.telemetry import PhaseTimer
 from plait.train.sampling import Sampler, SamplingStats
 from plait.types import Group
@@ -310,6 +311,7 @@ class AsyncRollouts:
         self.taken_consumed: list[int] | None = None  # data positions after the last round taken
         self.close_engine = None
         self.dtype = torch.bfloat16 if run.cfg.train.precision == "bf16" else torch.float32
+        self.adapters: bool | None = None  # does each push send the LoRA adapter alone (decided at the first)
 
     def load_state(self, state: SourceState) -> None:
         self.restored = (state.ahead, state.consumed)
@@ -361,10 +363,17 @@ class AsyncRollouts:
 
     def _publish(self, version: int) -> None:
         # every process: gathering sharded weights (FSDP2's full_tensor) is a collective
-        with self.run.backend.for_generation() as model, full_weights(model) as weights:
-            if comm.is_main():
-                copy = [(n, t.detach().to("cpu", self.dtype, copy=True)) for n, t in weights]
-                self.producer.publish(version, copy)
+        with self.run.backend.for_generation() as model:
+            if self.adapters is None:
+                engine = remote_engine(self.producer.engine) if comm.is_main() else None
+                self.adapters = comm.broadcast_object(engine is not None and engine.takes_adapter(model))
+            with (adapter_weights if self.adapters else full_weights)(model) as weights:
+                if comm.is_main():  # an adapter's factors keep their dtype: the engine merges them as trained
+                    copy = [
+                        (n, t.detach().to("cpu", t.dtype if adapter_part(n) else self.dtype, copy=True))
+                        for n, t in weights
+                    ]
+                    self.producer.publish(version, copy)
 
     def state(self, round_: int) -> SourceState:
         """For a checkpoint after round `round_`: the rounds generated for round_+1 .. round_+k,

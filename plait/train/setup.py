@@ -25,6 +25,7 @@ from plait.plan import BatchPlan
 from plait.rewards import uses_sandbox
 from plait.rewards.runner import BoundReward, bind_metric, bind_rewards, close_rewards
 from plait.rollout import RolloutEngine, ahead_of_trainer, generation_site, make_engine, make_generator
+from plait.rollout.weights import pushes_adapters
 from plait.sandbox.box import Sandbox
 from plait.telemetry import MetricsSink, PhaseTimer
 from plait.telemetry.flops import device_peak, model_cost
@@ -204,6 +205,10 @@ def build_run(
     else:
         engine = make_engine(cfg, backend.module, tokenizer, view=backend.for_generation, device=backend.device)
 
+    note = lora_push_note(cfg, backend.module)
+    if note:
+        say(note)
+
     def generator():
         engine, close = make_generator(cfg, tokenizer, backend.device)
         return tools.wrap(engine), close
@@ -252,6 +257,22 @@ def _in_process(cfg: Config) -> Config:
     cfg.rollout.engine = "hf"
     cfg.rollout.generation_process = False
     return cfg
+
+
+def lora_push_note(cfg: Config, model) -> str | None:
+    """What a LoRA run sends a generation engine in another process each round."""
+    site = generation_site(cfg)
+    if cfg.model.lora is None or site == "trainer":
+        return None
+    if site == "server":  # vLLM's servers
+        return "LoRA: rollout servers get merged weights each round (vLLM's own LoRA loading is not used)"
+    if cfg.rollout.lora_push == "merged":
+        return "LoRA: the generation process gets merged weights each round (rollout.lora_push=merged)"
+    if not pushes_adapters(model):
+        return "LoRA: the generation process gets merged weights each round (weights beyond the adapter are trained)"
+    size = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.requires_grad)
+    shown = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
+    return f"LoRA: the generation process gets the adapter alone each round ({shown})"
 
 
 def seed_everything(seed: int) -> None:
