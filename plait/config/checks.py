@@ -476,7 +476,7 @@ def check_environments(cfg: Config, env: Env) -> list[str]:
         return []
     from plait.envs import environment_problems
 
-    return environment_problems(cfg.environments, cfg.seed)
+    return environment_problems(cfg.environments, cfg.seed, bool(_evaluating(cfg)))
 
 
 def check_data_files(cfg: Config, env: Env) -> list[str]:

@@ -55,14 +55,16 @@ def environment_rows(specs, split: str, seed: int, system_prompt: str | None) ->
     return out
 
 
-def environment_problems(specs, seed: int) -> list[str]:
-    """`plait check`: each environment builds a row and scores its own answer, offline."""
+def environment_problems(specs, seed: int, evaluating: bool = False) -> list[str]:
+    """`plait check`: each environment builds a row and scores its own answer, offline (and,
+    when the run evaluates, has held-out problems)."""
     out = []
     labels = [label(s) for s in specs]
     if len(set(labels)) != len(labels):
         out.append(f"environments: labels must differ, got {labels}; give the entries different `name`s")
-    for spec in specs:
-        out += TYPES[spec.type].problems(spec, label(spec), seed if spec.seed is None else spec.seed)
+    for spec, size in zip(specs, train_sizes(specs)):
+        own = seed if spec.seed is None else spec.seed
+        out += TYPES[spec.type].problems(spec, label(spec), own, size, evaluating)
     return out
 
 

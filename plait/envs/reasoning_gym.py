@@ -90,9 +90,10 @@ def score(source: dict, text: str) -> float:
     return 0.0 if answer is None else score_answer(source, answer)
 
 
-def problems(spec, label: str, seed: int) -> list[str]:
+def problems(spec, label: str, seed: int, train_size: int, evaluating: bool) -> list[str]:
     """What `plait check` finds before a model loads: an unknown dataset or option, entries
-    without a reference answer, a verifier that does not give its own answer full marks."""
+    without a reference answer, a verifier that does not give its own answer full marks, no
+    held-out problem left once those also in training are dropped."""
     try:
         import reasoning_gym  # noqa: F401
         from reasoning_gym.factory import DATASETS
@@ -127,6 +128,12 @@ def problems(spec, label: str, seed: int) -> list[str]:
         return [
             f"environments: '{label}': '{spec.dataset}' scores its own reference answer {full:g}, not 1, with "
             f"answer_format={spec.answer_format}; try the other answer_format"
+        ]
+    if evaluating and not rows(spec, label, "eval", seed, train_size):
+        return [
+            f"environments: '{label}': none of its {spec.eval_size} held-out problems is new: all are among its "
+            f"{train_size} training problems (a small problem space); widen its config, lower its size, or turn "
+            "evaluation off (eval.before/after=false)"
         ]
     return []
 

@@ -120,3 +120,13 @@ def test_unformatted_credit_scores_an_answer_outside_the_asked_format():
     assert environment(texts, [source] * 4) == [1.0, 0.0, 0.0, 0.0]  # strict: only the box counts
     # a boxed wrong answer earns no credit: the credit is for an answer not yet in the format
     assert environment(texts, [source] * 4, unformatted_credit=0.5) == [1.0, 0.5, 0.0, 0.0]
+
+
+def test_an_environment_without_a_new_held_out_problem_is_refused_when_evaluating():
+    small = "{type: reasoning_gym, dataset: leg_counting, config: {min_animals: 1, max_animals: 1, max_instances: 2}"
+    text = _problems(f"environments=[{small}, size: 300}}]", "eval.after=true")
+    assert "none of its 50 held-out problems is new" in text and "widen its config" in text
+    validate(
+        load_config(None, [f"environments=[{small}, size: 300}}]", "eval.before=false", "eval.after=false"]),
+        world_size=1,
+    )
