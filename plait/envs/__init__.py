@@ -48,9 +48,10 @@ def environment_rows(specs, split: str, seed: int, system_prompt: str | None) ->
     for spec, size in zip(specs, train_sizes(specs)):
         kind = TYPES[spec.type]
         rows = kind.rows(spec, label(spec), split, seed if spec.seed is None else spec.seed, size)
-        if system_prompt is None:
+        own = kind.system_prompt(spec) if system_prompt is None else None
+        if own:
             for row in rows:
-                row[SYSTEM_COLUMN] = kind.system_prompt(spec)
+                row[SYSTEM_COLUMN] = own
         out += rows
     return out
 

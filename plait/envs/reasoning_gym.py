@@ -14,8 +14,9 @@ import re
 from typing import Any
 
 
-# reasoning-gym's default system prompt asks for <answer> tags; with answer_format=boxed, this
-BOXED_PROMPT = "Solve the problem. Put only the final answer in \\boxed{}."
+# reasoning-gym's default system prompt asks for <answer> tags; with answer_format=boxed this
+# follows the question instead (small models follow an instruction in the user's turn better)
+BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
 # the eval split's seed: far from any train seed, so the two splits are drawn apart
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -32,9 +33,9 @@ def dataset(source: dict):
     return _dataset(source["dataset"], json.dumps(source["config"], sort_keys=True), source["seed"], source["size"])
 
 
-def system_prompt(spec) -> str:
+def system_prompt(spec) -> str | None:
     if spec.answer_format == "boxed":
-        return BOXED_PROMPT
+        return None
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
     return SYSTEM_PROMPTS["default"]
@@ -54,7 +55,8 @@ def rows(spec, label: str, split: str, seed: int, train_size: int) -> list[dict]
             continue
         out.append(
             {
-                "prompt": entry["question"],
+                "prompt": entry["question"].rstrip()
+                + (f"\n\n{BOXED_INSTRUCTION}" if spec.answer_format == "boxed" else ""),
                 "answer": None if entry["answer"] is None else str(entry["answer"]),
                 "environment": label,
                 "env_source": {"type": "reasoning_gym", **source, "index": i, "answer_format": spec.answer_format},

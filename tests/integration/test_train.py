@@ -131,6 +131,17 @@ def test_resume_after_a_crash_is_exact(tiny_model_path, prompts_jsonl, tmp_path)
     assert resumed_losses == straight_losses  # steps 1, 2 (before the crash) then 3, 4
 
 
+def test_a_lora_run_resumes_exactly(tiny_model_path, prompts_jsonl, tmp_path):
+    """LoRA: the adapter, its optimizer state and the data position come back; the resumed run
+    ends with the unbroken run's weights (the adapter merged in the final folder)."""
+    straight, crashed, result = crash_then_resume(tiny_model_path, prompts_jsonl, tmp_path, "model.lora={r: 4}")
+    assert len(result.history) == 2
+    a, b = final_weights(straight), final_weights(crashed)
+    start = load_file(str(tiny_model_path / "model.safetensors"))
+    assert any(not torch.equal(a[k], start[k]) for k in a if k in start)  # the adapter trained
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_existing_run_dir_is_not_overwritten(tiny_model_path, prompts_jsonl, tmp_path):
     out = tmp_path / "run"
     train(

@@ -35,8 +35,10 @@ def test_rows_are_seeded_and_rebuild_their_problem_where_scored():
         right = f"<answer>{row['answer']}</answer>" if fmt == "answer_tag" else f"so \\boxed{{{row['answer']}}}"
         scores = environment([right, "I don't know", "<answer>-12345</answer>"], [row["env_source"]] * 3)
         assert scores[:2] == [1.0, 0.0] and scores[2] < 1  # no answer: 0; a wrong one: the dataset's verdict
-    # each environment asks for its own answer format unless data.system_prompt is set
-    assert "<answer>" in rows[0][SYSTEM_COLUMN] and "\\boxed{}" in rows[25][SYSTEM_COLUMN]
+    # each environment asks for its own answer format: reasoning-gym's system prompt (unless
+    # data.system_prompt is set), or an instruction after the question
+    assert "<answer>" in rows[0][SYSTEM_COLUMN] and SYSTEM_COLUMN not in rows[25]
+    assert rows[25]["prompt"].endswith("Put the final answer in \\boxed{}.")
     own = load_config(None, [f"environments=[{ARITH}, size: 5}}]", "data.system_prompt=Be brief."])
     assert all(SYSTEM_COLUMN not in r for r in load_rows(own.data, "train", 0, own.environments))
 
