@@ -12,7 +12,7 @@ it also refuses import cycles and imports of another module's `_private` names.
   6      telemetry/                            timers, MFU, sinks, advice
   5      config/  data/  tools/                checked config; prompt sources; the tool loop
   4      rollout/                              engines, replicas, the rollout server
-  3      rewards/  evaluate  _reward_worker    reward registry, runner, math/format/code rewards
+  3      rewards/  envs/  evaluate  _reward_worker   rewards (registry, runner, built-ins); environments
   2      sandbox/  checkpoint                  fail-closed execution; atomic save/load
   1      algo/  models  plan  types  comm      pure functions, the data contract, collectives
 """

@@ -9,11 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from plait.data.tasks import TASKS, task_rows
+from plait.envs import SYSTEM_COLUMN, environment_rows
 from plait.types import Prompt
 
-
-# a row's own system prompt (environments set it), used when data.system_prompt is unset
-SYSTEM_COLUMN = "_system"
 
 __all__ = ["TASKS", "load_rows", "build_prompts", "PromptOrder", "DataError", "source_problem", "data_problems"]
 
@@ -152,8 +150,6 @@ def _chat_messages(value) -> bool:
 def load_rows(data_cfg, split: str, seed: int = 0, environments=None) -> list[dict]:
     """Rows for 'train' or 'eval' from the configured environments, task or files."""
     if environments:
-        from plait.envs import environment_rows
-
         rows = environment_rows(environments, split, seed, data_cfg.system_prompt)
         prompt, answer = data_cfg.prompt_field, data_cfg.answer_field or "answer"  # under the names the data says
         return [{prompt: r.pop("prompt"), answer: r.pop("answer"), **r} for r in rows]

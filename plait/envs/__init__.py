@@ -18,11 +18,12 @@ import logging
 import re
 from types import ModuleType
 
-from plait.data import SYSTEM_COLUMN
 from plait.envs import reasoning_gym
 
 
 TYPES: dict[str, ModuleType] = {"reasoning_gym": reasoning_gym}
+# a row's own system prompt (an environment's), used when data.system_prompt is unset
+SYSTEM_COLUMN = "_system"
 
 log = logging.getLogger(__name__)
 

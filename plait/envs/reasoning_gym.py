@@ -8,6 +8,7 @@ rearc) score wrong after a JSON round-trip of their entries.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import re
@@ -102,12 +103,11 @@ def problems(spec, label: str, seed: int, train_size: int, evaluating: bool) -> 
     except ImportError:
         return [f"environments: '{label}' needs reasoning-gym: pip install 'plait[envs]' (make setup installs it)"]
     if spec.dataset not in DATASETS:
-        from plait.config.load import did_you_mean
-
+        near = difflib.get_close_matches(spec.dataset, list(DATASETS), n=1)
         return [
-            f"environments: '{label}': reasoning-gym has no dataset '{spec.dataset}'"
-            f'{did_you_mean(spec.dataset, list(DATASETS))} (`python -c "import reasoning_gym.factory as f; '
-            'print(sorted(f.DATASETS))"` lists them)'
+            f"environments: '{label}': reasoning-gym has no dataset '{spec.dataset}'."
+            + (f" Did you mean '{near[0]}'?" if near else "")
+            + ' (`python -c "import reasoning_gym.factory as f; print(sorted(f.DATASETS))"` lists them)'
         ]
     try:
         first = rows(spec, label, "train", seed, 1)[0]
