@@ -462,16 +462,21 @@ def _algorithm(recipe, get, given, unmapped, out: Conversion) -> None:
         unmapped("use_adaptive_entropy", "plait's entropy bonus has a fixed coefficient")
     if get("use_bias_correction_kl", False):
         out.set("algo.kl_bias_correction", True)
+    _reference_sync(get, out)
+    if given("multi_objective_aggregation"):
+        out.set("algo.reward_aggregation", recipe["multi_objective_aggregation"])
+    if get("off_policy_mask_threshold") is not None:
+        unmapped("off_policy_mask_threshold", "plait has no off-policy sequence mask")
+
+
+def _reference_sync(get, out: Conversion) -> None:
+    """sync_ref_model's steps and mixing weight (read either way: they are known keys)."""
     if get("sync_ref_model", False):
         out.set("algo.ref_model_sync_steps", int(get("ref_model_sync_steps", 512)))
         out.set("algo.ref_model_mixup_alpha", float(get("ref_model_mixup_alpha", 0.6)))
     else:
         get("ref_model_sync_steps")
         get("ref_model_mixup_alpha")
-    if given("multi_objective_aggregation"):
-        out.set("algo.reward_aggregation", recipe["multi_objective_aggregation"])
-    if get("off_policy_mask_threshold") is not None:
-        unmapped("off_policy_mask_threshold", "plait has no off-policy sequence mask")
 
 
 def _rloo_algorithm(recipe, get, given, unmapped, out: Conversion) -> None:
@@ -500,12 +505,7 @@ def _rloo_algorithm(recipe, get, given, unmapped, out: Conversion) -> None:
         out.set("algo.mask_truncated_completions", recipe["mask_truncated_completions"])
     if given("reward_clip_range"):
         unmapped("reward_clip_range", "plait does not clip rewards; clamp inside the reward function")
-    if get("sync_ref_model", False):
-        out.set("algo.ref_model_sync_steps", int(get("ref_model_sync_steps", 512)))
-        out.set("algo.ref_model_mixup_alpha", float(get("ref_model_mixup_alpha", 0.6)))
-    else:
-        get("ref_model_sync_steps")
-        get("ref_model_mixup_alpha")
+    _reference_sync(get, out)
 
 
 def _sampling(recipe, get, given, unmapped, out: Conversion) -> None:

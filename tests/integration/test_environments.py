@@ -23,24 +23,22 @@ MIXTURE = (
 )
 # the test's prompt files off: the environments give the prompts
 OFF = ["data.path=null", "data.eval_path=null", MIXTURE]
+SCORED = "rewards=[{name: environment}, {name: 'plait_test_rewards:vowel_share'}]"
+
+
+def _train(model, data, out, *extra):
+    """2 rounds on `extra`'s environments (the test's prompt files off)."""
+    return train(
+        load_config(
+            None, tiny_overrides(model, data, out, "data.path=null", "data.eval_path=null", "train.max_steps=2", *extra)
+        )
+    )
 
 
 def test_a_mixture_trains_with_metrics_and_evaluation_per_environment(tiny_model_path, prompts_jsonl, tmp_path):
-    cfg = load_config(
-        None,
-        tiny_overrides(
-            tiny_model_path,
-            prompts_jsonl,
-            tmp_path / "run",
-            *OFF,
-            "train.max_steps=2",
-            "rewards=[{name: environment}, {name: 'plait_test_rewards:vowel_share'}]",
-            "eval.before=true",
-            "eval.after=true",
-            "eval.metric=environment",
-        ),
+    result = _train(
+        tiny_model_path, prompts_jsonl, tmp_path / "run", MIXTURE, SCORED, "eval.before=true", "eval.after=true"
     )
-    result = train(cfg)
     completions = 0
     for m in result.history:
         assert m["reward/environment/mean"] == m["reward/environment/mean"]  # scored, not NaN
@@ -72,19 +70,9 @@ def test_resume_through_an_environment_is_exact(tiny_model_path, prompts_jsonl, 
 def test_an_asynchronous_run_scores_with_the_environment(tiny_model_path, prompts_jsonl, tmp_path):
     """Generated in the HF engine's own process a round ahead: the rows' columns travel with
     the prompts, and the verifier scores in the trainer's process."""
-    cfg = load_config(
-        None,
-        tiny_overrides(
-            tiny_model_path,
-            prompts_jsonl,
-            tmp_path / "run",
-            *OFF,
-            "train.max_steps=2",
-            "rollout.max_staleness=1",
-            "rewards=[{name: environment}, {name: 'plait_test_rewards:vowel_share'}]",
-        ),
-    )
-    history = train(cfg).history
+    history = _train(
+        tiny_model_path, prompts_jsonl, tmp_path / "run", MIXTURE, SCORED, "rollout.max_staleness=1"
+    ).history
     assert len(history) == 2
     assert all(sum(m.get(f"env/{e}/completions", 0) for e in ("basic_arithmetic", "legs")) == 8 for m in history)
 
@@ -109,22 +97,11 @@ def test_verifier_failures_are_left_out_and_counted_below_the_limit(
 ):
     _broken_verifier(monkeypatch)
     mixture = MIXTURE.replace("size: 40, eval_size: 6},", "size: 40, eval_size: 6, max_error_share: 1.0},", 1)
-    cfg = load_config(
-        None,
-        tiny_overrides(
-            tiny_model_path,
-            prompts_jsonl,
-            tmp_path / "run",
-            "data.path=null",
-            "data.eval_path=null",
-            mixture,
-            "train.max_steps=2",
-            # the tiny model never writes the asked format: its last words go to the verifier
-            "rewards=[{name: environment, kwargs: {unformatted_credit: 0.5}}, "
-            "{name: 'plait_test_rewards:vowel_share'}]",
-        ),
+    # the tiny model never writes the asked format: its last words go to the verifier
+    credit = (
+        "rewards=[{name: environment, kwargs: {unformatted_credit: 0.5}}, {name: 'plait_test_rewards:vowel_share'}]"
     )
-    history = train(cfg).history
+    history = _train(tiny_model_path, prompts_jsonl, tmp_path / "run", mixture, credit).history
     for m in history:
         assert m.get("env/basic_arithmetic/errors", 0) == m.get("env/basic_arithmetic/completions", 0)
         assert m.get("env/legs/errors", 0) == 0
