@@ -70,13 +70,6 @@ def environment_problems(specs, seed: int, evaluating: bool = False) -> list[str
     return out
 
 
-def _text(completion) -> str:
-    """A completion as text (conversational data gives the assistant's messages)."""
-    if isinstance(completion, str):
-        return completion
-    return "".join(m.get("content") or "" for m in completion if m.get("role") == "assistant")
-
-
 class EnvironmentFailed(RuntimeError):
     """An environment's verifier failed on too many of a round's completions: the run stops."""
 
@@ -86,7 +79,7 @@ LAST_ERROR: dict[str, str] = {}
 
 
 def environment(
-    completions: list, env_source: list[dict | None], unformatted_credit: float = 0.0, **columns
+    completions: list[str], env_source: list[dict | None], unformatted_credit: float = 0.0, **columns
 ) -> list[float | None]:
     """Each completion scored by the verifier of the environment its prompt came from; None
     where that verifier failed (an infrastructure error, logged) or the row has no environment.
@@ -101,12 +94,15 @@ def environment(
         if not source:
             out.append(None)
             continue
-        kind, text = TYPES[source["type"]], _text(completion)
+        kind = TYPES[source["type"]]  # built-in rewards get completions as text
+        answer = kind.extract_answer(completion, source["answer_format"])
         try:
-            score = kind.score(source, text)
-            if score == 0 and unformatted_credit and kind.extract_answer(text, source["answer_format"]) is None:
-                score = unformatted_credit * kind.score_answer(source, last_statement(text))
-            out.append(score)
+            if answer is not None:
+                out.append(kind.score_answer(source, answer))
+            elif unformatted_credit:
+                out.append(unformatted_credit * kind.score_answer(source, last_statement(completion)))
+            else:
+                out.append(0.0)
         except Exception as err:
             log.warning(
                 "environment %s failed to score a completion: %s: %s", source.get("dataset"), type(err).__name__, err

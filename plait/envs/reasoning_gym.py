@@ -87,12 +87,6 @@ def score_answer(source: dict, answer: str) -> float:
     return float(ds.score_answer(answer=answer, entry=ds[source["index"]]))
 
 
-def score(source: dict, text: str) -> float:
-    """score_answer of the completion's answer (0 when it gave none where asked)."""
-    answer = extract_answer(text, source["answer_format"])
-    return 0.0 if answer is None else score_answer(source, answer)
-
-
 def problems(spec, label: str, seed: int, train_size: int, evaluating: bool) -> list[str]:
     """What `plait check` finds before a model loads: an unknown dataset or option, entries
     without a reference answer, a verifier that does not give its own answer full marks, no
@@ -123,7 +117,7 @@ def problems(spec, label: str, seed: int, train_size: int, evaluating: bool) -> 
         f"\\boxed{{{first['answer']}}}" if spec.answer_format == "boxed" else f"<answer>{first['answer']}</answer>"
     )
     try:
-        full = score(source, wrapped)
+        full = score_answer(source, extract_answer(wrapped, spec.answer_format))
     except Exception as err:
         return [f"environments: '{label}': scoring its own answer raised {type(err).__name__}: {err}"]
     if full < 1.0:
