@@ -28,7 +28,7 @@ from plait.types import round_of
 STAGES = (
     ("generation", ("completion/", "tokens/generated", "rollout/", "tools/", "flops/")),
     ("scoring", ("reward/", "accuracy", "groups/", "sampling/", "two_stage/", "sandbox/")),
-    ("loss", ("logprob_gap", "loss", "clip/", "ratio/", "entropy", "kl", "tokens/trained_share")),
+    ("loss", ("logprob_gap", "engine/", "loss", "clip/", "ratio/", "entropy", "kl", "tokens/trained_share")),
     ("optimizer", ("grad_norm", "lr", "nonfinite_steps", "ref_syncs")),
 )
 # what each stage plait.train.hashes records (HASH_STAGES, in round order) hashes

@@ -14,6 +14,7 @@ micro-batch losses gives exactly the loss of the full batch, however it is split
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -239,8 +240,33 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
     return mask * (entropy >= threshold).to(mask.dtype)
 
 
-def engine_mismatch_weights(trainer_logp: torch.Tensor, engine_logp: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling for the gap between the engine that sampled and the
-    trainer (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-    training"): w = min(pi_trainer / pi_engine, cap), no gradient."""
-    return torch.clamp(torch.exp(trainer_logp - engine_logp), max=cap).detach()
+ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def engine_mismatch_weights(
+    trainer_logp: torch.Tensor,
+    engine_logp: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token_truncate",
+    cap: float | None = 2.0,
+    floor: float | None = None,
+) -> torch.Tensor:
+    """Importance weights for the gap between the engine that sampled and the trainer (Yao et
+    al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"), no
+    gradient, [B, C] for token modes and [B, 1] for sequence modes.
+
+    The ratio is pi_trainer / pi_engine per token, or their product over the completion's real
+    tokens (sequence modes). `*_truncate` clips it to [floor, cap]; `*_mask` sets it to 0 outside
+    that range (token_mask with both bounds is IcePop's two-sided mask). A bound of None is no
+    bound. A token the engine could not score (NaN) counts as no gap, as in TRL."""
+    if mode not in ENGINE_IS_MODES:
+        raise ValueError(f"unknown engine importance-sampling mode {mode!r}; one of {ENGINE_IS_MODES}")
+    gap = torch.nan_to_num((trainer_logp - engine_logp) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        gap = gap.sum(-1, keepdim=True)
+    ratio = torch.exp(gap).detach()
+    if mode.endswith("truncate"):
+        return ratio if cap is None and floor is None else torch.clamp(ratio, min=floor, max=cap)
+    low = -math.inf if floor is None else floor
+    high = math.inf if cap is None else cap
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)

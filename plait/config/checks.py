@@ -270,6 +270,16 @@ def check_objective(cfg: Config, env: Env) -> list[str]:
         out.append(
             "algo.kl_bias_correction weights the KL term of the loss: it needs algo.beta > 0 and kl_in_reward=false"
         )
+    if a.engine_is_min is not None and a.engine_is_cap is not None and a.engine_is_min >= a.engine_is_cap:
+        out.append(
+            f"algo.engine_is_min={a.engine_is_min} must be below algo.engine_is_cap={a.engine_is_cap}: "
+            "no importance ratio would pass"
+        )
+    if a.engine_is_mode.endswith("truncate") and a.engine_is_cap is None and a.engine_is_min is None:
+        out.append(
+            f"algo.engine_is_mode={a.engine_is_mode} with neither engine_is_cap nor engine_is_min truncates nothing "
+            "and leaves the raw ratio unbounded; set algo.engine_is_cap (e.g. 2.0)"
+        )
     if a.entropy_coeff and a.top_entropy_quantile < 1:
         out.append(
             "algo.entropy_coeff with top_entropy_quantile < 1: the bonus would only reach the kept tokens; pick one"

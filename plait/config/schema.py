@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from plait.algo.advantages import AGGREGATIONS, ESTIMATORS, SCALES
 from plait.algo.kl import KL_ESTIMATORS
-from plait.algo.losses import IS_LEVELS, LOSS_TYPES
+from plait.algo.losses import ENGINE_IS_MODES, IS_LEVELS, LOSS_TYPES
 
 
 # the keys of the tables, in their order (pydantic lists them in its error messages)
@@ -29,6 +29,7 @@ ImportanceLevel = Literal[IS_LEVELS]
 RewardScale = Literal[SCALES]
 RewardAggregation = Literal[AGGREGATIONS]
 AdvantageEstimator = Literal[tuple(ESTIMATORS)]
+EngineIsMode = Literal[ENGINE_IS_MODES]
 
 
 class ConfigError(ValueError):
@@ -430,11 +431,23 @@ class AlgoConfig(Section):
     )
     engine_is_correction: bool | None = Field(
         None,
-        description="Reweight tokens by min(pi_old / pi_engine, engine_is_cap) (truncated IS) for the gap between "
-        "the engine that sampled and the trainer's weights (null = on when rollout.max_staleness > 0, where it "
-        "is decoupled PPO's behaviour correction).",
+        description="Reweight the policy term by the importance ratio pi_old / pi_engine for the gap between the "
+        "engine that sampled and the trainer's weights, as algo.engine_is_mode says (null = on when "
+        "rollout.max_staleness > 0, where it is decoupled PPO's behaviour correction).",
     )
-    engine_is_cap: float = Field(2.0, gt=0.0, description="Cap of the engine-mismatch importance weight.")
+    engine_is_mode: EngineIsMode = Field(
+        "token_truncate",
+        description="token_truncate: each token's ratio clipped to [engine_is_min, engine_is_cap]; token_mask: "
+        "tokens whose ratio falls outside left out (with both bounds, IcePop's two-sided mask); "
+        "sequence_truncate / sequence_mask: one ratio per completion (the product over its tokens), clipped or "
+        "masked alike. TRL's vllm_importance_sampling_mode.",
+    )
+    engine_is_cap: float | None = Field(
+        2.0, gt=0.0, description="Upper bound of the engine-mismatch importance ratio (null = none; mask modes only)."
+    )
+    engine_is_min: float | None = Field(
+        None, ge=0.0, description="Lower bound of the engine-mismatch importance ratio (null = none)."
+    )
 
 
 class FsdpConfig(Section):

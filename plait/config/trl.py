@@ -62,6 +62,7 @@ TRL_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_completion_length": 256,
         "max_prompt_length": 512,
         "vllm_mode": "server",
+        "vllm_importance_sampling_correction": False,  # TRL added the correction in 0.22
     },
 }
 
@@ -542,17 +543,13 @@ def _sampling(recipe, get, given, unmapped, out: Conversion) -> None:
     if recipe.get("use_vllm"):
         correction = get("vllm_importance_sampling_correction", True)
         out.set("algo.engine_is_correction", bool(correction))
-        cap = recipe.get("vllm_importance_sampling_clip_max", recipe.get("vllm_importance_sampling_cap"))
-        get("vllm_importance_sampling_clip_max")
-        get("vllm_importance_sampling_cap")
-        if cap is not None:
-            out.set("algo.engine_is_cap", float(cap))
-        mode = get("vllm_importance_sampling_mode", "sequence_mask")
-        if correction and mode != "token_truncate":
-            out.notes.append(
-                f"vllm_importance_sampling_mode={mode}: plait's engine_is_correction truncates per token "
-                "(TRL's token_truncate)"
-            )
+        # TRL's defaults where the recipe says nothing: sequence_mask, clip_max 3.0, no clip_min
+        out.set("algo.engine_is_mode", get("vllm_importance_sampling_mode", "sequence_mask"))
+        cap = get("vllm_importance_sampling_cap")  # the deprecated name wins where given, as in GRPOConfig
+        if cap is None:  # clip_max given as None: no upper bound (mask modes)
+            cap = get("vllm_importance_sampling_clip_max", 3.0)
+        out.set("algo.engine_is_cap", cap)
+        out.set("algo.engine_is_min", get("vllm_importance_sampling_clip_min"))
     for key in ("vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout", "vllm_mode"):
         get(key)
     if recipe.get("vllm_device") is not None:

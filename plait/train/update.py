@@ -179,7 +179,11 @@ def train_micro_batch(
     keep = None  # tokens whose policy term counts (all of them unless filtered by entropy)
     if a.top_entropy_quantile < 1:
         keep = high_entropy_mask(entropy.detach(), mask, a.top_entropy_quantile)
-    weights = engine_mismatch_weights(old, mb.sampling_logprobs, a.engine_is_cap) if a.engine_is_correction else None
+    weights = None
+    if a.engine_is_correction:
+        weights = engine_mismatch_weights(
+            old, mb.sampling_logprobs, mask, a.engine_is_mode, a.engine_is_cap, a.engine_is_min
+        )
     bonus = entropy if with_entropy is True else None
     loss, parts = policy_loss(
         logp, old, mb.advantages, mask, counts, settings, mb.ref_logprobs, bonus, weights, policy_mask=keep
@@ -189,10 +193,29 @@ def train_micro_batch(
     extra = {
         "logprob_gap_tokens": ((logp.detach() - mb.sampling_logprobs).abs() * real).sum(),
         "trained_tokens": (mask if keep is None else keep).float().sum(),
+        **engine_mismatch_sums(old, mb.sampling_logprobs, real, weights),
     }
     extra["entropy_tokens"] = (entropy.detach() * real).sum()
     named = {"loss": loss.detach(), **parts, **extra}
     return dict(zip(named, torch.stack(list(named.values())).tolist()))  # one device->host sync
+
+
+def engine_mismatch_sums(
+    trainer_logp: torch.Tensor, engine_logp: torch.Tensor, real: torch.Tensor, weights: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """Per-token sums that measure the engine-vs-trainer mismatch: the KL of the trainer from the
+    engine that sampled (k3 estimate, unbiased under the engine's samples) and, with the
+    correction on, the tokens it truncated or masked and the mean weight it applied."""
+    log_ratio = torch.nan_to_num(trainer_logp - engine_logp, nan=0.0)
+    sums = {"engine_kl_tokens": ((torch.expm1(log_ratio) - log_ratio) * real).sum()}
+    if weights is not None:
+        raw = torch.exp(log_ratio if weights.shape[-1] > 1 else (log_ratio * real).sum(-1, keepdim=True))
+        weights = weights.expand_as(real)
+        changed = (weights != raw.expand_as(real)) * real
+        sums["engine_is_masked_tokens"] = (changed * (weights == 0)).sum()
+        sums["engine_is_truncated_tokens"] = (changed * (weights != 0)).sum()
+        sums["engine_is_weight_tokens"] = (weights * real).sum()
+    return sums
 
 
 def accumulate_gradients(
@@ -269,6 +292,10 @@ _PER_PROCESS = (
     "trained_tokens",
     "entropy_tokens",
     "kl_tokens",
+    "engine_kl_tokens",
+    "engine_is_masked_tokens",
+    "engine_is_truncated_tokens",
+    "engine_is_weight_tokens",
 )
 
 
@@ -296,6 +323,11 @@ def update_metrics(sums: dict[str, float], cfg) -> dict[str, float]:
     # the same over the round's first update only, whose log-probs come from the weights before any
     # update of the round: in a synchronous round, the weights that sampled it (the drift guard's)
     out["logprob_gap/before_update"] = sums["first_update_gap_tokens"] / max(1.0, sums["first_update_tokens"])
+    out["engine/kl"] = sums["engine_kl_tokens"] / tokens
+    if a.engine_is_correction:  # shares of the round's tokens the correction changed, and its mean weight
+        out["engine/is_masked"] = sums["engine_is_masked_tokens"] / tokens
+        out["engine/is_truncated"] = sums["engine_is_truncated_tokens"] / tokens
+        out["engine/is_weight"] = sums["engine_is_weight_tokens"] / tokens
     out["tokens/trained_share"] = sums["trained_tokens"] / tokens
     if "entropy_tokens" in sums:
         out["entropy"] = sums["entropy_tokens"] / tokens

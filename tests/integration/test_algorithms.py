@@ -95,7 +95,18 @@ OPTIONS = {
     "engine-is": (
         ["algo.engine_is_correction=true", "algo.engine_is_cap=2.0"],
         ["algo.engine_is_correction=false"],
-        lambda h, b: all(m["logprob_gap"] > 0 for m in h),  # there is a gap to correct
+        # there is a gap to correct, too small for the cap of 2 to truncate any token
+        lambda h, b: all(m["logprob_gap"] > 0 and m["engine/is_truncated"] == 0 for m in h),
+    ),
+    "engine-is-mask": (
+        # every token whose trainer log-prob exceeds the engine's is left out (ratio above a cap of 1)
+        ["algo.engine_is_correction=true", "algo.engine_is_mode=token_mask", "algo.engine_is_cap=1.0"],
+        ["algo.engine_is_correction=false"],
+        lambda h, b: (
+            all(0 < m["engine/is_masked"] < 1 and m["engine/is_truncated"] == 0 for m in h)
+            and "engine/is_masked" not in b[0]
+            and b[0]["engine/kl"] >= 0
+        ),
     ),
     "steps-per-generation": (
         ["algo.steps_per_generation=2", "algo.num_iterations=2"],

@@ -2,14 +2,13 @@
 RLOOTrainer code where TRL is installed."""
 
 import ast
-import importlib.util
 import math
 import textwrap
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from trl_source import trl_source
 
 from plait.algo.advantages import (
     EPS,
@@ -87,22 +86,14 @@ def test_reinforce_pp_baseline_centres_on_the_group_without_dividing():
     assert torch.equal(ESTIMATORS["reinforce_pp"](REWARDS, LENGTHS, "batch"), REWARDS)
 
 
-def _trl_source(module: str) -> str:
-    """The text of a TRL module as installed, read without importing TRL (which imports vLLM)."""
-    spec = importlib.util.find_spec("trl")
-    if spec is None:
-        pytest.skip("needs the bench extra (trl)")
-    return (Path(spec.submodule_search_locations[0]) / f"{module}.py").read_text()
-
-
 def _trl_rloo(rewards: torch.Tensor, num_generations: int, normalize: bool) -> torch.Tensor:
     """Run the advantage lines of TRL's RLOOTrainer._generate_and_score_completions, and its
     nanstd, as TRL ships them, on `rewards` (flat, NaN = unscorable)."""
-    utils = ast.parse(_trl_source("trainer/utils"))
+    utils = ast.parse(trl_source("trainer/utils"))
     nanstd = next(f for f in utils.body if isinstance(f, ast.FunctionDef) and f.name == "nanstd")
     scope = {"torch": torch}
-    exec(ast.get_source_segment(_trl_source("trainer/utils"), nanstd), scope)
-    src = _trl_source("trainer/rloo_trainer")
+    exec(ast.get_source_segment(trl_source("trainer/utils"), nanstd), scope)
+    src = trl_source("trainer/rloo_trainer")
     start = src.index("        grouped_rewards = rewards.view(-1, num_generations)")
     end = src.index("\n", src.index("        advantages = torch.nan_to_num(advantages, nan=0.0)", start))
     scope.update(rewards=rewards.clone(), num_generations=num_generations)

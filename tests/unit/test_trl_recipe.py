@@ -1,10 +1,17 @@
 """TRL / Open-R1 recipes as plait configs: every mapping the converter makes, the batch and
 step arithmetic, and every key it can't carry over is listed with a reason."""
 
+import ast
 import json
+import math
+import re
+import textwrap
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from plait.algo.losses import engine_mismatch_weights
 from plait.cli import main
 from plait.config.load import config_from_dict
 from plait.config.trl import convert_recipe, describe
@@ -275,3 +282,79 @@ def test_an_rloo_recipe_converts_with_rloos_defaults_and_advantages():
     assert plain["scale_rewards"] == "none" and "kl_in_reward" not in plain
     with pytest.raises(ValueError, match="trainer"):
         convert_recipe({"max_steps": 4}, trainer="ppo")
+
+
+def _trl_engine_weights(recipe: dict, old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Run the importance-sampling lines of TRL's GRPOTrainer._generate_and_score_completions as
+    TRL ships them, with the recipe's keys over GRPOConfig's defaults."""
+    from trl_source import trl_source
+
+    config = trl_source("trainer/grpo_config")
+    defaults = {
+        key: ast.literal_eval(re.search(rf"    {key}: [^=]+= field\(\s*default=([^,]+),", config).group(1))
+        for key in (
+            "vllm_importance_sampling_mode",
+            "vllm_importance_sampling_clip_max",
+            "vllm_importance_sampling_clip_min",
+        )
+    }
+    src = trl_source("trainer/grpo_trainer")
+    start = src.index("                mask = completion_mask if tool_mask is None else completion_mask * tool_mask")
+    end = src.index("            # Compute the per-token log probabilities for the reference model", start)
+    settings = {k: recipe.get(k, v) for k, v in defaults.items()}
+    if "vllm_importance_sampling_cap" in recipe:  # GRPOConfig.__post_init__ moves the deprecated name over
+        settings["vllm_importance_sampling_clip_max"] = recipe["vllm_importance_sampling_cap"]
+    scope = {"torch": torch, "math": math, "tool_mask": None, "completion_mask": mask}
+    scope.update(old_per_token_logps=old, sampling_per_token_logps=sampling)
+    scope["self"] = SimpleNamespace(**settings)
+    exec(textwrap.dedent(src[start:end]), scope)
+    return scope["vllm_importance_sampling_ratio"]
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {},  # TRL's defaults: sequence_mask, clip_max 3
+        {"vllm_importance_sampling_mode": "token_truncate"},
+        {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_min": 0.5},
+        {"vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_max": 1.5},
+        {"vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.5},  # IcePop-like
+        {
+            "vllm_importance_sampling_mode": "token_mask",
+            "vllm_importance_sampling_clip_max": None,
+            "vllm_importance_sampling_clip_min": 0.8,
+        },
+        {"vllm_importance_sampling_mode": "sequence_truncate", "vllm_importance_sampling_clip_max": 1.2},
+        {"vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_clip_min": 0.3},
+        {"vllm_importance_sampling_cap": 1.1, "vllm_importance_sampling_mode": "token_truncate"},  # deprecated name
+    ],
+)
+def test_each_trl_importance_sampling_mode_converts_to_the_same_weights(keys):
+    conv = convert_recipe({"use_vllm": True, "max_steps": 1, **keys})
+    assert not conv.notes or all("importance" not in n for n in conv.notes)  # mapped, not approximated
+    a = config_from_dict(conv.config).algo
+    torch.manual_seed(0)
+    old = torch.randn(6, 5) * 0.5 - 1.0
+    sampling = old + torch.randn(6, 5)
+    sampling[2, 1] = float("nan")  # a token the engine could not score
+    mask = torch.ones(6, 5)
+    mask[4, 3:] = 0.0
+    ours = engine_mismatch_weights(old, sampling, mask, a.engine_is_mode, a.engine_is_cap, a.engine_is_min)
+    theirs = _trl_engine_weights(keys, old, sampling, mask)
+    assert a.engine_is_correction and ours.shape == theirs.shape
+    assert torch.allclose(ours, theirs, atol=1e-6), (ours, theirs)
+    assert 0 < int(
+        (
+            ours
+            != torch.exp(
+                torch.nan_to_num((old - sampling) * mask).sum(-1, keepdim=True)
+                if ours.shape[-1] == 1
+                else torch.nan_to_num((old - sampling) * mask)
+            )
+        ).sum()
+    )
+
+
+def test_trl_018_had_no_engine_correction():
+    conv = convert_recipe({"use_vllm": True, "max_steps": 1}, defaults="0.18")
+    assert conv.config["algo"]["engine_is_correction"] is False

@@ -147,12 +147,57 @@ def test_entropy_bonus_lowers_the_loss():
 
 
 def test_engine_mismatch_weights_truncate():
-    trainer = torch.tensor([0.0, 0.0, -1.0])
-    engine = torch.tensor([-1.0, 0.0, 0.0])
-    w = engine_mismatch_weights(trainer, engine, cap=2.0)
-    assert torch.allclose(w, torch.tensor([2.0, 1.0, math.exp(-1)]))  # e^1 = 2.72 capped at 2
+    trainer = torch.tensor([[0.0, 0.0, -1.0]])
+    engine = torch.tensor([[-1.0, 0.0, 0.0]])
+    w = engine_mismatch_weights(trainer, engine, torch.ones(1, 3), "token_truncate", cap=2.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 1.0, math.exp(-1)]]))  # e^1 = 2.72 capped at 2
     loss, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo"), token_weights=torch.full_like(LOGP, 0.5))
     assert float(loss) == pytest.approx(0.5 * -0.48 / 5, abs=1e-6)
+
+
+# two completions of 3 tokens, the second's last token is padding; log(pi_trainer) - log(pi_engine) per token
+GAP = torch.tensor([[math.log(4.0), 0.0, math.log(0.25)], [math.log(0.5), math.log(0.5), 7.0]])
+GAP_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    "mode, cap, floor, expected",
+    [
+        # per token: ratios 4, 1, 1/4 | 1/2, 1/2, (padding: e^0 = 1)
+        ("token_truncate", 3.0, None, [[3.0, 1.0, 0.25], [0.5, 0.5, 1.0]]),
+        ("token_truncate", 3.0, 0.4, [[3.0, 1.0, 0.4], [0.5, 0.5, 1.0]]),
+        ("token_mask", 3.0, None, [[0.0, 1.0, 0.25], [0.5, 0.5, 1.0]]),
+        # IcePop's two-sided mask: both bounds
+        ("token_mask", 3.0, 0.4, [[0.0, 1.0, 0.0], [0.5, 0.5, 1.0]]),
+        ("token_mask", None, 0.4, [[4.0, 1.0, 0.0], [0.5, 0.5, 1.0]]),
+        # per completion: 4 * 1 * 1/4 = 1 | 1/2 * 1/2 = 1/4 (the padding's 7 is left out)
+        ("sequence_truncate", 3.0, None, [[1.0], [0.25]]),
+        ("sequence_truncate", 3.0, 0.5, [[1.0], [0.5]]),
+        ("sequence_mask", 3.0, None, [[1.0], [0.25]]),
+        ("sequence_mask", 3.0, 0.5, [[1.0], [0.0]]),
+        ("sequence_mask", 0.9, None, [[0.0], [0.25]]),
+    ],
+)
+def test_engine_mismatch_weights_by_hand(mode, cap, floor, expected):
+    w = engine_mismatch_weights(GAP, torch.zeros_like(GAP), GAP_MASK, mode, cap, floor)
+    assert torch.allclose(w, torch.tensor(expected), atol=1e-6)
+
+
+def test_engine_mismatch_weights_leave_an_unscored_token_alone_and_carry_no_gradient():
+    trainer = torch.tensor([[math.log(2.0), math.log(8.0)]], requires_grad=True)
+    engine = torch.tensor([[float("nan"), 0.0]])
+    w = engine_mismatch_weights(trainer, engine, torch.ones(1, 2), "sequence_truncate", cap=None, floor=None)
+    assert torch.allclose(w, torch.tensor([[8.0]])) and not w.requires_grad  # the NaN token counts as no gap
+    with pytest.raises(ValueError, match="token_truncate"):
+        engine_mismatch_weights(trainer, engine, torch.ones(1, 2), "sequence")
+
+
+def test_a_sequence_weight_scales_every_token_of_its_completion_in_the_loss():
+    loss_1, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo"), token_weights=torch.ones(LOGP.shape[0], 1))
+    half, _ = policy_loss(
+        LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo"), token_weights=torch.full((LOGP.shape[0], 1), 0.5)
+    )
+    assert float(half) == pytest.approx(0.5 * float(loss_1), abs=1e-7)
 
 
 def test_none_rewards_are_left_out_of_the_statistics():
