@@ -6,6 +6,7 @@ Every training process runs the same loop (SPMD). These helpers keep the loop fr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -64,12 +65,33 @@ def init_from_env(device: torch.device, timeout_s: float = 1800, single_process_
     return True
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on this host now (on 127.0.0.1, or "" = every interface, for
-    a port other nodes connect to)."""
+def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
+    """A TCP port, and the `span - 1` after it, free on this host now (on 127.0.0.1, or "" =
+    every interface, for a port other nodes connect to).
+
+    Chosen below the kernel's ephemeral range (where the source ports of outgoing connections
+    and every port-0 bind come from, so a port picked there can be taken before its server
+    binds it) and above Ray's worker ports (10002-19999 by default)."""
+    import random
     import socket
 
-    with socket.socket() as s:
+    low = 32768
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(20000, max(20001, low - span))
+        try:
+            with contextlib.ExitStack() as held:
+                for p in range(port, port + span):
+                    s = held.enter_context(socket.socket())
+                    s.bind((host, p))
+            return port
+        except OSError:
+            continue
+    with socket.socket() as s:  # nothing free below the ephemeral range: let the kernel pick
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -64,7 +64,7 @@ class RolloutServer:
     """`plait rollout-server` as a user starts it, stopped (with its replicas) at exit."""
 
     def __init__(self, model, dp: int, env, port: int | None = None, tp: int = 1):
-        self.port = port or free_port()
+        self.port = port or free_port(span=dp)  # replica i listens on port + i
         cmd = [
             sys.executable,
             "-m",
