@@ -11,6 +11,7 @@ import functools
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -77,7 +78,7 @@ def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
 
     low = 32768
     try:
-        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         pass
     rng = random.SystemRandom()

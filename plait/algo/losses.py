@@ -243,6 +243,15 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
 ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
+def engine_log_ratio(
+    trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, per_sequence: bool = False
+) -> torch.Tensor:
+    """log(pi_trainer / pi_engine) of the sampled tokens, 0 on padding and where the engine could
+    not score a token (NaN): [B, C], or summed over each completion's tokens, [B, 1]."""
+    gap = torch.nan_to_num((trainer_logp - engine_logp) * mask, nan=0.0)
+    return gap.sum(-1, keepdim=True) if per_sequence else gap
+
+
 def engine_mismatch_weights(
     trainer_logp: torch.Tensor,
     engine_logp: torch.Tensor,
@@ -261,10 +270,7 @@ def engine_mismatch_weights(
     bound. A token the engine could not score (NaN) counts as no gap, as in TRL."""
     if mode not in ENGINE_IS_MODES:
         raise ValueError(f"unknown engine importance-sampling mode {mode!r}; one of {ENGINE_IS_MODES}")
-    gap = torch.nan_to_num((trainer_logp - engine_logp) * mask, nan=0.0)
-    if mode.startswith("sequence"):
-        gap = gap.sum(-1, keepdim=True)
-    ratio = torch.exp(gap).detach()
+    ratio = torch.exp(engine_log_ratio(trainer_logp, engine_logp, mask, mode.startswith("sequence"))).detach()
     if mode.endswith("truncate"):
         return ratio if cap is None and floor is None else torch.clamp(ratio, min=floor, max=cap)
     low = -math.inf if floor is None else floor

@@ -33,7 +33,14 @@ from plait.algo.logprobs import (
     prompt_runs,
     shared_prompt_logprobs,
 )
-from plait.algo.losses import LossSettings, StepCounts, engine_mismatch_weights, high_entropy_mask, policy_loss
+from plait.algo.losses import (
+    LossSettings,
+    StepCounts,
+    engine_log_ratio,
+    engine_mismatch_weights,
+    high_entropy_mask,
+    policy_loss,
+)
 from plait.telemetry import PhaseTimer
 from plait.train.backends.base import Backend, StepOutcome
 from plait.train.batch import micro_batches
@@ -193,7 +200,7 @@ def train_micro_batch(
     extra = {
         "logprob_gap_tokens": ((logp.detach() - mb.sampling_logprobs).abs() * real).sum(),
         "trained_tokens": (mask if keep is None else keep).float().sum(),
-        **engine_mismatch_sums(old, mb.sampling_logprobs, real, weights),
+        **engine_mismatch_sums(old, mb.sampling_logprobs, real, weights, a.engine_is_mode),
     }
     extra["entropy_tokens"] = (entropy.detach() * real).sum()
     named = {"loss": loss.detach(), **parts, **extra}
@@ -201,15 +208,15 @@ def train_micro_batch(
 
 
 def engine_mismatch_sums(
-    trainer_logp: torch.Tensor, engine_logp: torch.Tensor, real: torch.Tensor, weights: torch.Tensor | None
+    trainer_logp: torch.Tensor, engine_logp: torch.Tensor, real: torch.Tensor, weights: torch.Tensor | None, mode: str
 ) -> dict[str, torch.Tensor]:
     """Per-token sums that measure the engine-vs-trainer mismatch: the KL of the trainer from the
     engine that sampled (k3 estimate, unbiased under the engine's samples) and, with the
-    correction on, the tokens it truncated or masked and the mean weight it applied."""
-    log_ratio = torch.nan_to_num(trainer_logp - engine_logp, nan=0.0)
+    correction (`weights`, in `mode`) on, the tokens it truncated or masked and its mean weight."""
+    log_ratio = engine_log_ratio(trainer_logp, engine_logp, real)
     sums = {"engine_kl_tokens": ((torch.expm1(log_ratio) - log_ratio) * real).sum()}
     if weights is not None:
-        raw = torch.exp(log_ratio if weights.shape[-1] > 1 else (log_ratio * real).sum(-1, keepdim=True))
+        raw = torch.exp(engine_log_ratio(trainer_logp, engine_logp, real, mode.startswith("sequence")))
         weights = weights.expand_as(real)
         changed = (weights != raw.expand_as(real)) * real
         sums["engine_is_masked_tokens"] = (changed * (weights == 0)).sum()
