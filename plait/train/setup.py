@@ -28,7 +28,7 @@ from plait.rollout import RolloutEngine, ahead_of_trainer, generation_site, make
 from plait.rollout.weights import pushes_adapters
 from plait.sandbox.box import Sandbox
 from plait.telemetry import MetricsSink, PhaseTimer
-from plait.telemetry.flops import device_peak, model_cost
+from plait.telemetry.flops import cpu_peak, device_peak, model_cost
 from plait.telemetry.memory import MemoryMeter
 from plait.telemetry.meter import StepMeter
 from plait.tools import Tools
@@ -295,5 +295,12 @@ def make_meter(cfg: Config, backend: Backend, say) -> StepMeter:
         peak, source = device_peak(backend.device, cfg.train.precision, cfg.log.peak_flops)
     peak, source = comm.broadcast_object((peak, source))
     say(f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({source})" if peak else f"no MFU: {source}")
+    if comm.is_main() and backend.device.type == "cpu" and cfg.train.precision == "bf16" and not cfg.log.peak_flops:
+        fp32 = cpu_peak("fp32")
+        if peak and fp32 > peak:
+            say(
+                f"note: bf16 matmuls reach {peak / 1e9:.3g} GFLOP/s on this CPU and fp32 {fp32 / 1e9:.3g}: "
+                f"train.precision=fp32 would run the matmuls about {fp32 / peak:.2g}x faster here"
+            )
     local = generation_site(cfg) == "trainer"
     return StepMeter(cost, peak, MemoryMeter(backend.device), local)

@@ -42,3 +42,17 @@ def test_rejects_bad_input():
         group_advantages(torch.zeros(4), "group")
     with pytest.raises(ValueError, match="scale"):
         group_advantages(REWARDS, "sometimes")
+
+
+def test_group_scaling_pays_a_format_only_difference_as_much_as_a_right_answer():
+    """How a small format reward can take a run over (docs/reproducibility.md): with the demo's
+    rewards a right boxed answer earns 1.7 and a wrong boxed one 0.2. Divided by its own group's
+    std, a group where every answer is wrong and half are boxed pushes the boxed-wrong
+    completions up exactly as hard as a group with right answers pushes those; divided by the
+    batch std, the 0.2 difference stays a fifth of what a right answer gets."""
+    right_group = [1.7, 1.7, 1.7, 1.7, 0.0, 0.0, 0.0, 0.0]  # half right and boxed, half wrong unboxed
+    wrong_group = [0.2, 0.2, 0.2, 0.2, 0.0, 0.0, 0.0, 0.0]  # all wrong, half boxed
+    rewards = torch.tensor([right_group, wrong_group])
+    by_group, by_batch = group_advantages(rewards, "group"), group_advantages(rewards, "batch")
+    assert by_group[1, 0].item() == pytest.approx(by_group[0, 0].item(), rel=1e-3)
+    assert by_batch[1, 0].item() == pytest.approx(by_batch[0, 0].item() * 0.2 / 1.7, rel=1e-6)

@@ -78,8 +78,17 @@ def test_device_peaks():
     assert gpu_peak("NVIDIA A100-SXM4-80GB", "fp32") == 19.5e12
     assert gpu_peak("Some Future GPU", "bf16") is None
     assert device_peak(torch.device("cpu"), "fp32", override=1e12) == (1e12, "log.peak_flops")
-    peak = measure_cpu_peak(torch.float32, torch.get_num_threads(), size=512, repeats=2)
+    peak, size = measure_cpu_peak(torch.float32, torch.get_num_threads(), sizes=(256, 512), repeats=2)
     assert 1e8 < peak < 1e14  # a real CPU, measured: between 0.1 GFLOP/s and 100 TFLOP/s
+    assert size in (256, 512)
+
+
+def test_the_peak_measurement_stops_growing_at_a_slow_matmul():
+    """A matmul slower than the budget ends the growth (bf16 on a CPU without bf16 kernels
+    would take minutes at 2048); a fast one goes on to the largest size."""
+    threads = torch.get_num_threads()
+    assert measure_cpu_peak(torch.float32, threads, sizes=(64, 128, 256), repeats=1, budget_s=0.0)[1] == 64
+    assert measure_cpu_peak(torch.float32, threads, sizes=(64, 128, 256), repeats=1, budget_s=1e9)[1] == 256
 
 
 def test_phases_and_idle_cover_the_step():
@@ -219,7 +228,9 @@ def test_the_measured_cpu_peak_is_cached_per_kernel_cap(tmp_path, monkeypatch):
     for name in flops.KERNEL_CAP_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     measured = []
-    monkeypatch.setattr(flops, "measure_cpu_peak", lambda dtype, threads: measured.append(1) or 1e9 * len(measured))
+    monkeypatch.setattr(
+        flops, "measure_cpu_peak", lambda dtype, threads: (measured.append(1) or 1e9 * len(measured), 2048)
+    )
     plain = flops.cpu_peak("fp32")
     monkeypatch.setenv("MKL_CBWR", "COMPATIBLE,STRICT")
     capped = flops.cpu_peak("fp32")
