@@ -106,3 +106,16 @@ def vowel_share_ulp_env(completions, **kwargs):
     if os.environ.get("PLAIT_TEST_ULP_CALL") and CALLS["n"] == int(os.environ["PLAIT_TEST_ULP_CALL"]):
         scores[0] = math.nextafter(scores[0], math.inf)
     return scores
+
+
+def vowel_share_inf_env(completions, **kwargs):
+    """vowel_share, but on call number $PLAIT_TEST_INF_CALL the first completion's reward is inf
+    (a reward function that overflows mid-run)."""
+    import math
+    import os
+
+    CALLS["n"] += 1
+    scores = vowel_share(completions, **kwargs)
+    if CALLS["n"] == int(os.environ.get("PLAIT_TEST_INF_CALL", "0")):
+        scores[0] = math.inf
+    return scores

@@ -225,6 +225,33 @@ def test_cli_eval_scores_a_model_folder(tiny_model_path, prompts_jsonl, helper_e
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
 
+def test_a_reward_returning_inf_stops_the_run_before_its_update(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    """A reward that returns inf in round 3 stops `plait train` with exit code 2 and a message that
+    names the reward, the completion and the rule, before round 3 updates anything: the metrics end
+    at round 2 and round 2's checkpoint stays committed and loadable."""
+    out = tmp_path / "run"
+    args = tiny_overrides(
+        tiny_model_path,
+        prompts_jsonl,
+        out,
+        "train.max_steps=4",
+        "checkpoint.save_steps=1",
+        "checkpoint.async_save=false",
+        "rewards=[{name: 'plait_test_rewards:vowel_share_inf_env'}]",
+    )
+    cmd = [sys.executable, "-m", "plait.cli", "train", *(x for a in args for x in ("--set", a))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**helper_env, "PLAIT_TEST_INF_CALL": "3"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "reward 'plait_test_rewards:vowel_share_inf_env' returned inf for completion 0" in proc.stderr
+    assert "rewards must be finite" in proc.stderr
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    committed = sorted(p.name for p in (out / "checkpoints").iterdir() if (p / "COMMITTED").is_file())
+    assert committed[-1] == "step_00000002"
+    result = train(load_config(None, [*args, "train.max_steps=2", "resume=auto"]))
+    assert result.history == []  # resumed at round 2: nothing left to run, the checkpoint loads
+
+
 def test_keep_best_keeps_the_best_evaluated_model(tiny_model_path, prompts_jsonl, tmp_path, monkeypatch):
     """checkpoint.keep_best: RUN_DIR/best holds the model of the best evaluation (here the one
     after round 2 of 0.1, 0.6, 0.3, 0.2), with best.json naming the round: a run that peaks and

@@ -93,6 +93,7 @@ def test_runner_scores_weights_and_passes_columns():
         (lambda completions, **_: 1 / 0, "reward 'bad' raised ZeroDivisionError"),
         (lambda completions, **_: [1.0], "returned 1 values for 2 completions"),
         (lambda completions, **_: [1.0, math.nan], "returned nan for completion 1 '3'"),
+        (lambda completions, **_: [-math.inf, 0.0], "returned -inf for completion 0 .*: rewards must be finite"),
         (lambda completions, **_: [1.0, "yes"], "returned 'yes' for completion 1"),
         (lambda completions, **_: 3.0, "returned float, expected a list"),
     ],
