@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 
 import pytest
 import torch
 from test_train import tiny_overrides
 
+from plait import cli
 from plait.config import load_config
-from plait.train.guard import EngineDrift
+from plait.train.guard import DIVERGED_EXIT, EngineDrift
 from plait.train.loop import train
 
 
@@ -39,9 +41,12 @@ def rounds_logged(out) -> list[int]:
     return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_the_hf_engine_sampling_from_other_weights_stops_the_run(tiny_model_path, prompts_jsonl, tmp_path, monkeypatch):
+def test_the_hf_engine_sampling_from_other_weights_stops_the_run(
+    tiny_model_path, prompts_jsonl, tmp_path, monkeypatch, capsys
+):
     """From round 3 on, the in-process engine's packed weight copies hold other values than the
-    trainer's weights: round 3 stops the run; rounds 1-2 and their checkpoints stand."""
+    trainer's weights: round 3 stops `plait train` with exit code 3 and the reason; rounds 1-2
+    and their checkpoints stand."""
     import plait.rollout.hf as hf
 
     real = hf.packed_linears
@@ -71,9 +76,12 @@ def test_the_hf_engine_sampling_from_other_weights_stops_the_run(tiny_model_path
 
     monkeypatch.setattr(hf, "packed_linears", packed_from_other_weights)
     out = tmp_path / "run"
-    cfg = load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, out, "checkpoint.save_steps=1"))
-    with pytest.raises(EngineDrift, match=r"round 3: the rollout engine's log-probs .* \(limit 0.01"):
-        train(cfg)
+    # through the command line, for its exit code: 3 (DIVERGED_EXIT), after the reason
+    sets = tiny_overrides(tiny_model_path, prompts_jsonl, out, "checkpoint.save_steps=1")
+    code = cli.main(["train", *(x for s in sets for x in ("--set", s))])
+    said = capsys.readouterr().err
+    assert code == DIVERGED_EXIT == 3, said[-2000:]
+    assert re.search(r"round 3: the rollout engine's log-probs .* \(limit 0.01.*\(exit code 3\)", said), said[-2000:]
     assert committed(out) == ["step_00000001", "step_00000002"]
     assert rounds_logged(out) == [1, 2]
 
