@@ -201,6 +201,37 @@ def test_sigterm_checkpoints_the_step_and_exits_75_then_resume_is_exact(
     assert (run / "hashes.jsonl").read_text() == (straight / "hashes.jsonl").read_text()
 
 
+def test_sigterm_to_one_worker_stops_both_at_the_same_round(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    """A stop signal that reaches only one process of a torchrun job (here rank 1, as a node's own
+    preemption would) stops all of them after the same round: the ranks agree on it before the
+    round's save, so one checkpoint is written, by both, and `resume=auto` finishes the run."""
+    import psutil
+
+    steps = 30
+    run = tmp_path / "run"
+    args = tiny_overrides(tiny_model_path, prompts_jsonl, run, f"train.max_steps={steps}", "log.console=plain")
+    proc = start(train_cmd(2, args), helper_env, tmp_path / "log")
+    wait_for_steps(run, 2, proc)
+    # torchrun's own children are the workers (their reward processes carry RANK too)
+    workers = {p.environ().get("RANK"): p for p in psutil.Process(proc.pid).children()}
+    assert sorted(workers) == ["0", "1"]
+    workers["1"].send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=300)
+    shown = (tmp_path / "log").read_text()
+    assert code != 0, shown[-3000:]  # torchrun reports its workers' 75 as a failure of its own
+    done = [int(p.name.split("_")[1]) for p in (run / "checkpoints").iterdir() if (p / "COMMITTED").is_file()]
+    assert len(done) == 1 and 2 <= done[0] < steps, shown[-3000:]
+    assert "SIGTERM received: finishing this step" in shown
+    assert f"stopped after round {done[0]} with a checkpoint" in shown, shown[-3000:]
+    assert [m["step"] for m in metrics_of(run)] == list(range(1, done[0] + 1))  # nobody went on alone
+    assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers.values())
+    res = subprocess.run(
+        train_cmd(2, [*args, "resume=auto"]), env=helper_env, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert [m["step"] for m in metrics_of(run)] == list(range(1, steps + 1))
+
+
 def test_torchrun_max_restarts_resumes_a_killed_worker(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
     """`torchrun --max-restarts 1`: worker rank 1 is SIGKILLed in step 3; torchrun restarts both,
     they resume from step 2's checkpoint and end with the weights of an unbroken run."""
