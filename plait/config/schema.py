@@ -269,6 +269,11 @@ class RolloutConfig(Section):
         description="Engine hf: generate in a process of its own, with its own copy of the weights and its own "
         "threads (always so when max_staleness > 0). With max_staleness 0 the trainer waits for it each round.",
     )
+    shared_memory_weights: bool = Field(
+        True,
+        description="Engine hf in a generation process, on a CPU: each round's weights reach it through a file in "
+        "/dev/shm both processes map (one copy each side) instead of a gloo broadcast over a socket.",
+    )
     inflight_updates: bool = Field(
         False,
         description="Async, engine hf: new weights reach the generation process as soon as they exist and are "

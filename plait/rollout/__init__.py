@@ -52,6 +52,18 @@ def make_engine(cfg, model, tokenizer, view=None, device=None) -> RolloutEngine:
     return VLLMEngine(cfg, str(resolve_model_path(cfg.model.name_or_path)), tokenizer, view, device)
 
 
+def shared_weights_path(cfg, device) -> str | None:
+    """Where the HF generation process gets its weights from: a new file in /dev/shm when the
+    weights live in CPU memory and rollout.shared_memory_weights is on, else None (the broadcast)."""
+    import os
+    import uuid
+    from pathlib import Path
+
+    if not cfg.rollout.shared_memory_weights or device.type != "cpu" or not Path("/dev/shm").is_dir():
+        return None
+    return f"/dev/shm/plait-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
 def make_generator(cfg, tokenizer, device):
     """The engine of asynchronous generation (training rank 0): the rollout servers (vLLM,
     server mode), or a generation process of the HF engine started here. Returns the engine
@@ -70,8 +82,11 @@ def make_generator(cfg, tokenizer, device):
     from plait.rollout.hf_process import start_generation_process
 
     token = new_token()  # this run's own: the process is ours alone
-    url, proc = start_generation_process(cfg, device, max(600.0, cfg.rollout.vllm.connect_timeout_s), token)
-    engine = RemoteEngine(cfg, tokenizer, identity, device, servers=[url], own_process=True, token=token)
+    shared = shared_weights_path(cfg, device)
+    url, proc = start_generation_process(cfg, device, max(600.0, cfg.rollout.vllm.connect_timeout_s), token, shared)
+    engine = RemoteEngine(
+        cfg, tokenizer, identity, device, servers=[url], own_process=True, token=token, shared_weights=shared
+    )
 
     def close():
         engine.close()

@@ -103,6 +103,7 @@ class UpdateRequest(_Strict):
     version: int = Field(ge=0, lt=2**63)
     metas: list[tuple[str, str, list[int]]] = Field(min_length=1)
     buckets: list[list[int]] = Field(min_length=1)
+    shared: bool = False  # the tensors are in the shared-memory file the replica was started with, not broadcast
 
 
 def _stops(stop: list[str] | None, limits: Limits) -> None:
@@ -157,9 +158,11 @@ def check_join(req: JoinRequest, client: str, limits: Limits, tensor_parallel_si
 
 
 def check_update(req: UpdateRequest, client: str, joined_by: str | None) -> None:
-    if joined_by is None:
+    if req.shared:
+        pass  # no group: the file is one only the trainer that started this replica knows (the spec names it)
+    elif joined_by is None:
         raise ApiError(409, "no weight group joined yet: POST /weights/join first")
-    if client != joined_by:
+    elif client != joined_by:
         raise ApiError(403, f"weights come only from the client that joined the weight group ({joined_by})")
     for name, dtype, shape in req.metas:
         if dtype not in DTYPES or any(d < 0 for d in shape) or not name:

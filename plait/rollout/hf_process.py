@@ -24,7 +24,14 @@ from dataclasses import asdict
 import torch
 
 from plait.rollout import replica
-from plait.rollout.weights import TensorMeta, adapter_part, apply_adapter, receive_buckets, weight_group
+from plait.rollout.weights import (
+    SharedWeights,
+    TensorMeta,
+    adapter_part,
+    apply_adapter,
+    receive_buckets,
+    weight_group,
+)
 from plait.types import Prompt, SamplingParams
 
 
@@ -46,9 +53,13 @@ class HFReplica:
         # the model still holds what it loaded), and the weights a whole push has overwritten since
         self.base: dict[str, torch.Tensor] = {}
         self.overwritten: set[str] = set()
+        # pushes through a file in /dev/shm the trainer that started this process named
+        self.shared = SharedWeights(spec["shared_weights"]) if spec.get("shared_weights") else None
 
     def describe(self) -> dict:
-        return dict(tensor_parallel_size=1, model=self.spec["model"], engine="hf", adapters=True)
+        return dict(
+            tensor_parallel_size=1, model=self.spec["model"], engine="hf", adapters=True, shared=self.shared is not None
+        )
 
     def limits(self) -> tuple[int, int]:
         """(longest prompt + completion, vocabulary size) of the served model."""
@@ -66,6 +77,8 @@ class HFReplica:
         while parent and os.getppid() == parent:
             time.sleep(1.0)
         if parent:
+            if self.shared is not None:  # the trainer can no longer remove it
+                self.shared.close()
             os._exit(0)
 
     def _load(self) -> None:
@@ -114,7 +127,9 @@ class HFReplica:
         self.group = None
         self.group = await asyncio.to_thread(weight_group, *args)
 
-    async def receive(self, metas: list, buckets: list, version: int) -> None:
+    async def receive(self, metas: list, buckets: list, version: int, shared: bool = False) -> None:
+        if shared and self.shared is None:
+            raise ValueError("this generation process was started without a shared-memory file")
         metas_ = [TensorMeta(n, d, tuple(s)) for n, d, s in metas]
         targets = [(adapter_part(m.name) or (m.name,))[0] for m in metas_]
         unknown = [n for n in targets if n not in self.params]
@@ -128,20 +143,26 @@ class HFReplica:
                 "started: restart the server (or set rollout.lora_push=merged)"
             )
         if not self.inflight:  # the gate holds generation back: load in place
-            await asyncio.to_thread(self._receive_into, metas_, buckets, None)
+            await asyncio.to_thread(self._receive_into, metas_, buckets, None, shared)
             self.version = version
             return
         staged: dict[str, torch.Tensor] = {}
-        await asyncio.to_thread(self._receive_into, metas_, buckets, staged)
+        await asyncio.to_thread(self._receive_into, metas_, buckets, staged, shared)
         with self.swap:
             self.pending = (version, staged)
         if not self.busy.locked():  # nothing decoding: swap now, so /health's version is the model's
             self._current_version()
 
-    def _receive_into(self, metas: list[TensorMeta], buckets: list, staged: dict | None) -> None:
+    def _pushed(self, metas: list[TensorMeta], buckets: list, shared: bool):
+        """The pushed tensors, bucket by bucket: views of the shared file, or received broadcasts."""
+        if not shared:
+            return receive_buckets(self.group, metas, buckets, self.device)
+        return [list(zip((m.name for m in metas), self.shared.views(metas)))]
+
+    def _receive_into(self, metas: list[TensorMeta], buckets: list, staged: dict | None, shared: bool = False) -> None:
         adapters: dict[str, dict[str, torch.Tensor]] = {}
         with torch.no_grad():
-            for bucket in receive_buckets(self.group, metas, buckets, self.device):
+            for bucket in self._pushed(metas, buckets, shared):
                 for name, t in bucket:
                     part = adapter_part(name)
                     if part is not None:
@@ -150,8 +171,8 @@ class HFReplica:
                     self.overwritten.add(name)
                     if staged is None:
                         self.params[name].copy_(t)
-                    else:
-                        staged[name] = t  # a view of this bucket's own buffer: no copy needed
+                    else:  # a view of this bucket's own buffer needs no copy; the shared file's is rewritten
+                        staged[name] = t.clone() if shared else t
             for name, parts in adapters.items():
                 base = self.base.setdefault(name, self.params[name].detach().clone())
                 merged = apply_adapter(base, parts)
@@ -181,8 +202,9 @@ def completion_dict(c) -> dict:
     return d
 
 
-def generation_spec(cfg, device: torch.device) -> dict:
-    """The generation process's settings, from the run's config."""
+def generation_spec(cfg, device: torch.device, shared_weights: str | None = None) -> dict:
+    """The generation process's settings, from the run's config (`shared_weights`: the file in
+    /dev/shm pushes come through, or None for the broadcast)."""
     from plait.models import resolve_model_path
 
     r = cfg.rollout
@@ -195,17 +217,20 @@ def generation_spec(cfg, device: torch.device) -> dict:
         threads=r.generator_threads,
         device=str(device),
         inflight=r.inflight_updates,
+        shared_weights=shared_weights,
     )
 
 
-def start_generation_process(cfg, device: torch.device, timeout_s: float, token: str) -> tuple[str, subprocess.Popen]:
+def start_generation_process(
+    cfg, device: torch.device, timeout_s: float, token: str, shared_weights: str | None = None
+) -> tuple[str, subprocess.Popen]:
     """Start the HF generation process on this machine, listening on loopback only and taking
     requests with `token` (the run's own); return its URL and process once it answers /health.
     Its log goes to this process's stderr."""
     from plait import comm
 
     port = comm.free_port()
-    spec = {**generation_spec(cfg, device), "parent": os.getpid()}
+    spec = {**generation_spec(cfg, device, shared_weights), "parent": os.getpid()}
     proc = replica.start(spec, 0, "127.0.0.1", [port], token, {"OMP_NUM_THREADS": str(spec["threads"] or 1)})
     url = f"http://127.0.0.1:{port}"
     try:

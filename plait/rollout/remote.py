@@ -30,6 +30,7 @@ from plait import comm
 from plait.models import pad_id_of
 from plait.rollout.vllm_engine import sampling_dict, to_completion
 from plait.rollout.weights import (
+    SharedWeights,
     adapter_part,
     adapter_weights,
     full_weights,
@@ -118,9 +119,11 @@ class RemoteEngine:
         servers: list[str] | None = None,
         own_process: bool = False,
         token: str | None = None,
+        shared_weights: str | None = None,
     ):
         """`own_process`: the server is the HF generation process this trainer started.
-        `token`: the servers' token (default: $PLAIT_ROLLOUT_TOKEN or rollout.vllm.token_file)."""
+        `token`: the servers' token (default: $PLAIT_ROLLOUT_TOKEN or rollout.vllm.token_file).
+        `shared_weights`: the /dev/shm file that process reads pushes from (else: the broadcast)."""
         import httpx
 
         from plait.rollout.auth import TokenError, bearer, resolve_token
@@ -153,6 +156,7 @@ class RemoteEngine:
         self.pool = ThreadPoolExecutor(max(2, len(self.urls)))
         self._last_sync: dict[str, float] = {}  # metrics of the last weights_for_step: stats()
         self.lora_push = cfg.rollout.lora_push
+        self.shared = SharedWeights(shared_weights) if shared_weights else None
 
     # -------------------------------------------------------------- HTTP
 
@@ -250,16 +254,21 @@ class RemoteEngine:
         replica, (re)joining the weight group first when a replica is new or restarted."""
         t0 = time.perf_counter()
         healths = healths if healths is not None else self._healths()
-        if self._restarted(healths) or self.group is None:
-            self._join(healths)
-        nbytes = self._push(weights, version)
+        if self.shared is not None:
+            nbytes = self._push_shared(weights, version)
+        else:
+            if self._restarted(healths) or self.group is None:
+                self._join(healths)
+            nbytes = self._push(weights, version)
         self.instances = {u: h["instance"] for u, h in zip(self.urls, healths)}
         self.version = version
-        gb = nbytes / 1e9
+        gb, seconds = nbytes / 1e9, time.perf_counter() - t0
         self._last_sync = {
             "weight_sync/gb": gb,
+            "weight_sync/seconds": seconds,
             "weight_sync/adapter": float(any(adapter_part(n) for n, _ in weights)),
-            "weight_sync/seconds_per_gb": (time.perf_counter() - t0) / max(1e-9, gb),
+            "weight_sync/seconds_per_gb": seconds / max(1e-9, gb),
+            "weight_sync/shared_memory": float(self.shared is not None),
         }
 
     def takes_adapter(self, model, healths: list[dict] | None = None) -> bool:
@@ -299,10 +308,21 @@ class RemoteEngine:
         _wait_all([group, *futures])
         self.group = group.result()
 
-    def _push(self, weights: list[tuple[str, torch.Tensor]], version: int) -> int:
+    def _engine_dtypes(self, weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         # the engine's dtype (half the bytes in bf16); an adapter's factors stay as trained, so the
         # engine's merge computes what the trainer's would
-        weights = [(n, t if adapter_part(n) else t.to(self.dtype)) for n, t in weights]
+        return [(n, t if adapter_part(n) else t.to(self.dtype)) for n, t in weights]
+
+    def _push_shared(self, weights: list[tuple[str, torch.Tensor]], version: int) -> int:
+        """Write the weights into the shared file, then have the generation process read them."""
+        metas = self.shared.write(self._engine_dtypes(weights))
+        buckets = plan_buckets(metas, 2**62)  # one per dtype: the request's format; nothing is sent in them
+        body = dict(version=version, metas=[[m.name, m.dtype, list(m.shape)] for m in metas], buckets=buckets)
+        _wait_all(self._post_all("/weights/update", [{**body, "shared": True}]))
+        return sum(m.nbytes for m in metas)
+
+    def _push(self, weights: list[tuple[str, torch.Tensor]], version: int) -> int:
+        weights = self._engine_dtypes(weights)
         metas = metas_of(weights)
         buckets = plan_buckets(metas, self.settings.sync_bucket_mb * 2**20)
         body = dict(version=version, metas=[[m.name, m.dtype, list(m.shape)] for m in metas], buckets=buckets)
@@ -377,3 +397,5 @@ class RemoteEngine:
     def close(self) -> None:
         self.pool.shutdown(wait=False)
         self.http.close()
+        if self.shared is not None:
+            self.shared.close()

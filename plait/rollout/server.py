@@ -18,8 +18,9 @@ the engine (rollout/api.py): sizes, sampling parameters, and who may join the we
                         -> {version, outputs: [[{token_ids, text, logprobs, finish_reason, stop_reason}]]}
   POST /weights/join    {host, port, rank_offset, world, backend, timeout_s}: join the trainer's weight
                         group; `host` must be the caller's own address (or one allowed by --weights-from)
-  POST /weights/update  {version, metas, buckets}: receive the broadcast, only from the client that
-                        joined; generation waits meanwhile
+  POST /weights/update  {version, metas, buckets, shared}: receive the broadcast, only from the client that
+                        joined (shared: read them from the /dev/shm file the trainer that started this
+                        HF generation process named; no other replica has one); generation waits meanwhile
                         (HF with in-flight updates: received beside generation, swapped in between tokens)
 
 `instance` changes whenever a replica restarts, so a trainer knows to send it the weights again.
@@ -150,7 +151,9 @@ class VllmReplica:
     async def join(self, args: tuple) -> None:
         await self.engine.collective_rpc("plait_join_weight_group", args=args)
 
-    async def receive(self, metas: list, buckets: list, version: int) -> None:
+    async def receive(self, metas: list, buckets: list, version: int, shared: bool = False) -> None:
+        if shared:
+            raise ValueError("a vLLM replica takes weights through the weight group only, not shared memory")
         await self.engine.collective_rpc("plait_receive_weights", args=(metas, buckets))
         await self.engine.reset_prefix_cache()  # cached prompt KV came from the old weights
 
@@ -260,7 +263,7 @@ def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits
 
     async def receive(req: UpdateRequest):
         try:
-            await engine.receive([list(m) for m in req.metas], req.buckets, req.version)
+            await engine.receive([list(m) for m in req.metas], req.buckets, req.version, req.shared)
         except ValueError as e:
             raise ApiError(400, f"weights refused: {e}") from e
         except Exception as e:

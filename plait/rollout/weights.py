@@ -11,14 +11,18 @@ processes, other machines):
 - `weight_group` / `send_buckets` / `receive_buckets`: a torch.distributed process group of its
   own (gloo on CPU, NCCL on GPU) between trainer rank 0 and every generation worker, created
   from a TCP store without touching the trainer's default group.
+- `SharedWeights`: for the HF generation process on the trainer's own machine, a file in
+  /dev/shm both map instead: one copy in, one copy out, no socket in between.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -203,3 +207,58 @@ def receive_buckets(
 
 def metas_of(weights: list[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
     return [TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in weights]
+
+
+SHARED_ALIGN = 64  # bytes: every tensor in a shared file starts at a multiple (any dtype can view it)
+
+
+def shared_layout(metas: list[TensorMeta]) -> tuple[list[int], int]:
+    """(byte offset of each tensor, bytes in all) in a SharedWeights file: back to back, aligned."""
+    offsets, end = [], 0
+    for m in metas:
+        end = -(-end // SHARED_ALIGN) * SHARED_ALIGN
+        offsets.append(end)
+        end += m.nbytes
+    return offsets, end
+
+
+class SharedWeights:
+    """A file in /dev/shm (memory, not disk) that the trainer and the generation process it
+    started both map: a push copies the tensors in, the generation process copies them into its
+    model; the HTTP request that announces a push carries their names, dtypes and shapes, and
+    both sides find them at the same offsets (`shared_layout`). Each side keeps its mapping
+    between pushes (mapping anew would fault every page in again). The writer sizes the file
+    itself: torch.from_file, asked for more than a file holds, grows it but zeroes its first byte."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.buf: torch.Tensor | None = None
+
+    def _mapped(self, nbytes: int, writer: bool) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < nbytes:
+            if writer and (not self.path.exists() or self.path.stat().st_size < nbytes):
+                with open(self.path, "ab") as f:
+                    f.truncate(nbytes)
+            size = self.path.stat().st_size
+            if size < nbytes:
+                raise ValueError(f"{self.path} holds {size} bytes, fewer than the {nbytes} this push needs")
+            self.buf = torch.from_file(str(self.path), shared=True, size=size, dtype=torch.uint8)
+        return self.buf
+
+    def views(self, metas: list[TensorMeta], writer: bool = False) -> list[torch.Tensor]:
+        """Each tensor of `metas` as a view of the mapped file."""
+        offsets, total = shared_layout(metas)
+        buf = self._mapped(total, writer)
+        return [buf[o : o + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape) for o, m in zip(offsets, metas)]
+
+    def write(self, weights: list[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
+        """The trainer's side: copy `weights` in; returns what the reader needs to find them."""
+        metas = metas_of(weights)
+        for view, (_, t) in zip(self.views(metas, writer=True), weights):
+            view.copy_(t)
+        return metas
+
+    def close(self) -> None:
+        """Unmap and remove the file (its memory is freed once the other side has unmapped it too)."""
+        self.buf = None
+        self.path.unlink(missing_ok=True)

@@ -10,6 +10,7 @@ weights the trainer trains at, and far larger after one update at learning rate 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -38,13 +39,18 @@ def async_overrides(model, data, out, *extra):
 def test_async_rounds_are_generated_k_versions_behind_and_runs_reproduce(tiny_model_path, prompts_jsonl, tmp_path):
     """k=1: round t is sampled with the weights after round max(0, t-2), so the staleness of
     rounds 1..4 is 0, 1, 1, 1; the logprob gap shows the engine really held those weights; the
-    stale rows are corrected (engine_is_correction resolves to on); two runs give the same weights."""
+    stale rows are corrected (engine_is_correction resolves to on); two runs give the same
+    weights bit for bit, one pushing them through shared memory (the default), one through the
+    gloo broadcast; the shared file is gone after the run."""
     runs = []
-    for name in ("a", "b"):
+    for name, shared in (("a", True), ("b", False)):
         out = tmp_path / name
-        result = train(load_config(None, async_overrides(tiny_model_path, prompts_jsonl, out)))
+        sets = async_overrides(tiny_model_path, prompts_jsonl, out, f"rollout.shared_memory_weights={shared}")
+        result = train(load_config(None, sets))
         runs.append(out)
         m = result.history
+        assert all(x["weight_sync/shared_memory"] == float(shared) for x in m if x["async/weight_pushes"])
+        assert not list(Path("/dev/shm").glob(f"plait-weights-{os.getpid()}-*"))
         assert [x["async/scheduled_version"] for x in m] == [0, 0, 1, 2]
         assert [x["rollout/weight_staleness"] for x in m] == [0, 1, 1, 1]
         assert [x["rollout/staleness_mean"] for x in m] == [0, 1, 1, 1]
@@ -64,7 +70,9 @@ def test_async_chaos_kills_at_every_moment_and_the_run_ends_bitwise_equal(tmp_pa
     """bench/chaos.py --async 1: SIGKILL the trainer at start-up, mid-step, right after logging a
     round no checkpoint holds yet and mid-save, and the generation process mid-run; each relaunch
     resumes (with the rounds generated ahead from the checkpoint), and weights, optimizer state
-    and metrics equal an unbroken async run's."""
+    and metrics equal an unbroken async run's. The shared-memory files of the killed trainers'
+    generation processes are gone too (each process removes its own when its trainer dies)."""
+    before = set(Path("/dev/shm").glob("plait-weights-*"))
     out = tmp_path / "chaos.json"
     res = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "chaos.py"), "--async", "1", "--nproc", "1"]
@@ -79,6 +87,10 @@ def test_async_chaos_kills_at_every_moment_and_the_run_ends_bitwise_equal(tmp_pa
     assert report["resumes"] >= 3 and report["corrupt_loads"] == 0 and report["checkpoints_differing"] == 0
     assert report["max_weight_diff"] == 0.0 and report["optimizer_identical"] and report["metrics_differing"] == []
     assert report["steps_logged"] == list(range(1, 9))
+    deadline = time.monotonic() + 120  # a generation process notices its trainer's death within a second or so
+    while set(Path("/dev/shm").glob("plait-weights-*")) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not set(Path("/dev/shm").glob("plait-weights-*")) - before
 
 
 def test_a_dead_generation_process_stops_the_run_with_the_fix(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
