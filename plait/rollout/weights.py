@@ -237,8 +237,12 @@ class SharedWeights:
     def _mapped(self, nbytes: int, writer: bool) -> torch.Tensor:
         if self.buf is None or self.buf.numel() < nbytes:
             if writer and (not self.path.exists() or self.path.stat().st_size < nbytes):
-                with open(self.path, "ab") as f:
-                    f.truncate(nbytes)
+                # readable by this user alone: the weights are the run's, /dev/shm is everyone's
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+                try:
+                    os.ftruncate(fd, nbytes)
+                finally:
+                    os.close(fd)
             size = self.path.stat().st_size
             if size < nbytes:
                 raise ValueError(f"{self.path} holds {size} bytes, fewer than the {nbytes} this push needs")

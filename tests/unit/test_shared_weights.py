@@ -48,6 +48,7 @@ def test_a_push_is_read_bit_for_bit_by_another_process_and_a_larger_one_grows_th
             reader.join(120)
             assert reader.exitcode == 0
             assert all(torch.equal(a, t) and a.dtype == t.dtype for a, (_, t) in zip(seen, weights))
+            assert os.stat(path).st_mode & 0o777 == 0o600  # the run's weights: this user's alone
         with pytest.raises(ValueError, match="fewer than"):  # a reader never grows the file
             SharedWeights(path).views(metas_of([("huge", torch.empty(10**6))]))
     finally:
