@@ -54,3 +54,15 @@ def test_a_push_is_read_bit_for_bit_by_another_process_and_a_larger_one_grows_th
     finally:
         writer.close()
     assert not os.path.exists(path)
+
+
+def test_a_generation_process_started_without_a_file_refuses_a_shared_push():
+    """Only the process its trainer started with a file reads one: a shared push to any other
+    (a `plait rollout-server` replica, say) is refused, which the HTTP layer answers with a 400."""
+    import asyncio
+
+    from plait.rollout.hf_process import HFReplica
+
+    replica = HFReplica({"model": "unused", "device": "cpu"})  # the model loads later, at start-up
+    with pytest.raises(ValueError, match="started without a shared-memory file"):
+        asyncio.run(replica.receive([["model.norm.weight", "float32", [3]]], [[0]], 1, shared=True))
