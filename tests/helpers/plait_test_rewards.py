@@ -29,18 +29,19 @@ def vowel_share_crash_env(completions, **kwargs):
 
 
 def vowel_share_kill_env(completions, **kwargs):
-    """vowel_share, but on call number $PLAIT_TEST_KILL_CALL it SIGKILLs process group
-    $PLAIT_TEST_KILL_PGID, or process $PLAIT_TEST_KILL_PID (a rollout server, or its engine
-    alone, dying in the middle of a run)."""
+    """vowel_share, but on call number $PLAIT_TEST_KILL_CALL it SIGKILLs (or sends
+    $PLAIT_TEST_KILL_SIGNAL to) process group $PLAIT_TEST_KILL_PGID, or process
+    $PLAIT_TEST_KILL_PID (a rollout server, or its engine alone, dying or hanging mid-run)."""
     import os
     import signal
 
     CALLS["n"] += 1
     if os.environ.get("PLAIT_TEST_KILL_CALL") and CALLS["n"] == int(os.environ["PLAIT_TEST_KILL_CALL"]):
+        sig = signal.Signals[os.environ.get("PLAIT_TEST_KILL_SIGNAL", "SIGKILL")]
         if "PLAIT_TEST_KILL_PID" in os.environ:
-            os.kill(int(os.environ["PLAIT_TEST_KILL_PID"]), signal.SIGKILL)
+            os.kill(int(os.environ["PLAIT_TEST_KILL_PID"]), sig)
         else:
-            os.killpg(int(os.environ["PLAIT_TEST_KILL_PGID"]), signal.SIGKILL)
+            os.killpg(int(os.environ["PLAIT_TEST_KILL_PGID"]), sig)
     return vowel_share(completions, **kwargs)
 
 

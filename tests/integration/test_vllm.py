@@ -271,7 +271,8 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
     (refused connection) is up to the scheduler; either way the trainer stops with a message naming
     the replica and the resume advice, step 2's checkpoint stays valid, and the server exits with
     code 1. With the server back, resume=auto finishes and the restarted server (base weights) is
-    given the trainer's weights first."""
+    given the trainer's weights first. Then the replica hangs (SIGSTOP) mid-run: the run stops
+    after request_timeout_s with the same advice, its last round saved."""
     out = tmp_path / "run"
     server = RolloutServer(vllm_model, dp=1, tp=2, env=helper_env)
     try:
@@ -311,6 +312,28 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
         assert [x["step"] for x in m] == [1, 2, 3]
         assert m[-1]["logprob_gap"] < SYNCED_GAP  # the new server samples from the resumed weights
         assert server.health()["version"] == 2
+
+        # the replica stops answering (SIGSTOP to its session: alive and silent) while round 4 is
+        # scored: round 4 trains and is saved, the next request gets no answer, and the run stops
+        # after request_timeout_s instead of waiting for ever, naming the server and resume=auto
+        (replica,) = server.replica_pids()  # in a session of its own, with its engine's processes
+        hang = {**helper_env, "PLAIT_TEST_KILL_CALL": "1", "PLAIT_TEST_KILL_PGID": str(replica)}
+        more = [*args, "resume=auto", "train.max_steps=6", "rollout.vllm.request_timeout_s=15"]
+        try:
+            proc = subprocess.run(
+                train_cmd(1, more),
+                capture_output=True,
+                text=True,
+                env={**hang, "PLAIT_TEST_KILL_SIGNAL": "SIGSTOP"},
+                timeout=600,
+            )
+        finally:
+            os.killpg(replica, signal.SIGCONT)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert f"rollout server {server.url}" in proc.stderr and "resume=auto" in proc.stderr, proc.stderr[-2000:]
+        assert "did not answer" in proc.stderr and "request_timeout_s=15" in proc.stderr, proc.stderr[-2000:]
+        assert [x["step"] for x in metrics_of(out)] == [1, 2, 3, 4]
+        assert (out / "checkpoints" / "step_00000004" / "COMMITTED").is_file()
     finally:
         server.stop()
 
