@@ -102,6 +102,12 @@ def _resume_hint(own_process: bool = False) -> str:
     )
 
 
+def _update_body(version: int, metas, buckets: list[list[int]], shared: bool = False) -> dict:
+    """The /weights/update request announcing a push of `metas` (rollout/api.py UpdateRequest)."""
+    described = [[m.name, m.dtype, list(m.shape)] for m in metas]
+    return dict(version=version, metas=described, buckets=buckets, shared=shared)
+
+
 def remote_engine(engine):
     """The RemoteEngine under `engine` (a ToolEngine wraps one), or None."""
     while engine is not None and not isinstance(engine, RemoteEngine):
@@ -317,16 +323,14 @@ class RemoteEngine:
         """Write the weights into the shared file, then have the generation process read them."""
         metas = self.shared.write(self._engine_dtypes(weights))
         buckets = plan_buckets(metas, 2**62)  # one per dtype: the request's format; nothing is sent in them
-        body = dict(version=version, metas=[[m.name, m.dtype, list(m.shape)] for m in metas], buckets=buckets)
-        _wait_all(self._post_all("/weights/update", [{**body, "shared": True}]))
+        _wait_all(self._post_all("/weights/update", [_update_body(version, metas, buckets, shared=True)]))
         return sum(m.nbytes for m in metas)
 
     def _push(self, weights: list[tuple[str, torch.Tensor]], version: int) -> int:
         weights = self._engine_dtypes(weights)
         metas = metas_of(weights)
         buckets = plan_buckets(metas, self.settings.sync_bucket_mb * 2**20)
-        body = dict(version=version, metas=[[m.name, m.dtype, list(m.shape)] for m in metas], buckets=buckets)
-        futures = self._post_all("/weights/update", [body] * len(self.urls))
+        futures = self._post_all("/weights/update", [_update_body(version, metas, buckets)] * len(self.urls))
         # A replica that dies before its side of the broadcast connects leaves ours waiting for the
         # group's whole timeout: its failed update request stops the push instead.
         sending = _in_thread(send_buckets, self.group, [t for _, t in weights], buckets, self.device)

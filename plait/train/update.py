@@ -216,7 +216,7 @@ def engine_mismatch_sums(
     log_ratio = engine_log_ratio(trainer_logp, engine_logp, real)
     sums = {"engine_kl_tokens": ((torch.expm1(log_ratio) - log_ratio) * real).sum()}
     if weights is not None:
-        raw = torch.exp(engine_log_ratio(trainer_logp, engine_logp, real, mode.startswith("sequence")))
+        raw = torch.exp(log_ratio.sum(-1, keepdim=True) if mode.startswith("sequence") else log_ratio)
         weights = weights.expand_as(real)
         changed = (weights != raw.expand_as(real)) * real
         sums["engine_is_masked_tokens"] = (changed * (weights == 0)).sum()
