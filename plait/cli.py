@@ -468,6 +468,10 @@ def cmd_check(args) -> int:
     if tools_need_sandbox(r.tools):  # the run's own check (no tokenizer needed): SandboxUnavailable -> exit 2
         tier = tool_sandbox(cfg).tier
         print(f"tools: {r.tools.format} calls, run under sandbox tier '{tier}' (minimum '{cfg.sandbox.min_tier}')")
+    untrusted = [e for e in cfg.environments if e.type == "trl_env" and not e.trusted]
+    if untrusted:  # the same check for environments replayed in the sandbox
+        tier = tool_sandbox(cfg).tier
+        print(f"environments: trl_env calls replayed under sandbox tier '{tier}' (minimum '{cfg.sandbox.min_tier}')")
     return 0
 
 
@@ -490,7 +494,9 @@ def cmd_eval(args) -> int:
         metric.sandbox = Sandbox.from_config(cfg.sandbox)
     tok = load_tokenizer(args.model)
     tools = Tools.from_config(cfg, tok)  # evaluate the policy as it was trained: with its tools
-    prompts = build_prompts(load_rows(cfg.data, "eval", cfg.seed, cfg.environments), tok, cfg.data, tools=tools.schemas)
+    prompts = build_prompts(
+        load_rows(cfg.data, "eval", cfg.seed, cfg.environments), tok, cfg.data, tools=tools.schemas, envs=tools.envs
+    )
     tools.check(prompts)
     from plait.train.backends import resolve_device
 

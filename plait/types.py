@@ -33,6 +33,9 @@ class Prompt:
     # the chat messages `text` was rendered from (None: no chat template); multi-turn tool use
     # renders each tool turn after them
     messages: list[dict] | None = None
+    # a trl_env row: what its environment's reset returned, rendered into the prompt; each
+    # rollout's own reset must return the same
+    env_observation: str | None = None
 
 
 @dataclass
@@ -74,6 +77,10 @@ class Completion:
     messages: list[dict] | None = None
     # multi-turn: calls, errors, timeouts, turns, seconds of this completion's tool use
     tool_stats: dict[str, float] | None = None
+    # a trl_env rollout: what its environment's get_reward returned, or why it could not be had
+    # (an infrastructure error: the completion is not scored)
+    env_reward: float | None = None
+    env_error: str | None = None
 
     @property
     def staleness_versions(self) -> list[int]:

@@ -398,8 +398,11 @@ def check_tools(cfg: Config, env: Env) -> list[str]:
     if t is None:
         return []
     out = []
-    if not t.python and not t.functions:
-        out.append("rollout.tools offers no tool: set python: true or list functions ['module:function']")
+    if not t.python and not t.functions and not any(e.type == "trl_env" for e in cfg.environments):
+        out.append(
+            "rollout.tools offers no tool: set python: true, list functions ['module:function'], or add an "
+            "environment of type trl_env (its methods are tools)"
+        )
     if t.max_turns < 2:
         out.append(f"rollout.tools.max_turns={t.max_turns} leaves no turn after a tool call: use 2 or more")
     if t.functions and t.format != "hermes":
@@ -446,7 +449,7 @@ def check_task(cfg: Config, env: Env) -> list[str]:
     from plait.data.tasks import CAPACITY
 
     d, out = cfg.data, []
-    if cfg.environments:
+    if _problem_environments(cfg):
         if d.messages_field is not None:
             out.append("environments give text prompts: drop data.messages_field")
         if d.task is not None or d.path is not None:
@@ -484,9 +487,17 @@ def check_environments(cfg: Config, env: Env) -> list[str]:
                 "no environments are configured: add an `environments:` section or pick another reward"
             ]
         return []
-    from plait.envs import environment_problems
+    from plait.envs import environment_problems, label
+    from plait.tools.environments import config_problems, problems
 
-    return environment_problems(cfg.environments, cfg.seed, bool(_evaluating(cfg)))
+    out = environment_problems(cfg.environments, cfg.seed, bool(_evaluating(cfg)))
+    out += [p for e in cfg.environments if e.type == "trl_env" for p in problems(e, label(e))]
+    return out + config_problems(cfg)
+
+
+def _problem_environments(cfg: Config) -> list:
+    """The environments that bring their own problems (trl_env entries act on the data's rows)."""
+    return [e for e in cfg.environments if e.type != "trl_env"]
 
 
 def check_data_files(cfg: Config, env: Env) -> list[str]:
@@ -498,7 +509,7 @@ def check_data_files(cfg: Config, env: Env) -> list[str]:
         why = source_problem(getattr(d, key), d.format)
         if why:
             out.append(f"data.{key}: {why}")
-    if _evaluating(cfg) and d.task is None and d.eval_path is None and not cfg.environments:
+    if _evaluating(cfg) and d.task is None and d.eval_path is None and not _problem_environments(cfg):
         out.append(
             "eval is on but there is no held-out data: set data.eval_path, or eval.before=false and eval.after=false"
         )

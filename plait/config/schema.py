@@ -689,12 +689,28 @@ class ClusterConfig(Section):
 
 
 class EnvironmentSpec(Section):
-    type: Literal["reasoning_gym"] = Field(
-        description="reasoning_gym: a reasoning-gym dataset, scored by its own score_answer (docs/environments.md)."
+    type: Literal["reasoning_gym", "trl_env"] = Field(
+        description="reasoning_gym: a reasoning-gym dataset, scored by its own score_answer; trl_env: a class in "
+        "TRL's environment_factory form (reset, tool methods, get_reward) over the data's rows (docs/environments.md)."
     )
-    dataset: str = Field(description="The reasoning-gym dataset, e.g. basic_arithmetic, leg_counting.")
+    dataset: str | None = Field(None, description="reasoning_gym: the dataset, e.g. basic_arithmetic, leg_counting.")
+    factory: str | None = Field(
+        None,
+        description="trl_env: 'module:Name', a class or a function of no arguments that returns one environment "
+        "(one is made per rollout).",
+    )
+    trusted: bool = Field(
+        False,
+        description="trl_env: true = the environment's methods run in the trainer's process, one live instance per "
+        "rollout (as TRL runs them); false = in the sandbox, by replaying the rollout's calls (the environment "
+        "must then be deterministic and import only the standard library).",
+    )
     config: dict[str, Any] = Field(default_factory=dict, description="The dataset's own options (its config class).")
-    name: str | None = Field(None, description="Label in metrics and eval (null = the dataset's name).")
+    name: str | None = Field(
+        None,
+        description="Label in metrics and eval, and the value of a row's `environment` column that selects this "
+        "entry (null = the dataset's name, or the factory's).",
+    )
     size: int = Field(1000, ge=1, description="Training problems generated (indices 0..size-1 of the seeded dataset).")
     eval_size: int = Field(50, ge=1, description="Held-out problems (another seed; any also in training are left out).")
     seed: int | None = Field(None, description="The dataset's seed (null = the run's seed).")
@@ -716,6 +732,20 @@ class EnvironmentSpec(Section):
         description="Where the completion states its answer: <answer>...</answer> (reasoning-gym's system prompt) "
         "or \\boxed{...}.",
     )
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self):
+        if self.type == "reasoning_gym" and (self.dataset is None or self.factory is not None):
+            raise ValueError("an environment of type reasoning_gym needs `dataset` (and no `factory`)")
+        if self.type == "trl_env":
+            if self.factory is None or self.dataset is not None:
+                raise ValueError("an environment of type trl_env needs `factory: module:Name` (and no `dataset`)")
+            if self.weight is not None or self.config:
+                raise ValueError(
+                    "a trl_env environment takes its rows from `data` (a row's `environment` column picks the "
+                    "entry): drop `weight` and `config`"
+                )
+        return self
 
 
 class Config(Section):
@@ -744,8 +774,9 @@ class Config(Section):
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     environments: list[EnvironmentSpec] = Field(
         default_factory=list,
-        description="Environments whose problems are the prompts, a mixture (docs/environments.md); they replace "
-        "the built-in task, the reward defaults to `environment` and eval.metric too.",
+        description="Environments (docs/environments.md): reasoning_gym entries are a mixture of problems that "
+        "replace the built-in task; trl_env entries act on the data's rows through tools. The reward defaults to "
+        "`environment` (the verifier, or the environment's get_reward) and eval.metric too.",
     )
 
     @model_validator(mode="before")
@@ -757,7 +788,12 @@ class Config(Section):
             return data
         data = dict(data)
         section = dict(data.get("data") or {})
-        if "task" not in section and section.get("path") is None:
+        kinds = {e.get("type") if isinstance(e, dict) else getattr(e, "type", None) for e in data["environments"]}
+        if kinds == {"trl_env"}:  # they act on the data's rows, through tools: hermes calls unless said otherwise
+            rollout = dict(data.get("rollout") or {})
+            if rollout.get("tools") is None:
+                data["rollout"] = {**rollout, "tools": {"format": "hermes", "python": False}}
+        elif "task" not in section and section.get("path") is None:
             data["data"] = {**section, "task": None}
         data.setdefault("rewards", [{"name": "environment"}])
         data["eval"] = {"metric": "environment", **(data.get("eval") or {})}

@@ -149,6 +149,7 @@ def _chat_messages(value) -> bool:
 
 def load_rows(data_cfg, split: str, seed: int = 0, environments=None) -> list[dict]:
     """Rows for 'train' or 'eval' from the configured environments, task or files."""
+    environments = [e for e in environments or [] if e.type != "trl_env"]  # those act on the data's own rows
     if environments:
         rows = environment_rows(environments, split, seed, data_cfg.system_prompt)
         prompt, answer = data_cfg.prompt_field, data_cfg.answer_field or "answer"  # under the names the data says
@@ -162,9 +163,13 @@ def load_rows(data_cfg, split: str, seed: int = 0, environments=None) -> list[di
     return read_file(path, data_cfg.format, data_cfg.split)
 
 
-def build_prompts(rows: list[dict], tokenizer, data_cfg, log=print, tools: list[dict] | None = None) -> list[Prompt]:
+def build_prompts(
+    rows: list[dict], tokenizer, data_cfg, log=print, tools: list[dict] | None = None, envs=None
+) -> list[Prompt]:
     """Map fields, apply the chat template (describing `tools`, JSON schemas, to the model where
-    the template can), and drop (or reject) prompts that are too long."""
+    the template can), and drop (or reject) prompts that are too long. With `envs` (trl_env
+    entries, plait/tools/environments.py) each row's environment adds its reset observation to the
+    prompt and describes its own tools."""
     prompts, too_long = [], []
     key = data_cfg.messages_field or data_cfg.prompt_field
     for i, row in enumerate(rows):
@@ -183,11 +188,18 @@ def build_prompts(rows: list[dict], tokenizer, data_cfg, log=print, tools: list[
         if conversational is None:
             conversational = data_cfg.messages_field is not None
         source = [dict(m) for m in messages] if conversational else str(row[key])
+        columns = {k: v for k, v in row.items() if k not in (key, SYSTEM_COLUMN)}  # the answer also under its name
+        shown, observation = tools, None
+        if envs is not None:
+            try:
+                messages, shown, columns, observation = envs.render(source, columns, messages, f"row {i}")
+            except ValueError as err:
+                raise DataError(str(err)) from None
         own = {"chat_template": data_cfg.chat_template} if isinstance(data_cfg.chat_template, str) else {}
         templated = bool(data_cfg.chat_template and (own or tokenizer.chat_template))
         if templated:
             text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **({"tools": tools} if tools else {}), **own
+                messages, add_generation_prompt=True, tokenize=False, **({"tools": shown} if shown else {}), **own
             )
         else:
             text = "\n".join(m["content"] for m in messages)
@@ -196,9 +208,8 @@ def build_prompts(rows: list[dict], tokenizer, data_cfg, log=print, tools: list[
             too_long.append(i)
             continue
         answer = row.get(data_cfg.answer_field) if data_cfg.answer_field else None
-        columns = {k: v for k, v in row.items() if k not in (key, SYSTEM_COLUMN)}  # the answer also under its name
         reference = None if answer is None else str(answer)
-        prompts.append(Prompt(i, text, ids, reference, columns, source, messages if templated else None))
+        prompts.append(Prompt(i, text, ids, reference, columns, source, messages if templated else None, observation))
     if too_long:
         msg = (
             f"{len(too_long)} of {len(rows)} prompts are longer than data.max_prompt_length="

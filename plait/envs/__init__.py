@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def label(spec) -> str:
-    return spec.name or spec.dataset
+    return spec.name or spec.dataset or spec.factory.rpartition(":")[2]
 
 
 def train_sizes(specs) -> list[int]:
@@ -64,7 +64,14 @@ def environment_problems(specs, seed: int, evaluating: bool = False) -> list[str
     labels = [label(s) for s in specs]
     if len(set(labels)) != len(labels):
         out.append(f"environments: labels must differ, got {labels}; give the entries different `name`s")
+    if len({s.type == "trl_env" for s in specs}) > 1:
+        out.append(
+            "environments: trl_env entries act on the data's rows and reasoning_gym entries replace them with "
+            "their own problems; one run takes one kind (train them in two runs)"
+        )
     for spec, size in zip(specs, train_sizes(specs)):
+        if spec.type == "trl_env":  # checked with the tools (plait/tools/environments.py)
+            continue
         own = seed if spec.seed is None else spec.seed
         out += TYPES[spec.type].problems(spec, label(spec), own, size, evaluating)
     return out
@@ -79,20 +86,31 @@ LAST_ERROR: dict[str, str] = {}
 
 
 def environment(
-    completions: list[str], env_source: list[dict | None], unformatted_credit: float = 0.0, **columns
+    completions: list[str],
+    env_source: list[dict | None] | None = None,
+    unformatted_credit: float = 0.0,
+    env_reward: list[float | None] | None = None,
+    env_error: list[str | None] | None = None,
+    **columns,
 ) -> list[float | None]:
-    """Each completion scored by the verifier of the environment its prompt came from; None
-    where that verifier failed (an infrastructure error, logged) or the row has no environment.
+    """Each completion scored by the verifier of the environment its prompt came from (a
+    trl_env rollout: by what its environment's get_reward returned); None where that failed (an
+    infrastructure error, logged) or the row has no environment.
 
     unformatted_credit: the share of the score an answer earns when it is not where the
     environment asked for it (its last number, else its last line, is given to the verifier),
     so a model that does not box its answers yet gets a signal; the eval metric, bound without
     kwargs, stays strict."""
     out: list[float | None] = []
-    labels = columns.get("environment") or [None] * len(completions)
-    for completion, source, name in zip(completions, env_source, labels):
+    n = len(completions)
+    labels = columns.get("environment") or [None] * n
+    rewarded = zip(env_reward or [None] * n, env_error or [None] * n)
+    for completion, source, name, (reward, error) in zip(completions, env_source or [None] * n, labels, rewarded):
+        if error is not None:
+            log.warning("environment %s failed on a rollout: %s", name, error)
+            LAST_ERROR[str(name)] = error
         if not source:
-            out.append(None)
+            out.append(reward)
             continue
         kind = TYPES[source["type"]]  # built-in rewards get completions as text
         answer = kind.extract_answer(completion, source["answer_format"])

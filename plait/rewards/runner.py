@@ -194,6 +194,10 @@ def reward_inputs(groups: list[Group], step: int | None = None, max_steps: int |
             kwargs["answer"].append(g.prompt.answer)
             for k in extra:
                 kwargs[k].append(g.prompt.columns.get(k))
+    if any(c.env_reward is not None or c.env_error is not None for g in groups for c in g.completions):
+        # trl_env rollouts: what each environment's get_reward said (the `environment` reward reads it)
+        kwargs["env_reward"] = [c.env_reward for g in groups for c in g.completions]
+        kwargs["env_error"] = [c.env_error for g in groups for c in g.completions]
     if step is not None:  # rounds done so far, as TRL's TrainerState.global_step counts optimizer steps
         kwargs["trainer_state"] = types.SimpleNamespace(global_step=step - 1, max_steps=max_steps)
     conversational = any(isinstance(g.prompt.source, list) for g in groups)
@@ -341,9 +345,13 @@ def score_groups(
     cost (see call_rewards).
 
     None means "not applicable": it adds nothing to the total (and is left out of that
-    reward's logged mean).
+    reward's logged mean). A rollout whose environment failed (`env_error`) is scored None by
+    every reward: an infrastructure error is not a score.
     """
     per_reward, report = call_rewards(rewards, reward_inputs(groups, step, max_steps), sandbox)
+    failed = [c.env_error is not None for g in groups for c in g.completions]
+    if any(failed):
+        per_reward = {name: [None if f else v for v, f in zip(vals, failed)] for name, vals in per_reward.items()}
     i = 0
     for g in groups:
         n = len(g.completions)

@@ -3,6 +3,7 @@
 calls.py     finding calls in a turn (python blocks, hermes <tool_call>), running them
 template.py  the text between turns, and the check that the chat template appends
 engine.py    ToolEngine: any rollout engine, made multi-turn (token in, token out)
+environments.py  environment classes in TRL's environment_factory form (`type: trl_env`)
 """
 
 from __future__ import annotations
@@ -69,16 +70,19 @@ def chat_turns(cfg, tokenizer) -> ChatTurns | None:
     return ChatTurns(tokenizer, own, tool_schemas(cfg.rollout.tools), cfg.rollout.tools.role)
 
 
-def check_tools(cfg, tokenizer, prompts) -> None:
+def check_tools(cfg, tokenizer, prompts, envs=None) -> str | None:
     """Before any model loads: the chat template must render a conversation by appending (see
-    template.py); ValueError says why not and what to do."""
+    template.py); ValueError says why not and what to do. Returns a warning when the template
+    does not show the tools' schemas to the model."""
     t = cfg.rollout.tools
     turns = chat_turns(cfg, tokenizer)
     if turns is None:
         if t.format == "hermes":
             raise ValueError("rollout.tools.format=hermes needs a chat template (data.chat_template true or a string)")
-        return
+        return None
     first = prompts[0]
+    if envs is not None:
+        turns = turns.with_tools(envs.schemas_for(first))
     try:
         check_template(turns, first.messages, first.text, PROBE_TURNS[t.format])
     except TemplateMismatch as err:
@@ -87,6 +91,12 @@ def check_tools(cfg, tokenizer, prompts) -> None:
             "use contexts the model never sees when the conversation is rendered whole. Give a template that "
             "renders by appending (data.chat_template: a Jinja string), or set data.chat_template: false."
         ) from err
+    if not turns.describes_tools(first.messages):
+        return (
+            "rollout.tools: this chat template does not show the tools' schemas to the model (it ignores "
+            "`tools`); describe them in the prompt or data.system_prompt, or give a template that renders them"
+        )
+    return None
 
 
 def tool_sandbox(cfg):
@@ -99,13 +109,15 @@ def tool_sandbox(cfg):
     return Sandbox(settings)
 
 
-def with_tools(cfg, engine, tokenizer, sandbox=None):
-    """`engine` as it is without rollout.tools, else wrapped in a ToolEngine."""
+def with_tools(cfg, engine, tokenizer, sandbox=None, envs=None):
+    """`engine` as it is without rollout.tools, else wrapped in a ToolEngine (with `envs`, the
+    run's trl_env environments, one per rollout)."""
     t = cfg.rollout.tools
     if t is None:
         return engine
     runner = ToolRunner(t, sandbox, tool_functions(t))
-    return ToolEngine(engine, tokenizer, t, runner, chat_turns(cfg, tokenizer), workers=cfg.sandbox.workers)
+    turns = chat_turns(cfg, tokenizer)
+    return ToolEngine(engine, tokenizer, t, runner, turns, workers=cfg.sandbox.workers, envs=envs)
 
 
 @dataclass
@@ -119,11 +131,20 @@ class Tools:
     tokenizer: Any
     sandbox: Any = None  # plait.sandbox.box.Sandbox, when something the model writes runs
     schemas: list[dict] | None = None
+    envs: Any = None  # plait.tools.environments.TrlEnvironments: the run's trl_env entries
 
     @classmethod
     def from_config(cls, cfg, tokenizer) -> Tools:
+        from plait.tools.environments import TrlEnvironments
+
         t = cfg.rollout.tools
-        return cls(cfg, tokenizer, tool_sandbox(cfg) if tools_need_sandbox(t) else None, tool_schemas(t))
+        schemas = tool_schemas(t)
+        envs = TrlEnvironments.from_config(cfg, schemas) if t is not None else None
+        boxed = tools_need_sandbox(t) or (envs is not None and envs.needs_sandbox)
+        sandbox = tool_sandbox(cfg) if boxed else None
+        if envs is not None:
+            envs.sandbox = sandbox
+        return cls(cfg, tokenizer, sandbox, schemas, envs)
 
     @property
     def enabled(self) -> bool:
@@ -134,13 +155,14 @@ class Tools:
         if not self.enabled:
             return None
         where = f"sandbox tier '{self.sandbox.tier}'" if self.sandbox else "this process (trusted functions)"
-        return f"tools: {self.cfg.rollout.tools.format} calls, run in {where}"
+        line = f"tools: {self.cfg.rollout.tools.format} calls, run in {where}"
+        return line if self.envs is None else f"{line}\n{self.envs.describe()}"
 
-    def check(self, prompts) -> None:
-        """The chat template must append turns (ValueError says why not); nothing without tools."""
-        if self.enabled:
-            check_tools(self.cfg, self.tokenizer, prompts)
+    def check(self, prompts) -> str | None:
+        """The chat template must append turns (ValueError says why not); nothing without tools.
+        Returns a warning for the run's log, if any."""
+        return check_tools(self.cfg, self.tokenizer, prompts, self.envs) if self.enabled else None
 
     def wrap(self, engine):
         """`engine` made multi-turn (a ToolEngine), or as it is without tools."""
-        return with_tools(self.cfg, engine, self.tokenizer, self.sandbox)
+        return with_tools(self.cfg, engine, self.tokenizer, self.sandbox, self.envs)

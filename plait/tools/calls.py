@@ -154,9 +154,10 @@ PYTHON_TOOL_DOC = {
 }
 
 
-def _sandbox_output(res) -> ToolResult:
+def sandbox_output(res) -> ToolResult:
     """A sandbox ExecResult as the tool's output."""
-    text = res.stdout + (("\n" if res.stdout and not res.stdout.endswith("\n") else "") + res.stderr)
+    gap = "\n" if res.stdout and res.stderr and not res.stdout.endswith("\n") else ""
+    text = res.stdout + gap + res.stderr
     if res.status == "timeout":
         return ToolResult(text + "\nTimeoutError: the call ran past its time limit", "timeout", res.wall_s, False)
     if res.status == "error":
@@ -206,8 +207,9 @@ class ToolRunner:
         self.sandbox = sandbox
         self.functions = functions or {}
 
-    def run(self, call: Call, cells: list[str]) -> ToolResult:
-        """Run `call`; `cells` is this completion's Python history (a python call appends to it)."""
+    def run(self, call: Call, cells: list[str], env=None) -> ToolResult:
+        """Run `call`; `cells` is this completion's Python history (a python call appends to it),
+        `env` its environment (a trl_env Session, whose methods are tools too)."""
         started = time.monotonic()
         if call.problem is not None:
             res = ToolResult(call.problem, "error")
@@ -216,13 +218,16 @@ class ToolRunner:
             if not isinstance(code, str):
                 res = ToolResult("python needs one argument, code (a string)", "error")
             else:
-                res = _sandbox_output(self.sandbox.execute(SESSION.format(cells=[*cells, code]), [SESSION_OK]))
+                res = sandbox_output(self.sandbox.execute(SESSION.format(cells=[*cells, code]), [SESSION_OK]))
                 if res.finished:  # a cell that never ended (or ended the interpreter) is not replayed
                     cells.append(code)
+        elif env is not None and call.name in env.kind.tools:
+            res = env.call(call)
         elif call.name in self.functions:
             res = self._function(call)
         else:
             offered = (["python"] if self.cfg.python else []) + sorted(self.functions)
+            offered += sorted(env.kind.tools) if env is not None else []
             res = ToolResult(f"there is no tool named {call.name!r} (tools: {', '.join(offered) or 'none'})", "error")
         res.output = cut(res.output, self.cfg.max_output_chars)
         res.seconds = time.monotonic() - started
@@ -236,7 +241,7 @@ class ToolRunner:
             return ToolResult(f"{call.name}: {err}", "error")
         if not self.cfg.trusted_functions:
             program = _function_program(fn, call.arguments)
-            return _sandbox_output(self.sandbox.execute(program, ["pass"]))
+            return sandbox_output(self.sandbox.execute(program, ["pass"]))
         return _call_trusted(fn, call.arguments, self.cfg.timeout_s)
 
 

@@ -45,8 +45,11 @@ class Conversation:
     turn_text: str = ""  # the model turn in progress (a turn resumed after a stop spans calls)
     cells: list[str] = field(default_factory=list)  # the Python session's history
     calls: list[Call] = field(default_factory=list)  # to run before the next model turn
+    env: object = None  # its trl_env Session (plait/tools/environments.py), if its row has an environment
+    turns: ChatTurns | None = None  # its row's own tool schemas (a trl_env row), else the engine's
     generate_calls: int = 0
     finish: str | None = None  # set when done
+    env_reward: float | None = None
     truncated: bool = False
     stats: dict[str, float] = field(
         default_factory=lambda: {"calls": 0.0, "errors": 0.0, "timeouts": 0.0, "turns": 0.0, "seconds": 0.0}
@@ -79,14 +82,19 @@ class Conversation:
             sampled_mask=self.sampled,
             messages=messages,
             tool_stats={**self.stats, "turns": float(sum(m["role"] == "assistant" for m in messages))},
+            env_reward=self.env_reward,
+            env_error=None if self.env is None else self.env.error,
         )
 
 
 class ToolEngine:
     """`engine` made multi-turn: the model's turns stop at tool calls, `runner` answers them."""
 
-    def __init__(self, engine, tokenizer, tools_cfg, runner: ToolRunner, turns: ChatTurns | None, workers: int = 2):
+    def __init__(
+        self, engine, tokenizer, tools_cfg, runner: ToolRunner, turns: ChatTurns | None, workers: int = 2, envs=None
+    ):
         self.engine = engine
+        self.envs = envs  # trl_env entries (TrlEnvironments): a fresh environment per rollout
         self.tokenizer = tokenizer
         self.cfg = tools_cfg
         self.runner = runner
@@ -130,6 +138,12 @@ class ToolEngine:
             for p in prompts
             for j in range(n)
         ]
+        if self.envs is not None:
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="plait-envs") as pool:
+                for conv, env in zip(convs, pool.map(self.envs.open, [c.prompt for c in convs])):
+                    conv.env = env
+                    if env is not None and self.turns is not None:
+                        conv.turns = self.turns.with_tools(self.envs.schemas_for(conv.prompt))
         firsts = self.engine.generate(prompts, params, n)
         for conv, c in zip(convs, [c for row in firsts for c in row]):
             self._model_turn(conv, c, user_stops)
@@ -147,6 +161,11 @@ class ToolEngine:
             for conv, row in zip(going, outs):
                 self._model_turn(conv, row[0], user_stops)
             turn += 1
+        scored = [c for c in convs if c.env is not None]
+        if scored:  # each environment scores its finished rollout (get_reward)
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="plait-envs") as pool:
+                for conv, reward in zip(scored, pool.map(lambda c: c.env.reward(), scored)):
+                    conv.env_reward = reward
         return [[c.completion() for c in convs[i * n : (i + 1) * n]] for i in range(len(prompts))]
 
     def _model_turn(self, conv: Conversation, c: Completion, user_stops: list[str]) -> None:
@@ -179,7 +198,7 @@ class ToolEngine:
 
     def _tool_turn(self, conv: Conversation) -> None:
         """Run the conversation's calls and append their output as a tool turn (masked)."""
-        results = [self.runner.run(call, conv.cells) for call in conv.calls]
+        results = [self.runner.run(call, conv.cells, conv.env) for call in conv.calls]
         conv.stats["calls"] += len(results)
         conv.stats["errors"] += sum(r.status == "error" for r in results)
         conv.stats["timeouts"] += sum(r.status == "timeout" for r in results)
@@ -194,7 +213,7 @@ class ToolEngine:
             said = [{"role": self.cfg.role, "content": results[0].output}]
             shown = assistant
         if self.turns is not None:
-            after = self.turns.after_turn(conv.history, conv.history_text, said)
+            after = (conv.turns or self.turns).after_turn(conv.history, conv.history_text, said)
             conv.history += [assistant, *said]
         else:
             after = self.cfg.plain_output.format(output=results[0].output)

@@ -32,6 +32,16 @@ class ChatTurns:
             self.kwargs["tools"] = tools
         self.role = role
 
+    def with_tools(self, tools: list[dict] | None) -> ChatTurns:
+        """The same template describing other tools (a trl_env row's own)."""
+        return ChatTurns(self.tokenizer, self.kwargs.get("chat_template"), tools, self.role)
+
+    def describes_tools(self, messages: list[dict]) -> bool:
+        """Does the template show the tools' schemas to the model (many small models' templates don't)?"""
+        if "tools" not in self.kwargs:
+            return True
+        return self.render(messages, True) != self.with_tools(None).render(messages, True)
+
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=generation_prompt, tokenize=False, **self.kwargs

@@ -59,6 +59,10 @@ def environment_metrics(groups: list[Group]) -> dict[str, float]:
     for label, gs in sorted(by_env.items()):
         completions = [c for g in gs for c in g.completions]
         scores = [v for g in gs for v in g.rewards.get("environment", [])]
+        if not scores:  # trl_env rollouts scored by the config's own rewards: what get_reward said
+            scores = [
+                None if c.env_error else c.env_reward for c in completions if c.env_reward is not None or c.env_error
+            ]
         scored = [v for v in scores if v is not None]
         out[f"env/{label}/reward_mean"] = statistics.fmean(v for g in gs for v in g.total)
         out[f"env/{label}/score_mean"] = statistics.fmean(scored) if scored else float("nan")

@@ -18,7 +18,9 @@ def run_name(cfg) -> str:
         return cfg.name
     data = cfg.data.task or Path(cfg.data.path or "data").stem
     if cfg.environments:
-        labels = [e.name or e.dataset for e in cfg.environments]
+        from plait.envs import label
+
+        labels = [label(e) for e in cfg.environments]
         data = labels[0] + (f"+{len(labels) - 1}" if len(labels) > 1 else "")
     return f"{data}-{Path(cfg.model.name_or_path.rstrip('/')).name}"
 

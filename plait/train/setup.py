@@ -181,20 +181,33 @@ def build_run(
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     tools = Tools.from_config(cfg, tokenizer)  # its sandbox, too, refuses below min_tier now
     if tools.enabled:
-        say(tools.describe())
+        for line in tools.describe().splitlines():
+            say(line)
     schemas = tools.schemas
     prompts = build_prompts(
-        load_rows(cfg.data, "train", cfg.seed, cfg.environments), tokenizer, cfg.data, log=say, tools=schemas
+        load_rows(cfg.data, "train", cfg.seed, cfg.environments),
+        tokenizer,
+        cfg.data,
+        log=say,
+        tools=schemas,
+        envs=tools.envs,
     )
     evaluating = cfg.eval.before or cfg.eval.after or cfg.eval.every_steps
     eval_prompts = (
         build_prompts(
-            load_rows(cfg.data, "eval", cfg.seed, cfg.environments), tokenizer, cfg.data, log=say, tools=schemas
+            load_rows(cfg.data, "eval", cfg.seed, cfg.environments),
+            tokenizer,
+            cfg.data,
+            log=say,
+            tools=schemas,
+            envs=tools.envs,
         )
         if evaluating
         else []
     )
-    tools.check(prompts)  # the chat template must append turns
+    warning = tools.check(prompts)  # the chat template must append turns
+    if warning:
+        say(f"[yellow]{warning}[/]")
     backend.load(cfg)  # model (+ reference) + optimizer, sharded as the backend does it
     describe_processes(backend, run_dir, say)
     order = PromptOrder(len(prompts), cfg.seed, cfg.data.shuffle, rank=comm.rank(), stride=comm.world_size())

@@ -30,17 +30,24 @@ def teach_tool_calls(
     path: str | Path, out: str | Path, steps: int = 120, rows: int = 64, batch: int = 8, seed: int = 0
 ) -> Path:
     """Fine-tune the model at `path` to call the tool; save it to `out`."""
+    from plait.data.tasks import multiply
+
+    return teach(path, out, [conversation(row) for row in multiply("train", rows, seed)], steps, batch, seed)
+
+
+def teach(
+    path: str | Path, out: str | Path, conversations: list[list[dict]], steps: int, batch: int, seed: int = 0, lr=3e-3
+) -> Path:
+    """Fine-tune the model at `path` on the assistant turns of `conversations` (chat messages,
+    the first one the user's); save it to `out`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from plait.data.tasks import multiply
 
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     seqs = []
-    for row in multiply("train", rows, seed):
-        conv = conversation(row)
+    for conv in conversations:
         prompt = tok.apply_chat_template(conv[:1], add_generation_prompt=True, tokenize=False)
         whole = tok.apply_chat_template(conv, tokenize=False)
         ids = tok(whole, add_special_tokens=False)["input_ids"]
@@ -53,7 +60,7 @@ def teach_tool_calls(
     ids = torch.tensor([i + [tok.pad_token_id or 0] * (width - len(i)) for i, _ in seqs])
     labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in seqs])
     mask = (torch.arange(width)[None] < torch.tensor([len(i) for i, _ in seqs])[:, None]).long()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for step in range(steps):
         pick = torch.randint(0, len(seqs), (batch,))
