@@ -517,6 +517,13 @@ class TrainConfig(Section):
         "(DDP, FSDP2, ZeRO through their own forward); models with scaled logits get a KV cache handed on instead "
         "on backend local, padded rows elsewhere. Off with gradient checkpointing.",
     )
+    skip_zero_advantage: bool = Field(
+        True,
+        description="Leave completions whose advantage is zero on every token (all-equal groups) out of the "
+        "forward and backward when they can't change the update: no KL in the loss (beta 0), no entropy bonus, no "
+        "entropy filter, and a loss aggregation whose normalizer does not depend on which rows share a "
+        "micro-batch (not bnpo). The loss keeps the whole round's normalizer; update/skipped_rows logs the share.",
+    )
     retain_host_memory: bool = Field(
         True,
         description="Keep freed host memory in the process for reuse (glibc: big blocks from the heap, no "

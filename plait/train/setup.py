@@ -38,6 +38,7 @@ from plait.train.guard import NonFiniteGuard
 from plait.train.metrics import describe_processes
 from plait.train.rollouts import RolloutSource, SourceState, make_rollout_source
 from plait.train.rundir import prepare_run_dir
+from plait.train.update import why_nothing_is_skipped
 from plait.types import Prompt
 
 
@@ -178,6 +179,8 @@ def build_run(
             f"'{cfg.sandbox.min_tier}'; `plait sandbox` shows why)"
         )
     rewards, metric = bind_rewards(cfg.rewards, sandbox), bind_metric(cfg.eval.metric, sandbox)
+    why = why_nothing_is_skipped(cfg)
+    say("zero-advantage completions: " + ("left out of the update" if why is None else f"trained ({why})"))
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     tools = Tools.from_config(cfg, tokenizer)  # its sandbox, too, refuses below min_tier now
     if tools.enabled:

@@ -225,21 +225,65 @@ def engine_mismatch_sums(
     return sums
 
 
+def why_nothing_is_skipped(cfg) -> str | None:
+    """Why a completion with zero advantage still changes the update (None: it doesn't): a
+    term of the loss that does not multiply the advantage, or a normalizer that depends on the
+    micro-batch the row shares."""
+    a = cfg.algo
+    if not cfg.train.skip_zero_advantage:
+        return "train.skip_zero_advantage is off"
+    if a.beta > 0:
+        return "the KL penalty in the loss (algo.beta) has a gradient on every row"
+    if a.entropy_coeff > 0:
+        return "the entropy bonus (algo.entropy_coeff) has a gradient on every row"
+    if a.top_entropy_quantile < 1:
+        return "the entropy filter (algo.top_entropy_quantile) ranks tokens across the micro-batch"
+    if a.loss_type == "bnpo":
+        return "bnpo's normalizer is each micro-batch's token count"
+    if cfg.train.deterministic:  # equal within float rounding is not bit for bit
+        return "train.deterministic trains every row, so its runs compare bit for bit with the recorded references"
+    return None
+
+
+def informative_first(chunk: Batch, mb_size: int) -> tuple[Batch, int]:
+    """`chunk` cut to the rows that can change the update (a nonzero advantage on a loss token),
+    in their order, and the number of rows it kept. Every process keeps the same number of
+    micro-batches (sharded backends gather weights per forward), at least one (so the backend's
+    step sees a gradient, zero if need be): a process with fewer informative rows fills up with
+    as few uninformative ones as that takes (one per missing micro-batch), which add exact zeros."""
+    adv = chunk.advantages if chunk.advantages.dim() == 2 else chunk.advantages[:, None]
+    useful = ((adv != 0) & (chunk.completion_mask != 0)).any(-1)
+    kept = int(useful.sum())
+    n_mbs = int(comm.all_max([max(1, -(-kept // mb_size))])[0])
+    rows = max(kept, (n_mbs - 1) * mb_size + 1)  # the fewest that still make n_mbs micro-batches
+    order = torch.cat([useful.nonzero().flatten(), (~useful).nonzero().flatten()])[:rows]
+    return chunk.map(lambda t: t[order]), kept
+
+
 def accumulate_gradients(
     chunk: Batch, cfg, settings: LossSettings, backend: Backend, timer: PhaseTimer, sums: dict[str, float]
 ) -> None:
     """Forward and backward over `chunk`'s micro-batches: the gradient of one update. The
-    loss is normalized by the update's counts over all processes, so gradients sum over them."""
-    mbs = [mb.to(backend.device) for mb in micro_batches(chunk, cfg.train.micro_batch_size)]
-    seqs, toks, n_mbs = comm.all_sum([len(chunk), float(chunk.completion_mask.sum()), len(mbs)])
+    loss is normalized by the update's counts over all processes, so gradients sum over them.
+    Rows that can't change the gradient are left out where nothing else depends on them
+    (`why_nothing_is_skipped`); the counts stay the whole chunk's."""
+    size = cfg.train.micro_batch_size
+    seqs, toks, n_mbs = comm.all_sum([len(chunk), float(chunk.completion_mask.sum()), -(-len(chunk) // size)])
     counts = StepCounts(int(seqs), int(toks), int(n_mbs), cfg.rollout.max_completion_length)
+    trained = chunk
+    if why_nothing_is_skipped(cfg) is None:
+        trained, _ = informative_first(chunk, size)
+    mbs = [mb.to(backend.device) for mb in micro_batches(trained, size)]
     with timer("train"):
         for i, mb in enumerate(mbs):
             with backend.accumulate(last=i == len(mbs) - 1):
                 for k, v in train_micro_batch(backend.model, mb, counts, cfg, settings, backend).items():
                     sums[k] += v
     sums["real_tokens"] += toks
-    sums["processed_tokens"] += float(chunk.attention_mask.sum())  # this process's, prompts included
+    sums["measured_tokens"] += float(trained.completion_mask.sum())  # this process's forwarded loss tokens
+    sums["rows"] += len(chunk)
+    sums["skipped_rows"] += len(chunk) - len(trained)
+    sums["processed_tokens"] += float(trained.attention_mask.sum())  # this process's, prompts included
 
 
 def count_outcome(outcome: StepOutcome, guard: NonFiniteGuard, round_: int, sums: dict[str, float]) -> None:
@@ -277,7 +321,7 @@ def policy_update(
             accumulate_gradients(batch.slice(part * rows, (part + 1) * rows), cfg, settings, backend, timer, sums)
             if iteration == 0 and part == 0:  # before any update of the round: the engine's gap alone
                 sums["first_update_gap_tokens"] = sums["logprob_gap_tokens"]
-                sums["first_update_tokens"] = sums["real_tokens"]
+                sums["first_update_tokens"] = sums["measured_tokens"]
                 if hashes is not None:
                     with timer("hashes"):
                         hashes.add_gradient(backend.module)
@@ -303,6 +347,10 @@ _PER_PROCESS = (
     "engine_is_masked_tokens",
     "engine_is_truncated_tokens",
     "engine_is_weight_tokens",
+    "measured_tokens",
+    "first_update_tokens",
+    "rows",
+    "skipped_rows",
 )
 
 
@@ -312,7 +360,8 @@ def update_metrics(sums: dict[str, float], cfg) -> dict[str, float]:
     keys = [k for k in _PER_PROCESS if k in sums]
     sums.update(zip(keys, comm.all_sum([sums[k] for k in keys])))
     updates = a.num_iterations * a.steps_per_generation
-    tokens = max(1.0, sums["real_tokens"])
+    # per-token means over the tokens that went through the model (rows left out have none)
+    tokens = max(1.0, sums["measured_tokens"])
     out = {
         "loss": sums["loss"] / updates,
         "grad_norm": sums["grad_norm"] / max(1.0, sums["applied_steps"]),
@@ -335,7 +384,8 @@ def update_metrics(sums: dict[str, float], cfg) -> dict[str, float]:
         out["engine/is_masked"] = sums["engine_is_masked_tokens"] / tokens
         out["engine/is_truncated"] = sums["engine_is_truncated_tokens"] / tokens
         out["engine/is_weight"] = sums["engine_is_weight_tokens"] / tokens
-    out["tokens/trained_share"] = sums["trained_tokens"] / tokens
+    out["tokens/trained_share"] = sums["trained_tokens"] / max(1.0, sums["real_tokens"])
+    out["update/skipped_rows"] = sums["skipped_rows"] / max(1.0, sums["rows"])
     if "entropy_tokens" in sums:
         out["entropy"] = sums["entropy_tokens"] / tokens
     if "kl_tokens" in sums:

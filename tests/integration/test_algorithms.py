@@ -2,6 +2,7 @@
 that make them trustworthy (micro-batch split, ratio exactly 1 on a first pass)."""
 
 import math
+from collections import defaultdict
 
 import pytest
 import torch
@@ -11,10 +12,11 @@ from plait.algo.losses import LOSS_TYPES, LossSettings, StepCounts
 from plait.config import load_config
 from plait.models import load_model, load_tokenizer
 from plait.rollout.hf import HFEngine
+from plait.telemetry import PhaseTimer
 from plait.train.backends import LocalBackend
 from plait.train.batch import collate, micro_batches
 from plait.train.loop import train
-from plait.train.update import train_micro_batch
+from plait.train.update import accumulate_gradients, train_micro_batch, update_metrics, why_nothing_is_skipped
 from plait.types import Group, Prompt, SamplingParams
 
 
@@ -215,3 +217,52 @@ def test_dapo_gradient_does_not_depend_on_micro_batching(tiny_model_path):
         assert grads[0].abs().max() > 0
         for g in grads[1:]:
             assert torch.allclose(grads[0], g, atol=1e-6, rtol=1e-4), loss_type
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "cispo", "bnpo"])
+def test_leaving_zero_advantage_rows_out_keeps_the_gradient(tiny_model_path, loss_type):
+    """Completions whose advantage is zero are left out of the forward and backward, and the
+    gradient equals the one over every row (the normalizer stays the whole batch's), for each
+    aggregation that skips; bnpo, whose normalizer is each micro-batch's tokens, trains every row.
+    An all-zero batch runs one micro-batch (a zero gradient the backend still steps on)."""
+    tok = load_tokenizer(str(tiny_model_path))
+    model = load_model(str(tiny_model_path))
+    prompts = [Prompt(i, t, tok(t)["input_ids"]) for i, t in enumerate(["What is 2 + 2?", "Name a colour", "Hi"])]
+    outs = HFEngine(model, tok).generate(prompts, SamplingParams(max_tokens=10, temperature=1.0, seed=5), n=4)
+    batch = collate([Group(p, cs) for p, cs in zip(prompts, outs)], tok.pad_token_id)
+    adv = torch.randn(12, generator=torch.Generator().manual_seed(1))
+    adv[4:8] = 0.0  # the second group all-equal
+    adv[0] = 0.0  # and one completion of the first exactly at its group's mean
+    backend = LocalBackend.wrap(model)
+
+    def gradient(skip: bool, advantages: torch.Tensor):
+        cfg = load_config(
+            None,
+            [
+                f"algo.loss_type={loss_type}",
+                "train.precision=fp32",
+                "train.micro_batch_size=2",
+                "rollout.max_completion_length=10",
+                f"train.skip_zero_advantage={str(skip).lower()}",
+            ],
+        )
+        batch.advantages = advantages
+        model.zero_grad()
+        sums = defaultdict(float)
+        accumulate_gradients(batch, cfg, LossSettings.from_algo(cfg.algo), backend, PhaseTimer(), sums)
+        grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return grad, update_metrics(sums, cfg), why_nothing_is_skipped(cfg)
+
+    full, full_metrics, _ = gradient(False, adv)
+    skipped, metrics, why = gradient(True, adv)
+    assert full.abs().max() > 0
+    assert torch.allclose(full, skipped, atol=1e-7, rtol=1e-5), (full - skipped).abs().max()
+    assert full_metrics["update/skipped_rows"] == 0.0
+    if loss_type == "bnpo":
+        assert why == "bnpo's normalizer is each micro-batch's token count" and metrics["update/skipped_rows"] == 0.0
+    else:
+        assert why is None and metrics["update/skipped_rows"] == 5 / 12  # the 7 informative rows alone
+    zero, zero_metrics, _ = gradient(True, torch.zeros(12))
+    assert zero.abs().max() == 0.0
+    if loss_type != "bnpo":
+        assert zero_metrics["update/skipped_rows"] == 11 / 12  # one micro-batch of 1 row still runs
