@@ -21,6 +21,7 @@ environment differs from what a live session would show.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import json
@@ -28,7 +29,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 
 PYTHON_STOP = "```\n"  # ends a turn at a closing fence; a call is a python block that ends the turn
@@ -245,15 +246,6 @@ class ToolRunner:
         return _call_trusted(fn, call.arguments, self.cfg.timeout_s)
 
 
-def _as_text(value) -> str:
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
 def _function_program(fn: Callable, arguments: dict) -> str:
     """A sandbox program: the function's module source, then the call, printing its result."""
     source = inspect.getsource(inspect.getmodule(fn))
@@ -264,21 +256,45 @@ def _function_program(fn: Callable, arguments: dict) -> str:
 
 
 def _call_trusted(fn: Callable, arguments: dict, timeout_s: float) -> ToolResult:
-    """Call a trusted function on a thread of its own; past `timeout_s` the call is abandoned
-    (a thread can't be killed: trusted functions are the user's own, known to return)."""
+    """Call a trusted function on a thread of its own (see call_on_thread)."""
+    status, value = call_on_thread(fn, arguments, timeout_s)
+    if status == "timeout":
+        return ToolResult(f"TimeoutError: {fn.__name__} ran past {timeout_s}s", "timeout")
+    return ToolResult(value if status == "error" else as_text(value), status)
+
+
+def awaited(value):
+    """`value`, or what it resolves to when it is awaitable (an async function's result)."""
+    return asyncio.run(value) if inspect.isawaitable(value) else value
+
+
+def call_on_thread(fn: Callable, kwargs: dict, timeout_s: float) -> tuple[str, Any]:
+    """('ok', value), ('error', 'Type: message') or ('timeout', None): `fn(**kwargs)` (async or
+    not) on a thread of its own, abandoned past `timeout_s` (a thread can't be killed: trusted
+    code only, the user's own, known to return)."""
     box: dict = {}
 
     def target():
         try:
-            box["value"] = fn(**arguments)
+            box["value"] = awaited(fn(**kwargs))
         except BaseException as err:  # noqa: BLE001 - the model sees the error, as it would see a traceback
             box["error"] = f"{type(err).__name__}: {err}"
 
-    worker = threading.Thread(target=target, name=f"plait-tool-{fn.__name__}", daemon=True)
+    worker = threading.Thread(target=target, name=f"plait-tool-{getattr(fn, '__name__', 'call')}", daemon=True)
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
-        return ToolResult(f"TimeoutError: {fn.__name__} ran past {timeout_s}s", "timeout")
+        return "timeout", None
     if "error" in box:
-        return ToolResult(box["error"], "error")
-    return ToolResult(_as_text(box.get("value")))
+        return "error", box["error"]
+    return "ok", box.get("value")
+
+
+def as_text(value) -> str:
+    """A tool's return value as the text the model sees (JSON where it can be)."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)

@@ -29,16 +29,14 @@ doing: it sees the error, as a traceback.
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
 import json
 import math
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from plait.tools.calls import Call, ToolResult, cut, function_schema, sandbox_output
+from plait.tools.calls import Call, ToolResult, as_text, awaited, call_on_thread, cut, function_schema, sandbox_output
 
 
 RESERVED = ("reset", "get_reward")
@@ -67,40 +65,6 @@ def tool_methods(cls: type) -> list[str]:
 def reset_kwargs(prompt_source: Any, columns: dict) -> dict:
     """What `reset(**row)` gets: the row's prompt (as the dataset gave it) and its other columns."""
     return {"prompt": prompt_source, **{k: v for k, v in columns.items() if k not in CONTROL_COLUMNS}}
-
-
-def _awaited(value):
-    return asyncio.run(value) if inspect.isawaitable(value) else value
-
-
-def call_on_thread(fn: Callable, kwargs: dict, timeout_s: float) -> tuple[str, Any]:
-    """('ok', value), ('error', 'Type: message') or ('timeout', None): `fn(**kwargs)` on a thread
-    of its own, abandoned past `timeout_s` (a thread can't be killed: trusted code only)."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = _awaited(fn(**kwargs))
-        except BaseException as err:  # noqa: BLE001 - reported to the caller as the call's outcome
-            box["error"] = f"{type(err).__name__}: {err}"
-
-    worker = threading.Thread(target=target, name=f"plait-env-{getattr(fn, '__name__', 'call')}", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        return "timeout", None
-    if "error" in box:
-        return "error", box["error"]
-    return "ok", box.get("value")
-
-
-def as_text(value) -> str:
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
 
 
 @dataclass
@@ -133,7 +97,7 @@ class EnvKind:
 
     def observe(self, kwargs: dict) -> str | None:
         """What `reset(**row)` returns on a fresh instance (in this process: the row only, no model input)."""
-        observation = _awaited(self.factory().reset(**kwargs))
+        observation = awaited(self.factory().reset(**kwargs))
         if observation is not None and not isinstance(observation, str):
             raise TypeError(
                 f"environment '{self.label}': reset returned {type(observation).__name__}; plait takes text "
@@ -164,7 +128,7 @@ class Session:
 
     def _start(self):
         self.instance = self.kind.factory()
-        self._check_observation(_awaited(self.instance.reset(**self.kwargs)))
+        self._check_observation(awaited(self.instance.reset(**self.kwargs)))
 
     def _check_observation(self, observation) -> None:
         if (observation or None) != (self.expected or None):

@@ -186,28 +186,14 @@ def build_run(
     if tools.enabled:
         for line in tools.describe().splitlines():
             say(line)
-    schemas = tools.schemas
-    prompts = build_prompts(
-        load_rows(cfg.data, "train", cfg.seed, cfg.environments),
-        tokenizer,
-        cfg.data,
-        log=say,
-        tools=schemas,
-        envs=tools.envs,
-    )
+
+    def prompts_of(split: str):
+        rows = load_rows(cfg.data, split, cfg.seed, cfg.environments)
+        return build_prompts(rows, tokenizer, cfg.data, log=say, tools=tools.schemas, envs=tools.envs)
+
+    prompts = prompts_of("train")
     evaluating = cfg.eval.before or cfg.eval.after or cfg.eval.every_steps
-    eval_prompts = (
-        build_prompts(
-            load_rows(cfg.data, "eval", cfg.seed, cfg.environments),
-            tokenizer,
-            cfg.data,
-            log=say,
-            tools=schemas,
-            envs=tools.envs,
-        )
-        if evaluating
-        else []
-    )
+    eval_prompts = prompts_of("eval") if evaluating else []
     warning = tools.check(prompts)  # the chat template must append turns
     if warning:
         say(f"[yellow]{warning}[/]")
