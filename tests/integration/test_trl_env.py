@@ -223,9 +223,11 @@ def counting_model(tiny_model_path, tmp_path_factory):
 
 
 def test_a_run_trains_on_an_environment_in_the_sandbox(tmp_path, counting_model, helper_env):
-    """`plait train` end to end with a model that calls the environment's tool: the header says
-    where the environment runs, every round's rollouts call `add` and are scored by get_reward
-    (env/<label>/* metrics, no errors), and the final evaluation goes through the environment."""
+    """`plait train` end to end with a model that calls the environment's tool, generating
+    asynchronously (k = 1: the environments live in rank 0's producer thread, the model in the
+    generation process): the header says where the environment runs, every round's rollouts call
+    `add` and are scored by get_reward (env/<label>/* metrics, no errors), and the final
+    evaluation (the trainer's own engine) goes through the environment too."""
     rows = [{"prompt": "Count up.", "target": t} for t in range(2, 12)]
     path = rows_file(tmp_path, rows)
     out = tmp_path / "run"
@@ -237,13 +239,15 @@ def test_a_run_trains_on_an_environment_in_the_sandbox(tmp_path, counting_model,
         "--set", "rollout.prompts_per_step=2", "--set", "rollout.num_generations=4",
         "--set", "rollout.max_completion_length=96", "--set", "train.max_steps=2",
         "--set", "train.micro_batch_size=4", "--set", "train.precision=fp32", "--set", "eval.before=false",
-        "--set", "sandbox.min_tier=process", "--set", "log.console=plain", "--set", f"output_dir={out}",
+        "--set", "rollout.max_staleness=1", "--set", "sandbox.min_tier=process", "--set", "log.console=plain",
+        "--set", f"output_dir={out}",
     ]  # fmt: skip
     res = subprocess.run(cmd, env=helper_env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "environments: counter (trl_envs:CounterEnv: tools add, get_reward, in the sandbox by replay)" in res.stdout
     rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rounds) == 2
+    assert [m["async/scheduled_version"] for m in rounds] == [0, 0]  # round 2 sampled before round 1's update
     for m in rounds:
         assert m["env/counter/completions"] == 8 and m["env/counter/errors"] == 0
         assert m["tools/calls_per_completion"] > 0  # some malformed (tools/errors): the model's doing, not the env's
