@@ -29,6 +29,7 @@ doing: it sees the error, as a traceback.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import json
@@ -94,6 +95,11 @@ class EnvKind:
         schemas = [function_schema(getattr(probe, n)) for n in names]
         has_reward = callable(getattr(probe, "get_reward", None))
         return cls(label, spec.factory, factory, kind, names, schemas, has_reward, spec.trusted, spec.max_error_share)
+
+    @functools.cached_property
+    def source(self) -> str:
+        """The factory module's source, read once: the sandbox runs it for every replayed call."""
+        return inspect.getsource(importlib.import_module(self.spec.partition(":")[0]))
 
     def observe(self, kwargs: dict) -> str | None:
         """What `reset(**row)` returns on a fresh instance (in this process: the row only, no model input)."""
@@ -189,8 +195,8 @@ class Session:
     def _program(self, name: str | None, arguments: dict | None) -> str:
         """A sandbox program: the factory's module, a fresh instance reset with the row, the
         earlier calls replayed silently, then the call `name` (None: get_reward, as JSON)."""
-        module, _, attr = self.kind.spec.partition(":")
-        source = inspect.getsource(importlib.import_module(module))
+        attr = self.kind.spec.partition(":")[2]
+        source = self.kind.source
         state = json.dumps({"kwargs": self.kwargs, "calls": self.calls, "expected": self.expected})
         last = (
             f"_value = _ask(getattr(_env, {name!r})(**_json.loads({json.dumps(arguments)!r})))\n"
