@@ -168,10 +168,12 @@ def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits
     limits = limits or Limits()
     state = dict(version=0, instance=uuid.uuid4().hex, joined_by=None, dead=None, running=0)
     gate = _Gate()
+    death = asyncio.Event()
 
     def died(cause: str) -> None:
         if state["dead"] is None:
             state["dead"] = f"the engine of replica {replica} died ({cause})"
+            death.set()
             log.error("%s: this server stops so that its supervisor restarts it", state["dead"])
             if on_dead is not None:
                 on_dead(state["dead"])
@@ -179,6 +181,21 @@ def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits
     def alive() -> None:
         if state["dead"] is not None:
             raise ApiError(503, f"{state['dead']}; this replica is exiting")
+
+    async def unless_dead(work):
+        """Await `work`, or answer 503 as soon as the engine is seen dead: a request the engine
+        took in while dying may never be answered by it (vLLM 0.32 registers a request after
+        checking the engine is alive and can miss the error it sends the requests it knows)."""
+        task = asyncio.ensure_future(work)
+        dead = asyncio.ensure_future(death.wait())
+        try:
+            await asyncio.wait({task, dead}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            dead.cancel()
+        if not task.done():
+            task.cancel()
+            alive()
+        return task.result()
 
     async def watch() -> None:
         while state["dead"] is None:
@@ -236,7 +253,9 @@ def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits
             version = state["version"]
             state["running"] += 1
             try:
-                outputs = await engine.generate(body)
+                outputs = await unless_dead(engine.generate(body))
+            except ApiError:
+                raise
             except ValueError as e:  # the engine rejects a request (prompt too long, bad parameter): say why
                 raise ApiError(400, f"the engine rejected a request: {e}") from e
             except Exception as e:

@@ -85,6 +85,39 @@ def test_a_replica_whose_engine_died_answers_only_503(tiny_model_path):
         assert len(deaths) == 1
 
 
+def test_a_request_the_dying_engine_never_answers_still_gets_its_503(tiny_model_path):
+    """vLLM can take a request in while its engine core dies and then never answer it. The
+    replica answers every request in flight with a 503 as soon as it sees the engine dead, not
+    when (or if) the engine answers. Here the HF engine's forward pass blocks, and the engine
+    reports itself dead meanwhile, as vLLM's does once its engine-core process is gone."""
+    token, deaths = new_token(), []
+    replica = hf_replica(tiny_model_path)
+    auth = bearer(token)
+    inside, release = threading.Event(), threading.Event()
+
+    def hang(module, args):
+        inside.set()
+        release.wait()
+
+    with TestClient(build_app(replica, 0, [free_port()], token, on_dead=deaths.append)) as client:
+        replica.engine.model.register_forward_pre_hook(hang)
+        answer: dict = {}
+        asking = threading.Thread(target=lambda: answer.update(r=client.post("/generate", json=body(), headers=auth)))
+        asking.start()
+        try:
+            assert inside.wait(300), "the request never reached the engine"
+            replica.failed = "EngineDeadError: the engine core died"
+            asking.join(300)  # the bound only keeps a regression from hanging the suite
+            assert not asking.is_alive(), "the request was not answered after the engine died"
+        finally:
+            release.set()
+            asking.join()
+        r = answer["r"]
+        assert r.status_code == 503, r.text
+        assert "engine of replica 0 died" in r.json()["detail"] and "the engine core died" in r.json()["detail"]
+        assert deaths == [deaths[0]]
+
+
 def test_a_request_refused_by_the_engine_does_not_kill_it(tiny_model_path):
     """A ValueError is the engine refusing one request (a 400): the replica serves on."""
     token, deaths = new_token(), []
