@@ -34,14 +34,18 @@ class StepMeter:
         self.cost, self.peak, self.memory = cost, peak, memory
         self.local_generation = local_generation  # generation runs on the training devices (not a server)
 
-    def flops(self, groups: list[Group], iterations: int, prepass_forwards: int) -> dict[str, float]:
-        """This process's useful model FLOPs per phase (each group's prompt counted once)."""
+    def flops(
+        self, groups: list[Group], iterations: int, prepass_forwards: int, trained_share: float = 1.0
+    ) -> dict[str, float]:
+        """This process's useful model FLOPs per phase (each group's prompt counted once);
+        `trained_share`: the share of the loss tokens that went through forward and backward
+        (rows with zero advantage can be left out of the update)."""
         if self.cost is None:
             return {}
         prompts = [len(g.prompt.token_ids) for g in groups]
         completions = [[len(c.token_ids) for c in g.completions] for g in groups]
         out = {
-            "train": iterations * self.cost.train_groups(prompts, completions),
+            "train": trained_share * iterations * self.cost.train_groups(prompts, completions),
             "logprobs": prepass_forwards * self.cost.forward_groups(prompts, completions),
         }
         if self.local_generation:

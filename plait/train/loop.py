@@ -177,7 +177,9 @@ def log_round(run: Run, round_: int, out: RoundResult) -> None:
     times = dict(zip(times, comm.all_max(list(times.values()))))  # the slowest process sets the pace
     metrics.update(times)
     metrics["tokens/s_generate"] = metrics["tokens/generated"] / max(1e-9, metrics.get("time/generate", 0.0))
-    flops = run.meter.flops(out.groups, cfg.algo.num_iterations, out.prepass_forwards)
+    flops = run.meter.flops(
+        out.groups, cfg.algo.num_iterations, out.prepass_forwards, metrics.get("update/forwarded_share", 1.0)
+    )
     metrics.update(run.meter.measure(flops, metrics.pop("tokens/processed"), times))
     run.sink.log(round_, metrics)
     run.result.history.append(metrics)

@@ -386,6 +386,8 @@ def update_metrics(sums: dict[str, float], cfg) -> dict[str, float]:
         out["engine/is_weight"] = sums["engine_is_weight_tokens"] / tokens
     out["tokens/trained_share"] = sums["trained_tokens"] / max(1.0, sums["real_tokens"])
     out["update/skipped_rows"] = sums["skipped_rows"] / max(1.0, sums["rows"])
+    # loss tokens that went through forward and backward, of all (the rest were left out: MFU counts them not)
+    out["update/forwarded_share"] = sums["measured_tokens"] / max(1.0, sums["real_tokens"])
     if "entropy_tokens" in sums:
         out["entropy"] = sums["entropy_tokens"] / tokens
     if "kl_tokens" in sums:

@@ -257,7 +257,10 @@ def test_leaving_zero_advantage_rows_out_keeps_the_gradient(tiny_model_path, los
     skipped, metrics, why = gradient(True, adv)
     assert full.abs().max() > 0
     assert torch.allclose(full, skipped, atol=1e-7, rtol=1e-5), (full - skipped).abs().max()
-    assert full_metrics["update/skipped_rows"] == 0.0
+    assert full_metrics["update/skipped_rows"] == 0.0 and full_metrics["update/forwarded_share"] == 1.0
+    kept = batch.completion_mask[adv != 0].sum() / batch.completion_mask.sum()  # what MFU counts as trained
+    if loss_type != "bnpo":
+        assert metrics["update/forwarded_share"] == pytest.approx(float(kept))
     if loss_type == "bnpo":
         assert why == "bnpo's normalizer is each micro-batch's token count" and metrics["update/skipped_rows"] == 0.0
     else:
