@@ -334,6 +334,17 @@ def _call_in_parallel(
         pool.shutdown(wait=False, cancel_futures=True)
 
 
+def environment_failures(groups: list[Group], per_reward: dict[str, list], columns: dict) -> list[bool]:
+    """Per completion: did its environment fail? A trl_env rollout whose reset or get_reward
+    failed (`env_error`), or a row from an environment whose verifier raised or timed out (the
+    `environment` reward None where the row has an environment to score it)."""
+    failed = [c.env_error is not None for g in groups for c in g.completions]
+    verified, sources = per_reward.get("environment"), columns.get("env_source")
+    if verified is not None and sources is not None:
+        failed = [f or (s is not None and v is None) for f, s, v in zip(failed, sources, verified)]
+    return failed
+
+
 def score_groups(
     groups: list[Group],
     rewards: list[BoundReward],
@@ -345,11 +356,12 @@ def score_groups(
     cost (see call_rewards).
 
     None means "not applicable": it adds nothing to the total (and is left out of that
-    reward's logged mean). A rollout whose environment failed (`env_error`) is scored None by
-    every reward: an infrastructure error is not a score.
+    reward's logged mean). A rollout whose environment failed is scored None by every reward,
+    shaping rewards included: an infrastructure error is not a score.
     """
-    per_reward, report = call_rewards(rewards, reward_inputs(groups, step, max_steps), sandbox)
-    failed = [c.env_error is not None for g in groups for c in g.completions]
+    inputs = reward_inputs(groups, step, max_steps)
+    per_reward, report = call_rewards(rewards, inputs, sandbox)
+    failed = environment_failures(groups, per_reward, inputs.kwargs)
     if any(failed):
         per_reward = {name: [None if f else v for v, f in zip(vals, failed)] for name, vals in per_reward.items()}
     i = 0

@@ -130,3 +130,24 @@ def test_a_verifier_failing_past_its_limit_stops_the_run_with_its_message(
     err = capsys.readouterr().err
     assert "environment 'basic_arithmetic' failed to score 8 of its 8 completions in round 1" in err
     assert "RuntimeError: the verifier crashed" in err and "resume=auto" in err
+
+
+def test_a_verifier_failure_leaves_the_completion_unscored_by_every_reward(monkeypatch):
+    """A completion its environment's verifier failed on is an infrastructure error: shaping
+    rewards beside `environment` do not score it either, so it stays out of its group's
+    statistics instead of being judged by format alone. A wrong answer the verifier judged
+    keeps every score."""
+    from plait.config.schema import EnvironmentSpec, RewardSpec
+    from plait.envs import reasoning_gym
+    from plait.rewards.runner import bind_rewards, score_groups
+    from plait.types import Completion, Group, Prompt
+
+    _broken_verifier(monkeypatch)
+    spec = EnvironmentSpec(type="reasoning_gym", dataset="basic_arithmetic", size=4, eval_size=1, answer_format="boxed")
+    row = reasoning_gym.rows(spec, "basic_arithmetic", "train", 0, 4)[0]
+    prompt = Prompt(0, row["prompt"], [1], row["answer"], {k: row[k] for k in ("environment", "env_source")})
+    texts = [f"\\boxed{{{row['answer']}}}", "\\boxed{-123456}", "no answer at all"]
+    group = Group(prompt, [Completion(0, [1], t, [0.0], False, "eos") for t in texts])
+    score_groups([group], bind_rewards([RewardSpec(name="environment"), RewardSpec(name="boxed_format")]))
+    assert group.rewards["environment"] == [1.0, None, 0.0]  # the wrong boxed answer crashed the verifier
+    assert group.rewards["boxed_format"] == [1.0, None, 0.0]  # ... so format does not score it either
