@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import Counter
 from types import ModuleType
 
 from plait.envs import reasoning_gym
@@ -105,10 +106,11 @@ def environment(
     n = len(completions)
     labels = columns.get("environment") or [None] * n
     rewarded = zip(env_reward or [None] * n, env_error or [None] * n)
+    failures: Counter[str] = Counter()  # one warning per environment per call, not one per completion
     for completion, source, name, (reward, error) in zip(completions, env_source or [None] * n, labels, rewarded):
         if error is not None:
-            log.warning("environment %s failed on a rollout: %s", name, error)
             LAST_ERROR[str(name)] = error
+            failures[str(name)] += 1
         if not source:
             out.append(reward)
             continue
@@ -122,11 +124,18 @@ def environment(
             else:
                 out.append(0.0)
         except Exception as err:
-            log.warning(
-                "environment %s failed to score a completion: %s: %s", source.get("dataset"), type(err).__name__, err
-            )
-            LAST_ERROR[str(name or source.get("dataset"))] = f"{type(err).__name__}: {err}"
+            key = str(name or source.get("dataset"))
+            LAST_ERROR[key] = f"{type(err).__name__}: {err}"
+            failures[key] += 1
             out.append(None)
+    for name, count in failures.items():
+        log.warning(
+            "environment %s failed on %d of %d completions (left unscored); the last: %s",
+            name,
+            count,
+            n,
+            LAST_ERROR[name],
+        )
     return out
 
 
