@@ -71,10 +71,17 @@ def last_boxed(text: str) -> str | None:
 
 
 def accuracy(completions: list[str], answer: list[str | None], **_) -> list[float]:
-    """1.0 where the completion's final answer (\\boxed{} first, else its last expression)
+    """1.0 where the completion's final answer (its last \\boxed{}, else its last expression)
     equals the reference answer mathematically (math-verify), else 0.0. When the reference is
-    a plain number the answer must be a number, not an expression that evaluates to it."""
-    return [_equal(gold, text) for text, gold in zip(completions, answer)]
+    a plain number the answer must be a number, not an expression that evaluates to it. The
+    last box, as boxed_accuracy reads it (math-verify alone would take the first): a completion
+    that boxes several candidates is judged by the one it ends on."""
+    out = []
+    for text, gold in zip(completions, answer):
+        inner = last_boxed(text)
+        boxed = inner is not None and inner.strip()  # an empty box is no answer (as boxed_format)
+        out.append(_equal(gold, f"$\\boxed{{{inner}}}$" if boxed else text))
+    return out
 
 
 def boxed_accuracy(completions: list[str], answer: list[str | None], **_) -> list[float]:

@@ -32,6 +32,20 @@ def test_an_unevaluated_expression_is_not_a_numeric_answer():
     assert accuracy(["\\boxed{1,000}", "\\boxed{-3.5}"], answer=["1000", "-3.5"]) == [1.0, 1.0]
 
 
+def test_accuracy_reads_the_last_box_as_boxed_accuracy_does():
+    """A completion that boxes several candidates is judged by the one it ends on, by both
+    rewards (math-verify alone takes the first box: 'boxed 80, then 81' would score 0 there and
+    'boxed 81, then 80' would earn the partial credit for a wrong final answer)."""
+    texts = [
+        "\\boxed{80} no wait \\boxed{81}",
+        "\\boxed{81} no wait \\boxed{80}",
+        "\\boxed{ } so 81",
+        "\\boxed{81} + 1 = 82",
+    ]
+    assert accuracy(texts, answer=["81"] * 4) == [1.0, 0.0, 1.0, 1.0]
+    assert boxed_accuracy(texts, answer=["81"] * 4) == [1.0, 0.0, 0.0, 1.0]  # an empty box is no box
+
+
 def test_accuracy_latex_answers():
     assert accuracy(["\\boxed{\\frac{1}{2}}", "0.5", "\\boxed{2}"], answer=["\\frac12", "1/2", "\\sqrt{4}"]) == [
         1.0,
