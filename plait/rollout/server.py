@@ -12,7 +12,7 @@ Every request carries `Authorization: Bearer TOKEN` (rollout/auth.py); without i
 GET /health answers ({ok: true}), anything else is a 401. Requests are checked before they reach
 the engine (rollout/api.py): sizes, sampling parameters, and who may join the weight group.
 
-  GET  /health          -> {version, instance, replica, replicas, tensor_parallel_size, model, running};
+  GET  /health          -> {version, instance, replica, replicas, tensor_parallel_size, model, running, updating};
                         503 {detail} once the replica's engine has died
   POST /generate        {prompts: [{token_ids, sampling}]}
                         -> {version, outputs: [[{token_ids, text, logprobs, finish_reason, stop_reason}]]}
@@ -241,6 +241,7 @@ def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits
             replica=replica,
             replicas=ports,
             running=state["running"],
+            updating=gate.updating,  # a weight update is waiting for the running requests, or loading
             **engine.describe(),
         )
 

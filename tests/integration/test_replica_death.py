@@ -216,3 +216,47 @@ def test_health_says_what_each_replica_holds_and_names_a_dead_one(served):
         served.generate()
     with pytest.raises(RolloutServerError, match="injected device fault|unreachable"):
         served.remote.health()  # a 503 naming the cause, or no answer once the replica has exited
+
+
+def test_a_weight_update_waits_for_the_running_generation(served):
+    """No completion mixes two weight versions (a replica without in-flight updates): an update
+    sent while a generation runs waits, with /health saying so, until every forward pass of
+    that generation has run on the old weights; then it loads, and the replica reports the new
+    version. The generation is held inside its third forward pass so the update surely comes
+    while it runs."""
+    model = served.replica.engine.model
+    probe = next(p for n, p in model.named_parameters() if n.endswith("embed_tokens.weight"))
+    seen, inside, release = [], threading.Event(), threading.Event()
+
+    def watch(module, args):
+        seen.append(probe.detach().sum().item())  # the weights this forward pass runs on
+        if len(seen) == 3:
+            inside.set()
+            release.wait()
+
+    hook = model.register_forward_pre_hook(watch)
+    old = probe.detach().clone()
+    new = [(n, p.detach() + 0.01) for n, p in model.named_parameters()]
+    result: dict = {}
+    generating = threading.Thread(target=lambda: result.update(groups=served.generate()))
+    pushing = threading.Thread(target=lambda: result.update(pushed=served.remote.push_weights(new, 1)))
+    generating.start()
+    try:
+        assert inside.wait(300), "the generation never ran"
+        pushing.start()
+        (answer,) = served.remote.health()["replicas"].values()
+        while not answer["updating"]:  # the update request has come and waits at the gate
+            assert pushing.is_alive(), result
+            (answer,) = served.remote.health()["replicas"].values()
+        assert answer["running"] == 1 and answer["version"] == 0
+        assert torch.equal(probe.detach(), old)  # not loaded under the running generation
+    finally:
+        release.set()
+        generating.join()
+        pushing.join()
+        hook.remove()
+    assert len(seen) > 3 and len(set(seen)) == 1, seen  # every forward pass on the old weights
+    assert all(c.weight_version == 0 for g in result["groups"] for c in g)
+    assert torch.equal(probe.detach(), old + 0.01)
+    (answer,) = served.remote.health()["replicas"].values()
+    assert answer["version"] == 1 and not answer["updating"] and answer["running"] == 0
