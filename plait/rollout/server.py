@@ -189,11 +189,12 @@ def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits
         task = asyncio.ensure_future(work)
         dead = asyncio.ensure_future(death.wait())
         try:
-            await asyncio.wait({task, dead}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({task, dead}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             dead.cancel()
-        if not task.done():
-            task.cancel()
+            if not task.done():  # the engine died, or this request was cancelled: stop its generation
+                task.cancel()
+        if task not in done:
             alive()
         return task.result()
 
