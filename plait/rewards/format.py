@@ -5,15 +5,37 @@ from __future__ import annotations
 import re
 
 from plait.rewards._checks import require_int
-from plait.rewards.math import last_boxed
+from plait.rewards.math import accuracy, last_boxed
 
 
 _THINK = re.compile(r"^\s*<think>.+?</think>\s*<answer>.+?</answer>\s*$", re.DOTALL)
 
 
-def boxed_format(completions: list[str], **_) -> list[float]:
-    """1.0 if the completion puts a non-empty final answer in \\boxed{...}, else 0.0."""
-    return [1.0 if (inner := last_boxed(text)) is not None and inner.strip() else 0.0 for text in completions]
+def boxed_format(
+    completions: list[str],
+    when_solved: bool = False,
+    answer: list[str | None] | None = None,
+    prompts: list | None = None,
+    **_,
+) -> list[float]:
+    """1.0 if the completion puts a non-empty final answer in \\boxed{...}, else 0.0.
+
+    when_solved: pay it only among the completions of a prompt of which at least one has the
+    right final answer (`accuracy`). Where every answer to a prompt is wrong, the format alone
+    would tell them apart, and group-scaled advantages make that small difference push as hard
+    as a right answer does elsewhere: a policy can settle on boxing wrong answers
+    (docs/reproducibility.md). Needs the reference `answer`."""
+    boxed = [1.0 if (inner := last_boxed(text)) is not None and inner.strip() else 0.0 for text in completions]
+    if not when_solved:
+        return boxed
+    if answer is None or prompts is None or all(a is None for a in answer):
+        raise ValueError(
+            "boxed_format with when_solved needs the data's reference answers (the `answer` column, "
+            "data.answer_field): use data with answers, or drop when_solved"
+        )
+    keys = [repr(p) for p in prompts]  # a prompt's completions, wherever they are in the round
+    solved = {k for k, right in zip(keys, accuracy(completions, answer)) if right}
+    return [b if k in solved else 0.0 for b, k in zip(boxed, keys)]
 
 
 def think_format(completions: list[str], **_) -> list[float]:

@@ -60,6 +60,22 @@ def test_boxed_accuracy_is_strict():
     assert boxed_accuracy(texts, answer=["81"] * 5) == [0.0, 1.0, 1.0, 0.0, 0.0]
 
 
+def test_boxed_format_when_solved_pays_only_where_some_answer_to_the_prompt_is_right():
+    """Two prompts' completions: the first prompt has a right answer among them, so its boxed
+    completions (the wrong one too) are paid; the second has none, so boxing a wrong answer
+    there earns nothing and the group carries no push toward it."""
+    texts = ["\\boxed{81}", "\\boxed{80}", "81", "\\boxed{12}", "\\boxed{13}", "11"]
+    prompts = ["What is 23 + 58?"] * 3 + ["What is 5 + 9?"] * 3
+    answers = ["81"] * 3 + ["14"] * 3
+    fmt = BUILTIN["boxed_format"]
+    assert fmt(texts) == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    assert fmt(texts, when_solved=True, answer=answers, prompts=prompts) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    # an unboxed right answer solves its prompt too: the box is then paid where it appears
+    assert fmt(["14", "\\boxed{13}"], when_solved=True, answer=["14"] * 2, prompts=["q"] * 2) == [0.0, 1.0]
+    with pytest.raises(ValueError, match="reference answers"):
+        fmt(texts, when_solved=True, answer=[None] * 6, prompts=prompts)
+
+
 def test_last_boxed_balances_braces():
     assert last_boxed("a \\boxed{\\frac{1}{2}} b") == "\\frac{1}{2}"
     assert last_boxed("\\boxed{1} \\boxed{2}") == "2"
