@@ -66,7 +66,10 @@ def test_a_failing_environment_is_an_infrastructure_error_not_a_score(caplog):
     row = environment_rows(config(ARITH + ", size: 2}").environments, "train", 0, None)[0]
     broken = {**row["env_source"], "dataset": "no_such_dataset"}
     assert environment(["<answer>1</answer>", "<answer>1</answer>"], [broken, None]) == [None, None]
-    assert "no_such_dataset failed to score" in caplog.text
+    # one warning for the call, with the count and the cause (not one per failed completion)
+    warned = [r.getMessage() for r in caplog.records if "no_such_dataset" in r.getMessage()]
+    assert len(warned) == 1 and "environment no_such_dataset failed on 1 of 2 completions" in warned[0], warned
+    assert "not registered" in warned[0]
     # counted per environment, and left out of its mean score
     from plait.types import Completion, Group, Prompt
 
