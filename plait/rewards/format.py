@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from plait.rewards._checks import require_int
-from plait.rewards.math import accuracy, last_boxed
+from plait.rewards.math import accuracy, final_box
 
 
 _THINK = re.compile(r"^\s*<think>.+?</think>\s*<answer>.+?</answer>\s*$", re.DOTALL)
@@ -25,7 +25,7 @@ def boxed_format(
     would tell them apart, and group-scaled advantages make that small difference push as hard
     as a right answer does elsewhere: a policy can settle on boxing wrong answers
     (docs/reproducibility.md). Needs the reference `answer`."""
-    boxed = [1.0 if (inner := last_boxed(text)) is not None and inner.strip() else 0.0 for text in completions]
+    boxed = [0.0 if final_box(text) is None else 1.0 for text in completions]
     if not when_solved:
         return boxed
     if answer is None or prompts is None or all(a is None for a in answer):

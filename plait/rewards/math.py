@@ -70,24 +70,27 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def final_box(text: str) -> str | None:
+    """The content of the last \\boxed{...} when it holds something: the completion's boxed
+    final answer (an empty box is none)."""
+    inner = last_boxed(text)
+    return inner if inner is not None and inner.strip() else None
+
+
 def accuracy(completions: list[str], answer: list[str | None], **_) -> list[float]:
     """1.0 where the completion's final answer (its last \\boxed{}, else its last expression)
     equals the reference answer mathematically (math-verify), else 0.0. When the reference is
     a plain number the answer must be a number, not an expression that evaluates to it. The
     last box, as boxed_accuracy reads it (math-verify alone would take the first): a completion
     that boxes several candidates is judged by the one it ends on."""
-    out = []
-    for text, gold in zip(completions, answer):
-        inner = last_boxed(text)
-        boxed = inner is not None and inner.strip()  # an empty box is no answer (as boxed_format)
-        out.append(_equal(gold, f"$\\boxed{{{inner}}}$" if boxed else text))
-    return out
+    boxes = [final_box(text) for text in completions]
+    return [
+        _equal(gold, text if box is None else f"$\\boxed{{{box}}}$")
+        for text, box, gold in zip(completions, boxes, answer)
+    ]
 
 
 def boxed_accuracy(completions: list[str], answer: list[str | None], **_) -> list[float]:
     """1.0 only where the last \\boxed{...} holds a correct answer: the strict metric."""
-    out = []
-    for text, gold in zip(completions, answer):
-        inner = last_boxed(text)
-        out.append(0.0 if inner is None or not inner.strip() else _equal(gold, f"$\\boxed{{{inner}}}$"))
-    return out
+    boxes = [final_box(text) for text in completions]
+    return [0.0 if box is None else _equal(gold, f"$\\boxed{{{box}}}$") for box, gold in zip(boxes, answer)]
