@@ -70,9 +70,9 @@ def prompts_jsonl(tmp_path_factory):
     return d / "train.jsonl", d / "eval.jsonl"
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def helper_env():
-    """Environment for subprocesses: the test reward module on PYTHONPATH."""
+    """Environment for subprocesses: the test reward module on PYTHONPATH (read it, don't change it)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE / "helpers"), env.get("PYTHONPATH", "")])
     return env

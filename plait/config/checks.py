@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 from plait.algo.advantages import TOKEN_WHITENED
 from plait.config.load import did_you_mean
 from plait.config.schema import Config, ConfigError
+from plait.envs import ROW_TYPES
 
 
 if TYPE_CHECKING:
@@ -398,10 +399,10 @@ def check_tools(cfg: Config, env: Env) -> list[str]:
     if t is None:
         return []
     out = []
-    if not t.python and not t.functions and not any(e.type == "trl_env" for e in cfg.environments):
+    if not t.python and not t.functions and not any(e.type in ROW_TYPES for e in cfg.environments):
         out.append(
             "rollout.tools offers no tool: set python: true, list functions ['module:function'], or add an "
-            "environment of type trl_env (its methods are tools)"
+            "environment of type trl_env or openenv (its methods, or its step, are tools)"
         )
     if t.max_turns < 2:
         out.append(f"rollout.tools.max_turns={t.max_turns} leaves no turn after a tool call: use 2 or more")
@@ -491,13 +492,13 @@ def check_environments(cfg: Config, env: Env) -> list[str]:
     from plait.tools.environments import config_problems, problems
 
     out = environment_problems(cfg.environments, cfg.seed, bool(_evaluating(cfg)))
-    out += [p for e in cfg.environments if e.type == "trl_env" for p in problems(e, label(e))]
+    out += [p for e in cfg.environments if e.type in ROW_TYPES for p in problems(e, label(e))]
     return out + config_problems(cfg)
 
 
 def _problem_environments(cfg: Config) -> list:
     """The environments that bring their own problems (trl_env entries act on the data's rows)."""
-    return [e for e in cfg.environments if e.type != "trl_env"]
+    return [e for e in cfg.environments if e.type not in ROW_TYPES]
 
 
 def check_data_files(cfg: Config, env: Env) -> list[str]:

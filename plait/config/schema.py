@@ -696,15 +696,29 @@ class ClusterConfig(Section):
 
 
 class EnvironmentSpec(Section):
-    type: Literal["reasoning_gym", "trl_env"] = Field(
+    type: Literal["reasoning_gym", "trl_env", "openenv"] = Field(
         description="reasoning_gym: a reasoning-gym dataset, scored by its own score_answer; trl_env: a class in "
-        "TRL's environment_factory form (reset, tool methods, get_reward) over the data's rows (docs/environments.md)."
+        "TRL's environment_factory form (reset, tool methods, get_reward) over the data's rows; openenv: an OpenEnv "
+        "environment (reset/step with a typed action), in this process or on its server, over the data's rows "
+        "(docs/environments.md)."
     )
     dataset: str | None = Field(None, description="reasoning_gym: the dataset, e.g. basic_arithmetic, leg_counting.")
     factory: str | None = Field(
         None,
         description="trl_env: 'module:Name', a class or a function of no arguments that returns one environment "
-        "(one is made per rollout).",
+        "(one is made per rollout); openenv: 'module:Name', an OpenEnv Environment class (or such a function), run "
+        "in this process.",
+    )
+    url: str | None = Field(
+        None,
+        description="openenv: the base URL of an OpenEnv server you started (e.g. http://127.0.0.1:8000); each "
+        "rollout is a session on its /ws.",
+    )
+    connect_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="openenv: how long a rollout waits for its session (a server at capacity is asked again until "
+        "then); past it the rollout is an infrastructure error.",
     )
     trusted: bool = Field(
         False,
@@ -744,6 +758,21 @@ class EnvironmentSpec(Section):
     def _fields_of_its_type(self):
         if self.type == "reasoning_gym" and (self.dataset is None or self.factory is not None):
             raise ValueError("an environment of type reasoning_gym needs `dataset` (and no `factory`)")
+        if self.type == "openenv":
+            if (self.factory is None) == (self.url is None) or self.dataset is not None:
+                raise ValueError(
+                    "an environment of type openenv needs one of `factory: module:Name` (its Environment class, run in "
+                    "this process) or `url: http://HOST:PORT` (its server), and no `dataset`"
+                )
+            if self.weight is not None or self.config:
+                raise ValueError("an openenv environment takes its rows from `data`: drop `weight` and `config`")
+            if "trusted" in self.model_fields_set and not self.trusted:
+                raise ValueError(
+                    "an openenv environment runs in this process or on its own server, not in plait's sandbox: drop "
+                    "`trusted: false` (run its server in a container of your own to contain it)"
+                )
+        elif self.url is not None:
+            raise ValueError(f"`url` is for environments of type openenv, not {self.type}")
         if self.type == "trl_env":
             if self.factory is None or self.dataset is not None:
                 raise ValueError("an environment of type trl_env needs `factory: module:Name` (and no `dataset`)")
@@ -796,7 +825,7 @@ class Config(Section):
         data = dict(data)
         section = dict(data.get("data") or {})
         kinds = {e.get("type") if isinstance(e, dict) else getattr(e, "type", None) for e in data["environments"]}
-        if kinds == {"trl_env"}:  # they act on the data's rows, through tools: hermes calls unless said otherwise
+        if kinds <= {"trl_env", "openenv"}:  # they act on the data's rows through tools: hermes calls unless said
             rollout = dict(data.get("rollout") or {})
             if rollout.get("tools") is None:
                 data["rollout"] = {**rollout, "tools": {"format": "hermes", "python": False}}

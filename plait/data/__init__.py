@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from plait.data.tasks import TASKS, task_rows
-from plait.envs import SYSTEM_COLUMN, environment_rows
+from plait.envs import ROW_TYPES, SYSTEM_COLUMN, environment_rows
 from plait.types import Prompt
 
 
@@ -149,7 +149,7 @@ def _chat_messages(value) -> bool:
 
 def load_rows(data_cfg, split: str, seed: int = 0, environments=None) -> list[dict]:
     """Rows for 'train' or 'eval' from the configured environments, task or files."""
-    environments = [e for e in environments or [] if e.type != "trl_env"]  # those act on the data's own rows
+    environments = [e for e in environments or [] if e.type not in ROW_TYPES]  # those act on the data's own rows
     if environments:
         rows = environment_rows(environments, split, seed, data_cfg.system_prompt)
         prompt, answer = data_cfg.prompt_field, data_cfg.answer_field or "answer"  # under the names the data says

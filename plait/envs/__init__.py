@@ -23,6 +23,9 @@ from plait.envs import reasoning_gym
 
 
 TYPES: dict[str, ModuleType] = {"reasoning_gym": reasoning_gym}
+# the types that act on the data's rows, through tools (plait/tools/environments.py), where the
+# others replace the rows with problems of their own
+ROW_TYPES = ("trl_env", "openenv")
 # a row's own system prompt (an environment's), used when data.system_prompt is unset
 SYSTEM_COLUMN = "_system"
 
@@ -30,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 def label(spec) -> str:
-    return spec.name or spec.dataset or spec.factory.rpartition(":")[2]
+    return spec.name or spec.dataset or (spec.factory or "").rpartition(":")[2] or spec.type
 
 
 def train_sizes(specs) -> list[int]:
@@ -65,13 +68,13 @@ def environment_problems(specs, seed: int, evaluating: bool = False) -> list[str
     labels = [label(s) for s in specs]
     if len(set(labels)) != len(labels):
         out.append(f"environments: labels must differ, got {labels}; give the entries different `name`s")
-    if len({s.type == "trl_env" for s in specs}) > 1:
+    if len({s.type in ROW_TYPES for s in specs}) > 1:
         out.append(
-            "environments: trl_env entries act on the data's rows and reasoning_gym entries replace them with "
-            "their own problems; one run takes one kind (train them in two runs)"
+            "environments: trl_env and openenv entries act on the data's rows and reasoning_gym entries replace them "
+            "with their own problems; one run takes one kind (train them in two runs)"
         )
     for spec, size in zip(specs, train_sizes(specs)):
-        if spec.type == "trl_env":  # checked with the tools (plait/tools/environments.py)
+        if spec.type in ROW_TYPES:  # checked with the tools (plait/tools/environments.py)
             continue
         own = seed if spec.seed is None else spec.seed
         out += TYPES[spec.type].problems(spec, label(spec), own, size, evaluating)

@@ -37,6 +37,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from plait.envs import ROW_TYPES
+from plait.tools import openenv
 from plait.tools.calls import Call, ToolResult, as_text, awaited, call_on_thread, cut, function_schema, sandbox_output
 
 
@@ -81,6 +83,10 @@ class EnvKind:
     has_reward: bool
     trusted: bool
     max_error_share: float
+    reset_timeout_s: float | None = None  # None: the tool timeout
+    # an OpenEnv entry (plait/tools/openenv.py): its instance holds a session to close, reports its
+    # own failures in `infrastructure_error`, and a call past the time limit loses the session
+    episodic: bool = False
 
     @classmethod
     def load(cls, spec, label: str) -> EnvKind:
@@ -103,7 +109,12 @@ class EnvKind:
 
     def observe(self, kwargs: dict) -> str | None:
         """What `reset(**row)` returns on a fresh instance (in this process: the row only, no model input)."""
-        observation = awaited(self.factory().reset(**kwargs))
+        instance = self.factory()
+        try:
+            observation = awaited(instance.reset(**kwargs))
+        finally:
+            if self.episodic:
+                instance.close()
         if observation is not None and not isinstance(observation, str):
             raise TypeError(
                 f"environment '{self.label}': reset returned {type(observation).__name__}; plait takes text "
@@ -127,7 +138,7 @@ class Session:
 
     def open(self) -> Session:
         if self.kind.trusted:
-            status, value = call_on_thread(self._start, {}, self.timeout_s)
+            status, value = call_on_thread(self._start, {}, self.kind.reset_timeout_s or self.timeout_s)
             if status != "ok":
                 self.error = f"reset: {value or 'ran past the time limit'}"
         return self
@@ -152,6 +163,8 @@ class Session:
             return ToolResult(f"{call.name}: {err}", "error")
         if self.kind.trusted:
             status, value = call_on_thread(getattr(self.instance, call.name), call.arguments, self.timeout_s)
+            if self.kind.episodic and (status == "timeout" or self.instance.infrastructure_error):
+                self.error = self.instance.infrastructure_error or f"{call.name} ran past {self.timeout_s}s"
             if status == "timeout":
                 return ToolResult(f"TimeoutError: {call.name} ran past {self.timeout_s}s", "timeout")
             self.calls.append((call.name, call.arguments))
@@ -163,6 +176,13 @@ class Session:
 
     def reward(self) -> float | None:
         """get_reward() of the finished rollout; None (and `error` set) when it could not be had."""
+        try:
+            return self._reward()
+        finally:
+            if self.kind.episodic and self.instance is not None:
+                self.instance.close()
+
+    def _reward(self) -> float | None:
         if self.error is not None or not self.kind.has_reward:
             return None
         if self.kind.trusted:
@@ -251,11 +271,14 @@ class TrlEnvironments:
     def from_config(cls, cfg, standalone_schemas=None) -> TrlEnvironments | None:
         from plait.envs import label
 
-        specs = [e for e in cfg.environments if e.type == "trl_env"]
+        specs = [e for e in cfg.environments if e.type in ROW_TYPES]
         if not specs:
             return None
-        kinds = [EnvKind.load(s, label(s)) for s in specs]
-        return cls(kinds, cfg.rollout.tools.timeout_s, standalone_schemas)
+        timeout_s = cfg.rollout.tools.timeout_s
+        kinds = [
+            openenv_kind(s, label(s), timeout_s) if s.type == "openenv" else EnvKind.load(s, label(s)) for s in specs
+        ]
+        return cls(kinds, timeout_s, standalone_schemas)
 
     @property
     def needs_sandbox(self) -> bool:
@@ -265,7 +288,9 @@ class TrlEnvironments:
         parts = [
             f"{k.label} ({k.spec}: tools {', '.join(k.tools) or 'none'}"
             + (", get_reward" if k.has_reward else "")
-            + (", in this process" if k.trusted else ", in the sandbox by replay")
+            + (", on its server" if "://" in k.spec else "")
+            + (", in this process" if k.trusted and "://" not in k.spec else "")
+            + ("" if k.trusted else ", in the sandbox by replay")
             + ")"
             for k in self.kinds.values()
         ]
@@ -309,6 +334,8 @@ class TrlEnvironments:
 def problems(spec, label: str) -> list[str]:
     """`plait check`, before any model loads: the factory imports and makes an instance with a
     reset method, its tools have schemas, and it gives the model something to do."""
+    if spec.type == "openenv":
+        return openenv_problems(spec, label)
     where = f"environment '{label}' ({spec.factory})"
     try:
         kind = EnvKind.load(spec, label)
@@ -332,16 +359,49 @@ def problems(spec, label: str) -> list[str]:
     return []
 
 
+def openenv_kind(spec, label: str, timeout_s: float) -> EnvKind:
+    """An openenv entry (plait/tools/openenv.py) as an EnvKind: one tool, `step`, with the action's
+    schema; an Episode per rollout, whose return is its reward."""
+    open_session, schema, where = openenv.opener(spec, timeout_s)
+    return EnvKind(
+        label=label,
+        spec=where,
+        factory=lambda: openenv.Episode(open_session),
+        cls=openenv.Episode,
+        tools=["step"],
+        schemas=[openenv.step_schema(schema)],
+        has_reward=True,
+        trusted=True,
+        max_error_share=spec.max_error_share,
+        reset_timeout_s=spec.connect_timeout_s + timeout_s,
+        episodic=True,
+    )
+
+
+def openenv_problems(spec, label: str) -> list[str]:
+    """`plait check` of an openenv entry, before any model loads: the class imports (or the server
+    answers its /schema), and one episode resets and closes."""
+    try:
+        episode = openenv_kind(spec, label, spec.connect_timeout_s).factory()
+        try:
+            episode.reset(prompt="plait check")
+        finally:
+            episode.close()
+    except Exception as err:  # noqa: BLE001 - whatever the environment raises, said with where it came from
+        return [f"environment '{label}' ({spec.url or spec.factory}): {type(err).__name__}: {err}"]
+    return []
+
+
 def config_problems(cfg) -> list[str]:
     """What the rest of the config must be for trl_env entries (each entry's own check is `problems`)."""
-    specs = [e for e in cfg.environments if e.type == "trl_env"]
-    if not specs:
+    if not any(e.type in ROW_TYPES for e in cfg.environments):
         return []
+    specs = [e for e in cfg.environments if e.type == "trl_env"]  # an openenv entry always has its reward
     out = []
     tools = cfg.rollout.tools
     if tools is None or tools.format != "hermes":
         out.append(
-            "environments of type trl_env: the model calls their methods as hermes tool calls; set "
+            "environments of type trl_env and openenv: the model calls their tools as hermes tool calls; set "
             "rollout.tools.format=hermes (with a chat template that renders tools)"
         )
     uses = [r.name for r in cfg.rewards if r.name == "environment"] + (
