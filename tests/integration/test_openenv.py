@@ -205,8 +205,10 @@ def test_config_mistakes_and_a_down_server_are_refused_before_a_model_loads(tmp_
 
 
 def test_a_run_trains_on_an_openenv_server(tmp_path, tiny_model_path, server, helper_env):
-    """`plait train` end to end on the server: the header says where the environment runs, every
-    rollout is an episode (env/<label>/* metrics, no errors), and the final evaluation plays too."""
+    """`plait train` end to end on the server, generating asynchronously (k = 1: the episodes are
+    opened from rank 0's producer thread, the model runs in the generation process): the header
+    says where the environment runs, every rollout is an episode (env/<label>/* metrics, no
+    errors), and the final evaluation plays too."""
     rows = [{"prompt": "Guess.", "target": t} for t in range(1, 9)]
     path = rows_file(tmp_path, rows)
     out = tmp_path / "run"
@@ -218,13 +220,14 @@ def test_a_run_trains_on_an_openenv_server(tmp_path, tiny_model_path, server, he
         "--set", "rollout.prompts_per_step=2", "--set", "rollout.num_generations=4",
         "--set", "rollout.max_completion_length=48", "--set", "train.max_steps=2",
         "--set", "train.micro_batch_size=4", "--set", "train.precision=fp32", "--set", "eval.before=false",
-        "--set", "log.console=plain", "--set", f"output_dir={out}",
+        "--set", "rollout.max_staleness=1", "--set", "log.console=plain", "--set", f"output_dir={out}",
     ]  # fmt: skip
     res = subprocess.run(cmd, env={**os.environ, **helper_env}, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert f"environments: guess ({server.url}: tools step, get_reward, on its server)" in res.stdout
     rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rounds) == 2
+    assert [m["async/scheduled_version"] for m in rounds] == [0, 0]  # round 2 sampled before round 1's update
     for m in rounds:
         assert m["env/guess/completions"] == 8 and m["env/guess/errors"] == 0
     (after,) = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
