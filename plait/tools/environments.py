@@ -361,15 +361,17 @@ def problems(spec, label: str) -> list[str]:
 
 def openenv_kind(spec, label: str, timeout_s: float) -> EnvKind:
     """An openenv entry (plait/tools/openenv.py) as an EnvKind: one tool, `step`, with the action's
-    schema; an Episode per rollout, whose return is its reward."""
-    open_session, schema, where = openenv.opener(spec, timeout_s)
+    schema (an MCP environment: its own tools); an Episode per rollout, whose return is its reward."""
+    open_session, schema, tools, where = openenv.opener(spec, timeout_s)
+    schemas = tools if tools is not None else [openenv.step_schema(schema)]
+    cls = openenv.episode_class(tools)
     return EnvKind(
         label=label,
         spec=where,
-        factory=lambda: openenv.Episode(open_session),
-        cls=openenv.Episode,
-        tools=["step"],
-        schemas=[openenv.step_schema(schema)],
+        factory=lambda: cls(open_session),
+        cls=cls,
+        tools=[t["function"]["name"] for t in schemas],
+        schemas=schemas,
         has_reward=True,
         trusted=True,
         max_error_share=spec.max_error_share,

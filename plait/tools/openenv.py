@@ -36,7 +36,7 @@ import typing
 import uuid
 import zlib
 
-from plait.tools.calls import awaited, cut
+from plait.tools.calls import as_text, awaited, cut
 
 
 # the OpenEnv server's error codes that are the action's fault (WSErrorCode)
@@ -58,6 +58,16 @@ def observation_text(fields: dict) -> str:
     if len(shown) == 1 and isinstance(next(iter(shown.values())), str):
         return next(iter(shown.values()))
     return json.dumps(shown, default=repr)
+
+
+def tool_result_text(result) -> str:
+    """An MCP tool's result as the model reads it: its value (FastMCP's `data`), else its text content."""
+    if not isinstance(result, dict):
+        return as_text(result)
+    if result.get("data") is not None:
+        return as_text(result["data"])
+    texts = [c.get("text", "") for c in result.get("content") or [] if isinstance(c, dict) and c.get("type") == "text"]
+    return "\n".join(texts) if texts else as_text(result)
 
 
 def episode_seed(kwargs: dict) -> int:
@@ -261,10 +271,23 @@ class Episode:
         return self._take(first)
 
     def step(self, **action) -> str:
+        return self._take(self._act(action))
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        """An MCP tool's call (a call_tool step): its result as text; its error goes to the model."""
+        reply = self._act({"type": "call_tool", "tool_name": name, "arguments": arguments})
+        self._take(reply)
+        fields = reply.get("observation") or {}
+        if fields.get("error"):
+            error = fields["error"]
+            raise ActionRefused(error.get("message", str(error)) if isinstance(error, dict) else str(error))
+        return tool_result_text(fields.get("result"))
+
+    def _act(self, action: dict) -> dict:
         if self._done:
-            raise ActionRefused("the episode is over (the environment said done); answer without calling step")
+            raise ActionRefused("the episode is over (the environment said done); answer without another call")
         try:
-            return self._take(self._session.step(action))
+            return self._session.step(action)
         except EnvironmentLost as err:
             self.infrastructure_error = str(err)
             raise
@@ -308,7 +331,8 @@ def opener(spec, timeout_s: float):
         def open_session():  # the tool timeout, not the socket's, says when a step has hung
             return RemoteSession(spec.url, spec.connect_timeout_s, timeout_s + 5)
 
-        return open_session, schema, spec.url
+        tools = listed_tools(open_session) if "tool_name" in schema.get("properties", {}) else None
+        return open_session, schema, tools, spec.url
     from openenv.core.env_server.interfaces import Environment
 
     module, _, attr = spec.factory.partition(":")
@@ -321,9 +345,58 @@ def opener(spec, timeout_s: float):
             f"{spec.factory} made a {type(probe).__name__}, not an OpenEnv Environment (openenv.core.env_server."
             "interfaces.Environment); for a class in TRL's environment_factory form use type: trl_env"
         )
+    from openenv.core.env_server.mcp_environment import MCPEnvironment
+
     action_cls = action_class(type(probe))
 
     def open_local():
         return LocalSession(factory, action_cls)
 
-    return open_local, action_cls.model_json_schema(), spec.factory
+    tools = listed_tools(open_local) if isinstance(probe, MCPEnvironment) else None
+    return open_local, action_cls.model_json_schema(), tools, spec.factory
+
+
+def listed_tools(open_session) -> list[dict]:
+    """An MCP environment's tools (a `list_tools` step), as function schemas."""
+    session = open_session()
+    try:
+        session.reset({})
+        reply = session.step({"type": "list_tools"})
+    finally:
+        session.close()
+    tools = (reply.get("observation") or {}).get("tools")
+    if not isinstance(tools, list):
+        raise EnvironmentLost(f"list_tools answered {cut(json.dumps(reply, default=repr), 300)}, not a list of tools")
+    clash = [t["name"] for t in tools if t["name"] in EPISODE_NAMES or t["name"].startswith("_")]
+    if clash:
+        raise ValueError(f"MCP tools named {clash} clash with plait's episode methods {EPISODE_NAMES}: rename them")
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t["name"],
+                "description": t.get("description") or "",
+                "parameters": t.get("input_schema") or {"type": "object", "properties": {}},
+            },
+        }
+        for t in tools
+    ]
+
+
+EPISODE_NAMES = ("reset", "step", "get_reward", "close", "infrastructure_error")
+
+
+def episode_class(tools: list[dict] | None) -> type:
+    """Episode, or (an MCP environment) an Episode with one method per tool, each a call_tool step."""
+    if tools is None:
+        return Episode
+
+    def method(name: str):
+        def call(self, **arguments) -> str:
+            return self.call_tool(name, arguments)
+
+        call.__name__ = name
+        return call
+
+    names = [t["function"]["name"] for t in tools]
+    return type("MCPEpisode", (Episode,), {n: method(n) for n in names})

@@ -182,6 +182,43 @@ def test_a_full_server_is_waited_for_then_refused_with_the_limit_named(tmp_path,
         one.stop()
 
 
+@pytest.fixture(scope="module")
+def tools_server(helper_env):
+    s = Server(helper_env, "GuessToolsEnv")
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("place", ["local", "server"])
+def test_an_mcp_environment_offers_its_own_tools(tmp_path, tok, place, request):
+    """An MCPEnvironment (RFC 003): its tools, listed by a list_tools step, are the model's tools;
+    each call is a call_tool step; a tool's error goes back to the model; rewards sum as for step."""
+    if place == "local":
+        where = "factory: 'openenv_envs:GuessToolsEnv'"
+    else:
+        where = f"url: '{request.getfixturevalue('tools_server').url}'"
+    cfg = env_config(rows_file(tmp_path, ROWS), entry(where), extra=[TOOLS + ", max_turns: 6}"])
+    kind = openenv_kind(cfg.environments[0], "guess", 5.0)
+    assert kind.tools == ["guess", "hint"]
+    guess = kind.schemas[0]["function"]
+    assert (
+        guess["parameters"]["properties"]["n"]["type"] == "integer"
+        and "Guess the hidden number" in guess["description"]
+    )
+
+    def use(name, args):
+        return f'<tool_call>{{"name": "{name}", "arguments": {json.dumps(args)}}}</tool_call>'
+
+    script = [use("hint", {}), use("guess", {"n": 13}), use("guess", {"n": 3}), use("guess", {"n": 5}), "Done.<eos>"]
+    prompts, groups = rollouts(cfg, tok, script, n=1)
+    assert prompts[0].messages[-1]["content"].endswith("Find the number from 1 to 9 with the guess and hint tools.")
+    said = [[m["content"] for m in c.messages if m["role"] == "tool"] for g in groups for c in g.completions]
+    assert [s[0] for s in said] == ["odd", "odd"]
+    assert all("13 is not a number this game takes" in s[1] for s in said)
+    assert [s[2:] for s in said] == [["higher", "right"], ["higher", "higher"]]
+    assert scores(groups) == [0.75, -0.5]
+
+
 def test_config_mistakes_and_a_down_server_are_refused_before_a_model_loads(tmp_path, server):
     path = rows_file(tmp_path, ROWS)
 
