@@ -30,11 +30,13 @@ the tool timeout (the session is then in an unknown state).
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import time
 import typing
 import uuid
 import zlib
+from urllib.parse import urlsplit
 
 from plait.tools.calls import as_text, awaited, cut
 
@@ -79,8 +81,6 @@ def episode_seed(kwargs: dict) -> int:
 
 def accepted(fn, kwargs: dict) -> dict:
     """The keyword arguments `fn` takes (all of them when it takes **kwargs), as OpenEnv's server passes them."""
-    import inspect
-
     params = inspect.signature(fn).parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return kwargs
@@ -188,8 +188,14 @@ class RemoteSession:
     def _connect(self, deadline: float) -> None:
         from websockets.sync.client import connect
 
-        try:
-            self.ws = connect(self.url, open_timeout=max(0.1, deadline - time.monotonic()), max_size=None)
+        local = urlsplit(self.url).hostname in ("localhost", "127.0.0.1", "::1")
+        try:  # a server on this machine is reached directly, whatever proxy the environment names
+            self.ws = connect(
+                self.url,
+                open_timeout=max(0.1, deadline - time.monotonic()),
+                max_size=None,
+                proxy=None if local else True,
+            )
         except Exception as err:  # noqa: BLE001 - refused, unresolvable, timed out: all say the server is not there
             raise EnvironmentLost(
                 f"could not reach the OpenEnv server at {self.url}: {type(err).__name__}: {err}"
