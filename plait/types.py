@@ -81,6 +81,8 @@ class Completion:
     # (an infrastructure error: the completion is not scored)
     env_reward: float | None = None
     env_error: str | None = None
+    # a rollout_func's own per-completion fields (plait/tools/rollout_func.py), given to the rewards by name
+    extra: dict[str, Any] | None = None
 
     @property
     def staleness_versions(self) -> list[int]:

@@ -388,6 +388,29 @@ def check_rewards(cfg: Config, env: Env) -> list[str]:
     return out
 
 
+def check_rollout_func(cfg: Config, env: Env) -> list[str]:
+    """rollout.rollout_func: a function that imports, and no other loop beside it."""
+    spec = cfg.rollout.rollout_func
+    if spec is None:
+        return []
+    from plait.tools.calls import resolve_function
+
+    out = []
+    try:
+        resolve_function(spec)
+    except Exception as err:  # noqa: BLE001 - an import error, a missing name: said with the fix
+        out.append(
+            f"rollout.rollout_func {spec!r}: {type(err).__name__}: {err} (write it as 'module:function', "
+            "importable from where plait runs)"
+        )
+    if cfg.rollout.tools is not None or any(e.type in ROW_TYPES for e in cfg.environments):
+        out.append(
+            "rollout.rollout_func runs your own loop, so plait's tool loop can't run beside it: drop rollout.tools and "
+            "trl_env/openenv environments, or drop rollout_func (call your tools inside it)"
+        )
+    return out
+
+
 def check_tools(cfg: Config, env: Env) -> list[str]:
     """rollout.tools: some tool to call, room for a call, a format that can carry the tools,
     and functions that exist, describe themselves and (untrusted) can travel to the sandbox."""
@@ -666,6 +689,7 @@ CHECKS: tuple[Check, ...] = (
     check_warmup,
     check_rewards,
     check_tools,
+    check_rollout_func,
     check_eval_metric,
     check_task,
     check_environments,

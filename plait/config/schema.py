@@ -285,6 +285,12 @@ class RolloutConfig(Section):
         description="Multi-turn tool use (docs/tools.md): the model's turn stops at a tool call, plait runs it "
         "and appends its output (masked out of the loss), and the model goes on.",
     )
+    rollout_func: str | None = Field(
+        None,
+        description="'module:function': your own rollout loop (TRL's rollout_func), given the prompts and a context "
+        "whose generate samples with plait's engine; it returns the completions' token ids, log-probs and an "
+        "optional env_mask (docs/environments.md).",
+    )
     generator_threads: int | None = Field(
         None,
         ge=1,

@@ -198,6 +198,8 @@ def reward_inputs(groups: list[Group], step: int | None = None, max_steps: int |
         # trl_env rollouts: what each environment's get_reward said (the `environment` reward reads it)
         kwargs["env_reward"] = [c.env_reward for g in groups for c in g.completions]
         kwargs["env_error"] = [c.env_error for g in groups for c in g.completions]
+    for key in sorted({k for g in groups for c in g.completions for k in c.extra or {}}):
+        kwargs[key] = [(c.extra or {}).get(key) for g in groups for c in g.completions]  # a rollout_func's fields
     if step is not None:  # rounds done so far, as TRL's TrainerState.global_step counts optimizer steps
         kwargs["trainer_state"] = types.SimpleNamespace(global_step=step - 1, max_steps=max_steps)
     conversational = any(isinstance(g.prompt.source, list) for g in groups)

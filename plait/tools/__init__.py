@@ -4,6 +4,8 @@ calls.py     finding calls in a turn (python blocks, hermes <tool_call>), runnin
 template.py  the text between turns, and the check that the chat template appends
 engine.py    ToolEngine: any rollout engine, made multi-turn (token in, token out)
 environments.py  environment classes in TRL's environment_factory form (`type: trl_env`)
+openenv.py   OpenEnv environments (`type: openenv`), in this process or on their server
+rollout_func.py  your own rollout loop (`rollout.rollout_func`), TRL's rollout_func
 """
 
 from __future__ import annotations
@@ -164,5 +166,9 @@ class Tools:
         return check_tools(self.cfg, self.tokenizer, prompts, self.envs) if self.enabled else None
 
     def wrap(self, engine):
-        """`engine` made multi-turn (a ToolEngine), or as it is without tools."""
-        return with_tools(self.cfg, engine, self.tokenizer, self.sandbox, self.envs)
+        """`engine` made multi-turn (a ToolEngine), or driven by the user's rollout_func, or as it is."""
+        from plait.tools import rollout_func
+
+        return rollout_func.wrap(
+            self.cfg, with_tools(self.cfg, engine, self.tokenizer, self.sandbox, self.envs), self.tokenizer
+        )
