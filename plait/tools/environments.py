@@ -311,7 +311,13 @@ class TrlEnvironments:
         label, the observation)."""
         kind = self.kind_of(columns, where)
         columns = {**columns, "environment": kind.label}
-        observation = kind.observe(reset_kwargs(source, columns))
+        try:
+            observation = kind.observe(reset_kwargs(source, columns))
+        except Exception as err:  # noqa: BLE001 - whatever reset raises stops the run here, said with the row
+            raise ValueError(
+                f"{where}: environment '{kind.label}' could not reset on it when the prompts were built: "
+                f"{type(err).__name__}: {err}"
+            ) from err
         if observation:
             last = messages[-1]
             messages = [*messages[:-1], {**last, "content": str(last.get("content", "")) + observation}]
@@ -381,14 +387,11 @@ def openenv_kind(spec, label: str, timeout_s: float) -> EnvKind:
 
 
 def openenv_problems(spec, label: str) -> list[str]:
-    """`plait check` of an openenv entry, before any model loads: the class imports (or the server
-    answers its /schema), and one episode resets and closes."""
+    """`plait check` of an openenv entry, before any model loads: the class imports and makes an
+    Environment (or the server answers its /schema), and an MCP environment lists its tools. No
+    reset: its arguments are a row's; each row's runs when the prompts are built."""
     try:
-        episode = openenv_kind(spec, label, spec.connect_timeout_s).factory()
-        try:
-            episode.reset(prompt="plait check")
-        finally:
-            episode.close()
+        openenv_kind(spec, label, spec.connect_timeout_s)
     except Exception as err:  # noqa: BLE001 - whatever the environment raises, said with where it came from
         return [f"environment '{label}' ({spec.url or spec.factory}): {type(err).__name__}: {err}"]
     return []

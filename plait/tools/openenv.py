@@ -133,6 +133,9 @@ class LocalSession:
         except Exception as err:
             raise EnvironmentLost(f"reset raised {type(err).__name__}: {err}") from err
 
+    def connect(self) -> None:
+        """Nothing to open: the instance is here."""
+
     def step(self, action: dict) -> dict:
         from openenv.core.env_server.serialization import deserialize_action
         from pydantic import ValidationError
@@ -184,6 +187,10 @@ class RemoteSession:
                     ) from None
                 time.sleep(wait)  # the server frees a session when another rollout closes its own
                 wait = min(2 * wait, 1.0)
+
+    def connect(self) -> None:
+        """Open a session without resetting it."""
+        self._connect(time.monotonic() + self.connect_timeout_s)
 
     def _connect(self, deadline: float) -> None:
         from websockets.sync.client import connect
@@ -365,9 +372,11 @@ def opener(spec, timeout_s: float):
 def listed_tools(open_session) -> list[dict]:
     """An MCP environment's tools (a `list_tools` step), as function schemas."""
     session = open_session()
-    try:
-        session.reset({})
+    try:  # no reset: its arguments are a row's, and listing tools needs none
+        session.connect()
         reply = session.step({"type": "list_tools"})
+    except _Refused as refused:
+        raise EnvironmentLost(f"the OpenEnv server refused a session to list its tools: {refused}") from None
     finally:
         session.close()
     tools = (reply.get("observation") or {}).get("tools")

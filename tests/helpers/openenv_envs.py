@@ -53,8 +53,8 @@ class GuessEnv(Environment):
 
 
 class BrokenResetEnv(GuessEnv):
-    """An environment whose reset works once per row (when plait builds the row's prompt) and then
-    fails: its rollouts can't start."""
+    """An environment whose reset works once per prompt (when plait builds it) and then fails:
+    its rollouts can't start."""
 
     seen: set = set()
 
@@ -117,6 +117,13 @@ class GuessToolsEnv(MCPEnvironment):
     @property
     def state(self) -> State:
         return self._state
+
+
+class DownEnv(GuessEnv):
+    """An environment whose reset always fails."""
+
+    def reset(self, seed=None, episode_id=None, **kwargs) -> GuessObservation:
+        raise ConnectionError("the game's database is down")
 
 
 ENVS = {"GuessEnv": GuessEnv, "BrokenResetEnv": BrokenResetEnv, "GuessToolsEnv": GuessToolsEnv}

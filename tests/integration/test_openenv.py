@@ -23,7 +23,8 @@ from test_trl_env import env_config, rollouts, rows_file, scores
 
 from plait.comm import free_port
 from plait.config.checks import check_environments, check_tools, probe
-from plait.tools import openenv
+from plait.data import DataError, build_prompts, load_rows
+from plait.tools import Tools, openenv
 from plait.tools.environments import openenv_kind
 
 
@@ -239,6 +240,17 @@ def test_config_mistakes_and_a_down_server_are_refused_before_a_model_loads(tmp_
         env_config(path, entry("factory: 'openenv_envs:GuessEnv'", trusted="false"))
     with pytest.raises(Exception, match="`url` is for environments of type openenv"):
         env_config(path, "{type: trl_env, factory: 'trl_envs:CounterEnv', url: 'http://x'}")
+
+
+def test_a_reset_that_fails_when_the_prompts_are_built_stops_the_run_with_the_row(tmp_path, tok):
+    """plait check can't reset (reset takes a row's columns); building the prompts, before the
+    model loads, resets on each row and stops at the first that fails, naming it."""
+    cfg = env_config(rows_file(tmp_path, ROWS), entry("factory: 'openenv_envs:DownEnv'"))
+    assert check_environments(cfg, probe(cfg, 1)) == []
+    tools = Tools.from_config(cfg, tok)
+    said = "row 0: environment 'guess' could not reset on it when the prompts were built: .*the game's database is down"
+    with pytest.raises(DataError, match=said):
+        build_prompts(load_rows(cfg.data, "train"), tok, cfg.data, tools=tools.schemas, envs=tools.envs)
 
 
 def test_a_run_trains_on_an_openenv_server(tmp_path, tiny_model_path, server, helper_env):
