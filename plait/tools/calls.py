@@ -199,6 +199,17 @@ def resolve_function(spec: str) -> Callable:
     return fn
 
 
+def resolve_factory(spec: str) -> Callable:
+    """'module:Name' -> the factory (ValueError / ImportError say what is wrong)."""
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr or "." in attr:
+        raise ValueError(f"environment factory {spec!r}: write it as 'module:Name' (a class or a function)")
+    factory = getattr(importlib.import_module(module), attr, None)
+    if not callable(factory):
+        raise ValueError(f"environment factory {spec!r}: module '{module}' has no callable '{attr}'")
+    return factory
+
+
 class ToolRunner:
     """Runs the calls of one run's completions: Python cells in `sandbox` (replayed per
     completion), function tools in this process (`trusted`) or in the sandbox."""

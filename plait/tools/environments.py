@@ -39,24 +39,23 @@ from typing import Any, Callable
 
 from plait.envs import ROW_TYPES
 from plait.tools import openenv
-from plait.tools.calls import Call, ToolResult, as_text, awaited, call_on_thread, cut, function_schema, sandbox_output
+from plait.tools.calls import (
+    Call,
+    ToolResult,
+    as_text,
+    awaited,
+    call_on_thread,
+    cut,
+    function_schema,
+    resolve_factory,
+    sandbox_output,
+)
 
 
 RESERVED = ("reset", "get_reward")
 # the columns a rollout's `reset` does not get: plait's own (the entry a row selects is a
 # control field, as in TRL's multi-environment mode)
 CONTROL_COLUMNS = ("environment",)
-
-
-def resolve_factory(spec: str) -> Callable:
-    """'module:Name' -> the factory (ValueError / ImportError say what is wrong)."""
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr or "." in attr:
-        raise ValueError(f"environment factory {spec!r}: write it as 'module:Name' (a class or a function)")
-    factory = getattr(importlib.import_module(module), attr, None)
-    if not callable(factory):
-        raise ValueError(f"environment factory {spec!r}: module '{module}' has no callable '{attr}'")
-    return factory
 
 
 def tool_methods(cls: type) -> list[str]:
@@ -101,6 +100,13 @@ class EnvKind:
         schemas = [function_schema(getattr(probe, n)) for n in names]
         has_reward = callable(getattr(probe, "get_reward", None))
         return cls(label, spec.factory, factory, kind, names, schemas, has_reward, spec.trusted, spec.max_error_share)
+
+    @property
+    def place(self) -> str:
+        """Where its calls run, as the run header says it."""
+        if "://" in self.spec:  # an openenv entry's server URL
+            return "on its server"
+        return "in this process" if self.trusted else "in the sandbox by replay"
 
     @functools.cached_property
     def source(self) -> str:
@@ -288,9 +294,7 @@ class TrlEnvironments:
         parts = [
             f"{k.label} ({k.spec}: tools {', '.join(k.tools) or 'none'}"
             + (", get_reward" if k.has_reward else "")
-            + (", on its server" if "://" in k.spec else "")
-            + (", in this process" if k.trusted and "://" not in k.spec else "")
-            + ("" if k.trusted else ", in the sandbox by replay")
+            + f", {k.place}"
             + ")"
             for k in self.kinds.values()
         ]

@@ -29,7 +29,6 @@ the tool timeout (the session is then in an unknown state).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import time
@@ -38,7 +37,7 @@ import uuid
 import zlib
 from urllib.parse import urlsplit
 
-from plait.tools.calls import as_text, awaited, cut
+from plait.tools.calls import as_text, awaited, cut, resolve_factory
 
 
 # the OpenEnv server's error codes that are the action's fault (WSErrorCode)
@@ -348,10 +347,7 @@ def opener(spec, timeout_s: float):
         return open_session, schema, tools, spec.url
     from openenv.core.env_server.interfaces import Environment
 
-    module, _, attr = spec.factory.partition(":")
-    factory = getattr(importlib.import_module(module), attr, None) if module and attr else None
-    if not callable(factory):
-        raise ValueError(f"{spec.factory!r}: write it as 'module:Name', an Environment class (or a function) of module")
+    factory = resolve_factory(spec.factory)
     probe = factory()
     if not isinstance(probe, Environment):
         raise TypeError(

@@ -30,10 +30,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from plait.tools.calls import resolve_function
+from plait.tools.engine import TURN_SEED  # the k-th generate call of a round: the round's seed + TURN_SEED x k
 from plait.types import Completion, Prompt, SamplingParams
 
 
-TURN_SEED = 7_919  # the k-th generate call of a round samples with the round's seed + TURN_SEED x k
 RESERVED = ("completion_ids", "logprobs", "env_mask", "prompt_ids", "truncated")
 
 

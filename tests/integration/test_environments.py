@@ -4,8 +4,7 @@ evaluation, the environment's verifier as the reward, and an exact resume."""
 import json
 
 import pytest
-import torch
-from test_train import crash_then_resume, final_weights, tiny_overrides
+from test_train import assert_resumed_exactly, crash_then_resume, tiny_overrides
 
 from plait.config import load_config
 from plait.train.loop import train
@@ -59,12 +58,7 @@ def test_a_mixture_trains_with_metrics_and_evaluation_per_environment(tiny_model
 def test_resume_through_an_environment_is_exact(tiny_model_path, prompts_jsonl, tmp_path):
     straight, crashed, result = crash_then_resume(tiny_model_path, prompts_jsonl, tmp_path, *OFF)
     assert len(result.history) == 2
-    a, b = final_weights(straight), final_weights(crashed)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    # the same problems and tokens sampled in every round, the resumed ones included
-    hashes = [[json.loads(line) for line in (d / "hashes.jsonl").read_text().splitlines()] for d in (straight, crashed)]
-    by_round = [{h["round"]: h["generation"] for h in hs} for hs in hashes]
-    assert sorted(by_round[0]) == [1, 2, 3, 4] and by_round[0] == by_round[1]
+    assert_resumed_exactly(straight, crashed)  # the same problems and tokens every round, the resumed ones too
 
 
 def test_an_asynchronous_run_scores_with_the_environment(tiny_model_path, prompts_jsonl, tmp_path):

@@ -19,7 +19,7 @@ import time
 
 import httpx
 import pytest
-from test_trl_env import env_config, rollouts, rows_file, scores
+from test_trl_env import env_config, rollouts, rows_file, scores, two_process_run
 
 from plait.comm import free_port
 from plait.config.checks import check_environments, check_tools, probe
@@ -286,34 +286,19 @@ def test_a_run_trains_on_an_openenv_server(tmp_path, tiny_model_path, server, he
 def test_a_run_on_an_openenv_environment_resumes_exactly(tiny_model_path, tmp_path):
     """4 rounds straight == 2 rounds, a crash in round 3, resume, 2 more (the class in this
     process): the same final weights and the same sampled tokens every round."""
-    import torch
-    from test_train import crash_then_resume, final_weights
+    from test_train import assert_resumed_exactly, crash_then_resume
 
     rows = rows_file(tmp_path, [{"question": f"Guess {t}.", "target": t} for t in range(1, 9)])
     envs = [f"environments=[{entry('factory: openenv_envs:GuessEnv')}]", "rollout.max_completion_length=24"]
     straight, crashed, result = crash_then_resume(tiny_model_path, (rows, rows), tmp_path, *envs)
     assert len(result.history) == 2 and all(m["env/guess/errors"] == 0 for m in result.history)
-    a, b = final_weights(straight), final_weights(crashed)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    hashes = [[json.loads(line) for line in (d / "hashes.jsonl").read_text().splitlines()] for d in (straight, crashed)]
-    by_round = [{h["round"]: h["generation"] for h in hs} for hs in hashes]
-    assert sorted(by_round[0]) == [1, 2, 3, 4] and by_round[0] == by_round[1]
+    assert_resumed_exactly(straight, crashed)
 
 
 def test_two_training_processes_share_an_openenv_server(tiny_model_path, tmp_path, server, helper_env):
     """torchrun, 2 processes: every rank's rollouts are episodes on the one server, counted once
     in the round's metrics (8 per round), with no environment error."""
-    from test_train import tiny_overrides
-    from test_vllm import train_cmd
-
     rows = rows_file(tmp_path, [{"question": f"Guess {t}.", "target": t} for t in range(1, 9)])
-    out = tmp_path / "run"
-    args = tiny_overrides(
-        tiny_model_path, (rows, rows), out, f"environments=[{entry(f'url: {server.url!r}')}]", "train.max_steps=2"
-    )
-    res = subprocess.run(train_cmd(2, args), env=helper_env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rounds) == 2
+    rounds = two_process_run(tiny_model_path, rows, tmp_path / "run", helper_env, entry(f"url: {server.url!r}"))
     for m in rounds:
         assert m["env/guess/completions"] == 8 and m["env/guess/errors"] == 0

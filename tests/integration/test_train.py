@@ -118,6 +118,16 @@ def crash_then_resume(model, data, tmp_path, *extra):
     return straight, crashed, train(load_config(None, tiny_overrides(model, data, crashed, *extra, "resume=auto")))
 
 
+def assert_resumed_exactly(straight, crashed) -> None:
+    """The crashed-and-resumed run of crash_then_resume ends with the unbroken run's weights
+    (torch.equal) and sampled the same tokens in each of its 4 rounds (generation hashes)."""
+    a, b = final_weights(straight), final_weights(crashed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    hashes = [[json.loads(line) for line in (d / "hashes.jsonl").read_text().splitlines()] for d in (straight, crashed)]
+    by_round = [{h["round"]: h["generation"] for h in hs} for hs in hashes]
+    assert sorted(by_round[0]) == [1, 2, 3, 4] and by_round[0] == by_round[1]
+
+
 def test_resume_after_a_crash_is_exact(tiny_model_path, prompts_jsonl, tmp_path):
     """4 steps straight == 2 steps, a crash in step 3, resume, 2 more steps: identical weights."""
     straight, crashed, result = crash_then_resume(tiny_model_path, prompts_jsonl, tmp_path)

@@ -256,40 +256,34 @@ def test_a_run_trains_on_an_environment_in_the_sandbox(tmp_path, counting_model,
 def test_a_run_on_a_trl_env_environment_resumes_exactly(tiny_model_path, tmp_path):
     """4 rounds straight == 2 rounds, a crash in round 3, resume, 2 more (trusted: in this
     process): the same final weights and the same sampled tokens every round."""
-    import torch
-    from test_train import crash_then_resume, final_weights
+    from test_train import assert_resumed_exactly, crash_then_resume
 
     rows = rows_file(tmp_path, [{"question": "Count up.", "target": t} for t in range(2, 10)])
     envs = [f"environments=[{counter(trusted=True)}]", "rollout.max_completion_length=24"]
     straight, crashed, result = crash_then_resume(tiny_model_path, (rows, rows), tmp_path, *envs)
     assert len(result.history) == 2 and all(m["env/CounterEnv/errors"] == 0 for m in result.history)
-    a, b = final_weights(straight), final_weights(crashed)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    hashes = [[json.loads(line) for line in (d / "hashes.jsonl").read_text().splitlines()] for d in (straight, crashed)]
-    by_round = [{h["round"]: h["generation"] for h in hs} for hs in hashes]
-    assert sorted(by_round[0]) == [1, 2, 3, 4] and by_round[0] == by_round[1]
+    assert_resumed_exactly(straight, crashed)
 
 
 def test_two_training_processes_each_replay_their_environments_in_the_sandbox(tiny_model_path, tmp_path, helper_env):
     """torchrun, 2 processes, the environment replayed in the sandbox: every rank's rollouts get
     an environment, counted once in the round's metrics (8 per round), with no environment error."""
+    rows = rows_file(tmp_path, [{"question": "Count up.", "target": t} for t in range(2, 10)])
+    extra = ["sandbox.min_tier=process", "rollout.max_completion_length=24"]
+    rounds = two_process_run(tiny_model_path, rows, tmp_path / "run", helper_env, counter(), *extra)
+    for m in rounds:
+        assert m["env/CounterEnv/completions"] == 8 and m["env/CounterEnv/errors"] == 0
+
+
+def two_process_run(model, rows, out, helper_env, environment: str, *extra) -> list[dict]:
+    """2 rounds of the tiny model under torchrun, 2 processes, on `environment` over `rows`: the
+    rounds' metrics (the run must end well)."""
     from test_train import tiny_overrides
     from test_vllm import train_cmd
 
-    rows = rows_file(tmp_path, [{"question": "Count up.", "target": t} for t in range(2, 10)])
-    out = tmp_path / "run"
-    args = tiny_overrides(
-        tiny_model_path,
-        (rows, rows),
-        out,
-        f"environments=[{counter()}]",
-        "sandbox.min_tier=process",
-        "train.max_steps=2",
-        "rollout.max_completion_length=24",
-    )
+    args = tiny_overrides(model, (rows, rows), out, f"environments=[{environment}]", "train.max_steps=2", *extra)
     res = subprocess.run(train_cmd(2, args), env=helper_env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rounds) == 2
-    for m in rounds:
-        assert m["env/CounterEnv/completions"] == 8 and m["env/CounterEnv/errors"] == 0
+    return rounds
