@@ -95,8 +95,8 @@ def test_async_chaos_kills_at_every_moment_and_the_run_ends_bitwise_equal(tmp_pa
 
 def test_a_dead_generation_process_stops_the_run_with_the_fix(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
     """The generation process is killed once round 2's checkpoint is committed (it holds round 3,
-    generated ahead, so a kill before round 3 is generated leaves no checkpoint of round 2): the trainer stops (exit 2) naming
-    the process and resume=auto, the committed checkpoint stays; resume=auto finishes the run."""
+    generated ahead: a kill before round 3 exists leaves no checkpoint of round 2): the trainer
+    stops (exit 2) naming the process and resume=auto, the checkpoint stays; resume=auto finishes."""
     out = tmp_path / "run"
     args = async_overrides(
         tiny_model_path, prompts_jsonl, out, "train.max_steps=40", "checkpoint.save_steps=2", "log.console=plain"
@@ -104,7 +104,7 @@ def test_a_dead_generation_process_stops_the_run_with_the_fix(tiny_model_path, p
     proc = subprocess.Popen(
         train_cmd(1, args), env=helper_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    metrics, committed = out / "metrics.jsonl", out / "checkpoints" / "step_00000002" / "COMMITTED"
+    committed = out / "checkpoints" / "step_00000002" / "COMMITTED"
     while not committed.is_file():
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         time.sleep(0.05)
