@@ -83,6 +83,11 @@ class Completion:
     env_error: str | None = None
     # a rollout_func's own per-completion fields (plait/tools/rollout_func.py), given to the rewards by name
     extra: dict[str, Any] | None = None
+    # the tokens it continues when they are not its group's prompt (an agent's own first call,
+    # plait/tools/agent.py); None: the group's prompt
+    prompt_ids: list[int] | None = None
+    # an agent rollout's calls, forks, calls on samples it left, and whether it failed
+    agent_stats: dict[str, float] | None = None
 
     @property
     def staleness_versions(self) -> list[int]:

@@ -388,11 +388,9 @@ def check_rewards(cfg: Config, env: Env) -> list[str]:
     return out
 
 
-def check_rollout_func(cfg: Config, env: Env) -> list[str]:
-    """rollout.rollout_func: a function that imports, and no other loop beside it."""
-    spec = cfg.rollout.rollout_func
-    if spec is None:
-        return []
+def _user_loop_problems(key: str, spec: str, cfg: Config, beside: bool) -> list[str]:
+    """`key` (rollout.rollout_func, rollout.agent.function): a function that imports, and no
+    other loop `beside` it."""
     from plait.tools.calls import resolve_function
 
     out = []
@@ -400,15 +398,37 @@ def check_rollout_func(cfg: Config, env: Env) -> list[str]:
         resolve_function(spec)
     except Exception as err:  # noqa: BLE001 - an import error, a missing name: said with the fix
         out.append(
-            f"rollout.rollout_func {spec!r}: {type(err).__name__}: {err} (write it as 'module:function', "
-            "importable from where plait runs)"
+            f"{key} {spec!r}: {type(err).__name__}: {err} (write it as 'module:function', importable from where "
+            "plait runs)"
         )
-    if cfg.rollout.tools is not None or any(e.type in ROW_TYPES for e in cfg.environments):
+    if beside:
         out.append(
-            "rollout.rollout_func runs your own loop, so plait's tool loop can't run beside it: drop rollout.tools and "
-            "trl_env/openenv environments, or drop rollout_func (call your tools inside it)"
+            f"{key} runs your own loop, so plait's tool loop can't run beside it: drop rollout.tools and "
+            "trl_env/openenv environments (and rollout_func beside an agent), or call your tools inside your loop"
         )
     return out
+
+
+def check_rollout_func(cfg: Config, env: Env) -> list[str]:
+    """rollout.rollout_func: a function that imports, and no other loop beside it."""
+    spec = cfg.rollout.rollout_func
+    if spec is None:
+        return []
+    beside = cfg.rollout.tools is not None or any(e.type in ROW_TYPES for e in cfg.environments)
+    return _user_loop_problems("rollout.rollout_func", spec, cfg, beside)
+
+
+def check_agent(cfg: Config, env: Env) -> list[str]:
+    """rollout.agent: a function that imports, and no other loop (nor a rollout_func) beside it."""
+    a = cfg.rollout.agent
+    if a is None:
+        return []
+    beside = (
+        cfg.rollout.tools is not None
+        or cfg.rollout.rollout_func is not None
+        or any(e.type in ROW_TYPES for e in cfg.environments)
+    )
+    return _user_loop_problems("rollout.agent.function", a.function, cfg, beside)
 
 
 def check_tools(cfg: Config, env: Env) -> list[str]:
@@ -500,15 +520,16 @@ def check_task(cfg: Config, env: Env) -> list[str]:
 
 def check_environments(cfg: Config, env: Env) -> list[str]:
     """Each environment builds a problem and scores its own answer, offline, before any model
-    loads; the `environment` reward needs environments to score against."""
+    loads; the `environment` reward needs environments (or an agent) to score against."""
     uses = [r.name for r in cfg.rewards if r.name == "environment"] + (
         ["eval.metric"] if cfg.eval.metric == "environment" else []
     )
     if not cfg.environments:
-        if uses:
+        if uses and cfg.rollout.agent is None:
             return [
-                "the `environment` reward (in rewards or eval.metric) scores with an environment's verifier, but "
-                "no environments are configured: add an `environments:` section or pick another reward"
+                "the `environment` reward (in rewards or eval.metric) scores with an environment's verifier (or what "
+                "rollout.agent returns), but neither is configured: add an `environments:` section or pick another "
+                "reward"
             ]
         return []
     from plait.envs import environment_problems, label
@@ -690,6 +711,7 @@ CHECKS: tuple[Check, ...] = (
     check_rewards,
     check_tools,
     check_rollout_func,
+    check_agent,
     check_eval_metric,
     check_task,
     check_environments,

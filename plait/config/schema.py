@@ -221,6 +221,29 @@ class ToolsConfig(Section):
     )
 
 
+class AgentConfig(Section):
+    function: str = Field(
+        description="'module:function': your agent, called once per rollout with a task (its row, and the base URL "
+        "and API key of an OpenAI-compatible endpoint that records every token it samples); it may return the "
+        "rollout's reward (docs/environments.md)."
+    )
+    timeout_s: float = Field(
+        600.0, gt=0, description="An agent still running this long after its round began is an infrastructure error."
+    )
+    max_error_share: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Stop the run when more than this share of a round's agents fail (raise, time out, make no call).",
+    )
+    host: str = Field(
+        "127.0.0.1",
+        description="Where the endpoint listens (loopback: agents in this machine's processes; 0.0.0.0: others too, "
+        "with the run's token).",
+    )
+    port: int = Field(0, ge=0, le=65535, description="Its port (0: any free one; each generating process has its own).")
+
+
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm"] = Field(
         "hf", description="Generation engine: 'hf' (transformers, in the training process) or 'vllm'."
@@ -290,6 +313,12 @@ class RolloutConfig(Section):
         description="'module:function': your own rollout loop (TRL's rollout_func), given the prompts and a context "
         "whose generate samples with plait's engine; it returns the completions' token ids, log-probs and an "
         "optional env_mask (docs/environments.md).",
+    )
+    agent: AgentConfig | None = Field(
+        None,
+        description="Any agent program as the rollout: plait serves it an OpenAI-compatible endpoint "
+        "(/v1/chat/completions, /v1/completions) and trains on exactly the tokens its calls sampled, linked by "
+        "exact prefix (docs/environments.md).",
     )
     generator_threads: int | None = Field(
         None,

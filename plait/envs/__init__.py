@@ -158,6 +158,22 @@ def error_share_problem(specs, metrics: dict[str, float], round_: int) -> str | 
     return None
 
 
+def agent_error_problem(agent, metrics: dict[str, float], round_: int) -> str | None:
+    """Why the run must stop: more than rollout.agent.max_error_share of the round's agents
+    failed (None: not so, or no agent)."""
+    if agent is None:
+        return None
+    errors, n = metrics.get("agent/errors", 0.0), metrics.get("agent/rollouts", 0.0)
+    if n and errors / n > agent.max_error_share:
+        cause = LAST_ERROR.get("agent", "see the warnings above")
+        return (
+            f"{errors:.0f} of the {n:.0f} agent rollouts of round {round_} failed (more than rollout.agent."
+            f"max_error_share {agent.max_error_share:g}); the last: {cause}. Those were not trained on; fix the "
+            "agent, then resume=auto continues from the last checkpoint"
+        )
+    return None
+
+
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 

@@ -6,6 +6,8 @@ engine.py    ToolEngine: any rollout engine, made multi-turn (token in, token ou
 environments.py  environment classes in TRL's environment_factory form (`type: trl_env`)
 openenv.py   OpenEnv environments (`type: openenv`), in this process or on their server
 rollout_func.py  your own rollout loop (`rollout.rollout_func`), TRL's rollout_func
+agent.py     any agent program as the rollout (`rollout.agent`): its calls recorded and linked
+endpoint.py  the OpenAI-compatible endpoint those agents call
 """
 
 from __future__ import annotations
@@ -153,7 +155,11 @@ class Tools:
         return self.cfg.rollout.tools is not None
 
     def describe(self) -> str | None:
-        """One line for the run's header (None without tools)."""
+        """One line for the run's header (None without tools or an agent)."""
+        a = self.cfg.rollout.agent
+        if a is not None:
+            port = a.port or "a free port"
+            return f"agent: {a.function}, a call per rollout, through an OpenAI-compatible endpoint on {a.host}:{port}"
         if not self.enabled:
             return None
         where = f"sandbox tier '{self.sandbox.tier}'" if self.sandbox else "this process (trusted functions)"
@@ -166,9 +172,10 @@ class Tools:
         return check_tools(self.cfg, self.tokenizer, prompts, self.envs) if self.enabled else None
 
     def wrap(self, engine):
-        """`engine` made multi-turn (a ToolEngine), or driven by the user's rollout_func, or as it is."""
-        from plait.tools import rollout_func
+        """`engine` made multi-turn (a ToolEngine), or driven by the user's rollout_func or agent, or as it is."""
+        from plait.tools import agent, rollout_func
 
-        return rollout_func.wrap(
+        engine = rollout_func.wrap(
             self.cfg, with_tools(self.cfg, engine, self.tokenizer, self.sandbox, self.envs), self.tokenizer
         )
+        return agent.wrap(self.cfg, engine, self.tokenizer)

@@ -221,20 +221,23 @@ class ToolEngine:
         conv.pieces += [conv.turn_text, after]
         conv.history_text += conv.turn_text + after
         conv.turn_text, conv.calls = "", []
-        ids = self.tokenizer(self._unsampled(conv, after), add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(unsampled(self.tokenizer, conv.tokens, conv.sampled, after), add_special_tokens=False)[
+            "input_ids"
+        ]
         conv.append(ids[: conv.budget], sampled=False)
         if len(ids) >= conv.budget:
             conv.finish, conv.truncated = "length", True
         conv.budget -= min(len(ids), conv.budget)
 
-    def _unsampled(self, conv: Conversation, after: str) -> str:
-        """`after` less the end-of-turn token the model already sampled (it ended its turn with
-        EOS, which the template's text after the turn starts with)."""
-        if conv.tokens and conv.sampled[-1]:
-            last = self.tokenizer.convert_ids_to_tokens(conv.tokens[-1])
-            if last in self.tokenizer.all_special_tokens and after.startswith(last):
-                return after[len(last) :]
-        return after
+
+def unsampled(tokenizer, tokens: list[int], sampled: list[int], after: str) -> str:
+    """`after` less the end-of-turn token the model already sampled (it ended its turn with EOS,
+    which the template's text after the turn starts with)."""
+    if tokens and sampled[-1]:
+        last = tokenizer.convert_ids_to_tokens(tokens[-1])
+        if last in tokenizer.all_special_tokens and after.startswith(last):
+            return after[len(last) :]
+    return after
 
 
 def _call_message(call: Call) -> dict:

@@ -18,7 +18,7 @@ def collate(groups: list[Group], pad_id: int, mask_truncated: bool = False) -> B
     prompts, completions, truncated, sampling, sampled = [], [], [], [], []
     for g in groups:
         for c in g.completions:
-            prompts.append(g.prompt.token_ids)
+            prompts.append(g.prompt.token_ids if c.prompt_ids is None else c.prompt_ids)
             completions.append(c.token_ids)
             truncated.append(c.truncated)
             sampling.append(c.logprobs)

@@ -24,7 +24,7 @@ from plait import comm
 from plait.checkpoint import save_checkpoint, wait_for_saves
 from plait.config import Config, ConfigError, resolve_backend, validate
 from plait.data import data_problems
-from plait.envs import EnvironmentFailed, error_share_problem
+from plait.envs import EnvironmentFailed, agent_error_problem, error_share_problem
 from plait.evaluate import evaluate
 from plait.rewards.runner import BoundReward, call_rewards, reward_inputs
 from plait.telemetry.advice import health_notes, suggestion
@@ -35,6 +35,8 @@ from plait.train.hashes import gather_hashes, rollout_hashes
 from plait.train.hostmem import retained_host_memory
 from plait.train.metrics import (
     across_processes,
+    agent_counts,
+    agent_rates,
     describe_processes,
     phase_summary,
     round_rollout_metrics,
@@ -166,7 +168,8 @@ def log_round(run: Run, round_: int, out: RoundResult) -> None:
         )
     metrics = {**round_rollout_metrics(out.groups, out.accuracy), **update, **run.engine.stats()}
     health = out.sampling.rewards.metrics([r.name for r in run.rewards], run.sandbox is not None)
-    metrics.update(across_processes(out.sampling.metrics(), health))
+    metrics.update(across_processes(out.sampling.metrics(), health, agent_counts(out.groups)))
+    metrics.update(agent_rates(metrics))
     lag = staleness(out.groups, round_ - 1)
     if lag:  # engines holding a copy of the weights: rounds behind the trainer they sampled (0 when synced)
         total, tokens = comm.all_sum([float(sum(lag)), float(len(lag))])
@@ -183,7 +186,9 @@ def log_round(run: Run, round_: int, out: RoundResult) -> None:
     metrics.update(run.meter.measure(flops, metrics.pop("tokens/processed"), times))
     run.sink.log(round_, metrics)
     run.result.history.append(metrics)
-    failing = error_share_problem(cfg.environments, metrics, round_)
+    failing = error_share_problem(cfg.environments, metrics, round_) or agent_error_problem(
+        cfg.rollout.agent, metrics, round_
+    )
     if failing:  # every process sees the same gathered counts, so all stop here
         raise EnvironmentFailed(failing)
     hashes = gather_hashes(out.hashes)

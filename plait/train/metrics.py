@@ -96,6 +96,23 @@ def tool_metrics(completions: list) -> dict[str, float]:
     }
 
 
+def agent_counts(groups: list[Group]) -> dict[str, float]:
+    """This process's agent rollouts (rollout.agent): rollouts, calls, forks, calls on samples
+    left behind, failures (none without an agent); summed over processes before `agent_rates`."""
+    stats = [c.agent_stats for g in groups for c in g.completions if c.agent_stats is not None]
+    if not stats:
+        return {}
+    out = {f"agent/{k}": float(sum(s[k] for s in stats)) for k in ("calls", "forks", "forked_calls", "errors")}
+    return {**out, "agent/rollouts": float(len(stats))}
+
+
+def agent_rates(totals: dict[str, float]) -> dict[str, float]:
+    n = totals.get("agent/rollouts")
+    if not n:
+        return {}
+    return {"agent/calls_per_rollout": totals["agent/calls"] / n, "agent/error_share": totals["agent/errors"] / n}
+
+
 def sample_record(round_: int, group: Group) -> dict:
     """The first completion of a group with its rewards, for samples.jsonl and the console."""
     c = group.completions[0]

@@ -113,7 +113,7 @@ def test_plait_check_names_each_environment_problem_and_its_fix():
     text = _problems(f"environments=[{ARITH}}}]", "data.task=arithmetic")
     assert "environments and data.task ('arithmetic') both give prompts" in text
     text = _problems("rewards=[{name: environment}]")
-    assert "no environments are configured" in text
+    assert "but neither is configured" in text
     with pytest.raises(ConfigError, match="reasoning_gym"):
         load_config(None, ["environments=[{type: gymnasium, dataset: x}]"])
 

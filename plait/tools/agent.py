@@ -1,0 +1,621 @@
+"""Any agent program as the rollout (`rollout.agent`): plait serves an OpenAI-compatible endpoint
+and records every token the agent's calls sample.
+
+    def my_agent(task):                      # or `async def`
+        client = task.client()               # openai.OpenAI(base_url=task.base_url, api_key=task.api_key)
+        reply = client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": task.prompt}])
+        ...                                   # any loop: tools, feedback, several calls
+        return 1.0                            # optional: the rollout's reward (the `environment` reward reads it)
+
+One agent call per rollout (prompts x num_generations per round), all running at once, each
+with a base URL of its own (`.../rollouts/<key>/v1`, so every request is tagged with its
+rollout) and the run's bearer token. The endpoint answers `POST /v1/chat/completions` and
+`POST /v1/completions` (and `GET /v1/models`) with the tokens plait's engine sampled at this
+round's weights, their log-probs, and `finish_reason` (`length` where the rollout's token budget,
+rollout.max_completion_length, ran out).
+
+**Linking by exact prefix.** A call continues an earlier one of its rollout when its input starts
+with everything that call saw and returned: for chat, the same messages and the assistant reply
+as plait returned it; for completions, the same prompt and text (or token ids). Then the training
+sequence goes on from the tokens already recorded (never from the text re-tokenized: a sampled
+token sequence often tokenizes differently once decoded), and only what the agent added (a tool
+result, a user turn, the chat template's markup) is tokenized, with env_mask 0. A call that
+continues nothing starts a new sample (a fork). The rollout trains on the sample its last call
+belongs to (one sample per rollout keeps GRPO's groups whole); calls on samples it left are
+counted (`agent/forked_calls`), not trained on.
+
+**Determinism.** Calls are batched in lockstep: a batch is generated once every running agent
+of the round is waiting for an answer (or has finished), so the batches, and with the seeds the
+samples, are the same on every run as long as each agent is deterministic given its task and
+makes one call at a time.
+
+**Errors.** An agent that raises, runs past `rollout.agent.timeout_s` or makes no call is an
+infrastructure error: its rollout is not scored (counted under env/agent/errors; the run stops
+past environments' `max_error_share`). A malformed request gets a 400 naming the field (the agent
+sees it as the client's exception); a request without the token, a 401; after its agent returned,
+a rollout's key is refused (409).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from plait.envs import LAST_ERROR
+from plait.tools.calls import find_calls
+from plait.tools.endpoint import MODEL, AgentRequestError, Endpoint
+from plait.tools.engine import unsampled
+from plait.tools.template import ChatTurns, TemplateMismatch
+from plait.types import Completion, Prompt, SamplingParams
+
+
+CALL_STREAMS = 4_096  # a call's random stream: its rollout x CALL_STREAMS + its number in the rollout
+
+
+@dataclass
+class AgentTask:
+    """What an agent gets: its row, and where to send its calls."""
+
+    prompt: Any  # the row's prompt as the dataset gave it: text, or chat messages
+    columns: dict  # the row's other columns
+    base_url: str  # this rollout's own OpenAI base URL
+    api_key: str  # the run's token (send it as the API key)
+    model: str  # any name works; this is the one /v1/models lists
+    index: int  # the rollout's number in its round
+    max_tokens: int  # the rollout's token budget (rollout.max_completion_length), added turns included
+
+    @property
+    def messages(self) -> list[dict]:
+        """The prompt as chat messages."""
+        if isinstance(self.prompt, list):
+            return [dict(m) for m in self.prompt]
+        return [{"role": "user", "content": str(self.prompt)}]
+
+    def client(self, **kwargs):
+        """An `openai.OpenAI` client for this rollout."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+    def async_client(self, **kwargs):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+
+# ---------------------------------------------------------------- samples and their linking
+
+
+@dataclass
+class Sample:
+    """One token sequence a rollout's linked calls built: the first call's prompt, then every
+    token since (sampled, or added by the agent with sampled 0)."""
+
+    kind: str  # "chat" | "text"
+    prompt_ids: list[int]
+    prompt_text: str
+    tokens: list[int] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int | None] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)  # the text after the prompt, as the model was given it
+    truncated: bool = False
+    finish: str = "length"
+    calls: int = 0
+    # chat: the conversation as the agent sees it (its last request and plait's reply), as the
+    # template rendered it (assistant turns as sampled), and the text the model was given
+    seen: list[dict] = field(default_factory=list)
+    rendered: list[dict] = field(default_factory=list)
+    history_text: str = ""
+    turn_text: str = ""  # the last reply as sampled
+    tools: list | None = None
+    messages: list[dict] = field(default_factory=list)  # after the first prompt, for rewards
+    shown_text: str = ""  # text: the prompt and every reply as the agent got it (a stop string cut off)
+
+    @property
+    def text(self) -> str:
+        return self.prompt_text + "".join(self.pieces)
+
+    def append(self, ids: list[int], sampled: bool, logprobs=None, version=None) -> None:
+        self.tokens += ids
+        self.sampled += [int(sampled)] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.versions += [version] * len(ids)
+
+
+def _content(message: dict) -> str:
+    """A message's text (content parts joined, None as empty)."""
+    c = message.get("content")
+    if isinstance(c, list):
+        return "".join(p.get("text", "") for p in c if isinstance(p, dict))
+    return "" if c is None else str(c)
+
+
+def _arguments(raw: Any) -> Any:
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+    return raw
+
+
+def _same_message(a: dict, b: dict) -> bool:
+    """Does the agent's message `a` say what `b` said (content, and any tool calls by name and
+    arguments; the fields clients add around them do not count)?"""
+    if a.get("role") != b.get("role") or _content(a).strip() != _content(b).strip():
+        return False
+    calls = [
+        [
+            (c.get("function", {}).get("name"), _arguments(c.get("function", {}).get("arguments")))
+            for c in m.get("tool_calls") or []
+        ]
+        for m in (a, b)
+    ]
+    return calls[0] == calls[1]
+
+
+def _plain(message: dict) -> dict:
+    """A request message as the chat template gets it."""
+    out = {k: v for k, v in message.items() if v is not None and k in ("role", "content", "name", "tool_call_id")}
+    out["content"] = _content(message)
+    if message.get("tool_calls"):
+        out["tool_calls"] = [
+            {
+                "type": "function",
+                "function": {"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))},
+            }
+            for c in message["tool_calls"]
+        ]
+    return out
+
+
+class Recording:
+    """One rollout: its row, the samples its calls built, and how it ended."""
+
+    def __init__(self, prompt: Prompt, index: int, key: str, budget: int):
+        self.prompt, self.index, self.key, self.budget = prompt, index, key, budget
+        self.samples: list[Sample] = []
+        self.last: Sample | None = None
+        self.calls = 0
+        self.finished = False
+        self.error: str | None = None
+        self.reward: float | None = None
+        self.started = time.monotonic()
+
+    def link(
+        self, kind: str, body: dict, tokenizer, turns: ChatTurns | None, max_prompt: int
+    ) -> tuple[Sample, list[int]]:
+        """The sample a request continues (a new one when it continues none) and its input tokens."""
+        if kind == "chat":
+            return self._link_chat(body, tokenizer, turns, max_prompt)
+        return self._link_text(body, tokenizer, max_prompt)
+
+    def _fork(self, kind: str, ids: list[int], text: str, max_prompt: int) -> Sample:
+        if len(ids) > max_prompt:
+            raise AgentRequestError(
+                f"the prompt has {len(ids)} tokens, more than data.max_prompt_length={max_prompt} (a call that "
+                "continues no earlier call of its rollout starts a new sample from its whole input): shorten it, or "
+                "raise the limit"
+            )
+        sample = Sample(kind, list(ids), text)
+        self.samples.append(sample)
+        return sample
+
+    def _link_chat(self, body, tokenizer, turns, max_prompt) -> tuple[Sample, list[int]]:
+        if turns is None:
+            raise AgentRequestError(
+                "/v1/chat/completions needs a chat template: this run's data.chat_template is off or the tokenizer has "
+                "none; use /v1/completions, or set data.chat_template"
+            )
+        messages = body.get("messages")
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(m, dict) and "role" in m for m in messages)
+        ):
+            raise AgentRequestError("'messages' must be a non-empty list of {role, content} objects")
+        tools = body.get("tools") or None
+        turns = turns.with_tools(tools)
+        for sample in reversed(self.samples):
+            n = len(sample.seen)
+            if sample.kind != "chat" or sample.tools != tools or len(messages) <= n:
+                continue
+            if not all(_same_message(a, b) for a, b in zip(messages[:n], sample.seen)):
+                continue
+            added = [_plain(m) for m in messages[n:]]
+            try:
+                after = turns.after_turn(sample.rendered, sample.history_text, added)
+            except TemplateMismatch:
+                continue
+            sample.rendered += [{"role": "assistant", "content": sample.turn_text}, *added]
+            sample.history_text += sample.turn_text + after
+            sample.messages += messages[n:]
+            self._add(sample, tokenizer, unsampled(tokenizer, sample.tokens, sample.sampled, after))
+            sample.seen = list(messages)
+            return sample, sample.prompt_ids + sample.tokens
+        plain = [_plain(m) for m in messages]
+        text = turns.render(plain, True)
+        sample = self._fork("chat", tokenizer(text, add_special_tokens=False)["input_ids"], text, max_prompt)
+        sample.seen, sample.rendered, sample.history_text, sample.tools = list(messages), plain, text, tools
+        return sample, list(sample.prompt_ids)
+
+    def _link_text(self, body, tokenizer, max_prompt) -> tuple[Sample, list[int]]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch of one
+        given_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        if not (isinstance(prompt, str) or given_ids) or not prompt:
+            raise AgentRequestError(
+                "'prompt' must be one non-empty string or one list of token ids (one prompt per call)"
+            )
+        for sample in reversed(self.samples):
+            if sample.kind != "text":
+                continue
+            whole = sample.prompt_ids + sample.tokens
+            if given_ids and len(prompt) > len(whole) and prompt[: len(whole)] == whole:
+                added = list(prompt[len(whole) :])
+                text = tokenizer.decode(added)
+                sample.shown_text += text
+                self._add(sample, tokenizer, text, added)
+                return sample, sample.prompt_ids + sample.tokens
+            if not given_ids and len(prompt) > len(sample.shown_text) and prompt.startswith(sample.shown_text):
+                added = prompt[len(sample.shown_text) :]
+                sample.shown_text += added
+                self._add(sample, tokenizer, added)
+                return sample, sample.prompt_ids + sample.tokens
+        if given_ids:
+            sample = self._fork("text", list(prompt), tokenizer.decode(list(prompt)), max_prompt)
+        else:
+            sample = self._fork("text", tokenizer(prompt, add_special_tokens=False)["input_ids"], prompt, max_prompt)
+        sample.shown_text = sample.prompt_text
+        return sample, list(sample.prompt_ids)
+
+    def _add(self, sample: Sample, tokenizer, text: str, ids: list[int] | None = None) -> None:
+        """What the agent added since the sample's last reply (not sampled: no loss), cut to the budget."""
+        if ids is None:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        room = self.budget - len(sample.tokens)
+        sample.pieces.append(text)
+        sample.append(ids[: max(0, room)], sampled=False)
+        if len(ids) >= room:
+            sample.truncated, sample.finish = True, "length"
+
+
+# ---------------------------------------------------------------- one round's calls
+
+
+@dataclass
+class Call:
+    """A request waiting for its batch."""
+
+    recording: Recording
+    kind: str
+    body: dict
+    future: Future
+
+
+class Round:
+    """The recordings of one `generate` call and the requests they are waiting on."""
+
+    def __init__(self, recordings: list[Recording], timeout_s: float):
+        self.recordings = {r.key: r for r in recordings}
+        self.order = recordings
+        self.timeout_s = timeout_s
+        self.cond = threading.Condition()
+        self.pending: list[Call] = []
+
+    def submit(self, key: str, kind: str, body: dict) -> Future:
+        fut: Future = Future()
+        with self.cond:
+            rec = self.recordings.get(key)
+            if rec is None:
+                fut.set_exception(AgentRequestError("no rollout has this URL (is it from an earlier round?)", 404))
+            elif rec.finished:
+                fut.set_exception(
+                    AgentRequestError(f"rollout {rec.index} has finished: its agent returned or timed out", 409)
+                )
+            else:
+                self.pending.append(Call(rec, kind, body, fut))
+                self.cond.notify_all()
+        return fut
+
+    def finish(self, rec: Recording, error: str | None = None, reward: float | None = None) -> None:
+        with self.cond:
+            if rec.finished:
+                return
+            rec.finished, rec.error, rec.reward = True, error, reward
+            for call in [c for c in self.pending if c.recording is rec]:
+                self.pending.remove(call)
+                call.future.set_exception(AgentRequestError(f"rollout {rec.index} has finished", 409))
+            self.cond.notify_all()
+
+    def next_batch(self) -> list[Call] | None:
+        """The calls of every running agent, once each is waiting (None: every agent finished)."""
+        with self.cond:
+            while True:
+                self._expire()
+                running = [r for r in self.order if not r.finished]
+                if not running:
+                    return None
+                waiting = {c.recording.key for c in self.pending}
+                if self.pending and all(r.key in waiting for r in running):
+                    batch = sorted(self.pending, key=lambda c: c.recording.index)  # stable: arrival order within one
+                    self.pending = []
+                    return batch
+                self.cond.wait(timeout=0.5)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for r in self.order:
+            if not r.finished and now - r.started > self.timeout_s:
+                r.finished, r.error = True, f"the agent ran past rollout.agent.timeout_s={self.timeout_s:g}"
+                for call in [c for c in self.pending if c.recording is r]:
+                    self.pending.remove(call)
+                    call.future.set_exception(AgentRequestError(r.error, 408))
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class AgentEngine:
+    """`engine` whose generate runs the user's agent once per rollout, serving its calls."""
+
+    def __init__(self, engine, tokenizer, fn: Callable, name: str, timeout_s: float, max_prompt: int, turns, endpoint):
+        self.engine, self.tokenizer, self.fn, self.name = engine, tokenizer, fn, name
+        self.timeout_s, self.max_prompt = timeout_s, max_prompt
+        self.turns = turns  # ChatTurns of the run's chat template (None: /v1/chat/completions is refused)
+        self.endpoint = endpoint  # plait.tools.endpoint.Endpoint
+
+    def __getattr__(self, attr: str) -> Any:  # pad_id, weights_for_step, push_weights, stats, health
+        return getattr(self.engine, attr)
+
+    def close(self) -> None:
+        self.endpoint.close()
+        self.engine.close()
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
+        recs = [
+            Recording(p, i * n + j, self.endpoint.new_key(), params.max_tokens)
+            for i, p in enumerate(prompts)
+            for j in range(n)
+        ]
+        round_ = Round(recs, self.timeout_s)
+        self.endpoint.serve(round_)
+        try:
+            for rec in recs:  # daemons: an agent past its timeout can't be stopped, only left behind
+                threading.Thread(target=self._run_agent, args=(round_, rec), name="plait-agent", daemon=True).start()
+            while (batch := round_.next_batch()) is not None:
+                self._answer(batch, params)
+        finally:
+            self.endpoint.serve(None)
+        completions = [self._completion(r) for r in recs]
+        return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _run_agent(self, round_: Round, rec: Recording) -> None:
+        task = AgentTask(
+            rec.prompt.text if rec.prompt.source is None else rec.prompt.source,
+            dict(rec.prompt.columns),
+            self.endpoint.base_url(rec.key),
+            self.endpoint.token,
+            MODEL,
+            rec.index,
+            rec.budget,
+        )
+        try:
+            out = self.fn(task)
+            if inspect.isawaitable(out):
+                out = asyncio.run(_awaited(out))
+            reward = _reward(out)
+        except Exception as err:  # noqa: BLE001 - the agent's failure is this rollout's infrastructure error
+            round_.finish(rec, error=f"agent {self.name} raised {type(err).__name__}: {err}")
+            return
+        if rec.calls == 0:
+            round_.finish(rec, error=f"agent {self.name} made no call to its endpoint (task.base_url)")
+        else:
+            round_.finish(rec, reward=reward)
+
+    def _answer(self, batch: list[Call], params: SamplingParams) -> None:
+        """Check each call, link it to its sample, generate them (one engine call per stop list), reply."""
+        by_stop: dict[tuple, list] = {}
+        for call in batch:
+            try:
+                asked, stops = _options(call.body)
+                sample, ids = call.recording.link(call.kind, call.body, self.tokenizer, self.turns, self.max_prompt)
+            except AgentRequestError as err:
+                call.future.set_exception(err)
+                continue
+            except Exception as err:  # noqa: BLE001 - a request plait can't read is the agent's 400
+                call.future.set_exception(AgentRequestError(f"{type(err).__name__}: {err}"))
+                continue
+            by_stop.setdefault(stops, []).append((call, sample, ids, asked))
+        for stops, items in by_stop.items():
+            self._generate(items, params, list(stops))
+
+    def _generate(self, items, params: SamplingParams, stops: list[str]) -> None:
+        going = []
+        for call, sample, ids, asked in items:
+            rec = call.recording
+            rec.calls += 1
+            sample.calls += 1
+            rec.last = sample
+            room = rec.budget - len(sample.tokens)
+            limit = room if asked is None else min(asked, room)
+            if limit <= 0:
+                sample.truncated, sample.finish = True, "length"
+                call.future.set_result(self._reply(call, sample, [], [], "length", "", stops))
+                continue
+            stream = rec.index * CALL_STREAMS + rec.calls
+            going.append((call, sample, limit, Prompt(index=stream, text=sample.text, token_ids=ids)))
+        if not going:
+            return
+        p = replace(params, max_tokens=max(g[2] for g in going), stop=stops)
+        try:
+            outs = self.engine.generate([g[3] for g in going], p, 1)
+        except Exception as err:
+            for call, *_ in going:
+                call.future.set_exception(AgentRequestError(f"generation failed: {type(err).__name__}: {err}", 503))
+            raise
+        for (call, sample, limit, _), row in zip(going, outs):
+            c = row[0]
+            ids, logprobs = c.token_ids[:limit], c.logprobs[:limit]
+            finish = "length" if len(ids) < len(c.token_ids) or c.finish_reason == "length" else c.finish_reason
+            raw = self.tokenizer.decode(ids, skip_special_tokens=True)
+            sample.append(ids, True, logprobs, c.weight_version)
+            sample.pieces.append(raw)
+            sample.turn_text = raw
+            if len(sample.tokens) >= call.recording.budget:
+                sample.truncated, finish = True, "length"
+            sample.finish = finish
+            call.future.set_result(self._reply(call, sample, ids, logprobs, finish, raw, stops))
+
+    def _reply(self, call: Call, sample: Sample, ids, logprobs, finish: str, raw: str, stops: list[str]) -> dict:
+        """The OpenAI-shaped answer; records what the agent was shown (the next call must repeat it)."""
+        shown = raw
+        cut = next((s for s in stops if finish == "stop" and raw.endswith(s)), None)
+        if cut:
+            shown = raw[: -len(cut)]
+        tokens = [self.tokenizer.decode([t]) for t in ids]
+        rec = call.recording
+        common = {
+            "id": f"plait-{rec.index}-{rec.calls}",
+            "created": int(time.time()),
+            "model": call.body.get("model") or MODEL,
+            "usage": {
+                "prompt_tokens": len(sample.prompt_ids) + len(sample.tokens) - len(ids),
+                "completion_tokens": len(ids),
+                "total_tokens": len(sample.prompt_ids) + len(sample.tokens),
+            },
+        }
+        reason = "length" if finish == "length" else "stop"
+        if call.kind == "text":
+            sample.shown_text += shown
+            lp = None
+            if call.body.get("logprobs") is not None:
+                lp = {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": None}
+            choice = {"index": 0, "text": shown, "finish_reason": reason, "logprobs": lp, "token_ids": list(ids)}
+            return {**common, "object": "text_completion", "choices": [choice]}
+        message: dict[str, Any] = {"role": "assistant", "content": shown}
+        calls = [c for c in find_calls(raw, "hermes") if c.problem is None] if sample.tools else []
+        if calls:
+            message["content"] = shown.split("<tool_call>", 1)[0].strip() or None
+            message["tool_calls"] = [
+                {
+                    "id": f"call_{rec.index}_{rec.calls}_{k}",
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                }
+                for k, c in enumerate(calls)
+            ]
+            reason = "tool_calls" if finish != "length" else reason
+        sample.seen = [*call.body["messages"], message]
+        lp = None
+        if call.body.get("logprobs"):
+            lp = {
+                "content": [
+                    {"token": t, "logprob": x, "bytes": list(t.encode()), "top_logprobs": []}
+                    for t, x in zip(tokens, logprobs)
+                ]
+            }
+        choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": lp, "token_ids": list(ids)}
+        return {**common, "object": "chat.completion", "choices": [choice]}
+
+    def _completion(self, rec: Recording) -> Completion:
+        """The rollout's training sample: the one its last call built."""
+        s = rec.last or Sample("text", list(rec.prompt.token_ids), rec.prompt.text)
+        error = rec.error
+        if error is not None:
+            LAST_ERROR["agent"] = f"rollout {rec.index}: {error}"
+        versions = [v for v in s.versions if v is not None]
+        forked = sum(x.calls for x in rec.samples if x is not s)
+        prompt_ids = None if s.prompt_ids == list(rec.prompt.token_ids) else s.prompt_ids
+        if s.kind == "chat" and s.turn_text:
+            messages = [*s.messages, {"role": "assistant", "content": s.turn_text}]
+        else:
+            messages = None
+        return Completion(
+            prompt_index=rec.prompt.index,
+            token_ids=s.tokens,
+            text="".join(s.pieces),
+            logprobs=s.logprobs,
+            truncated=s.truncated,
+            finish_reason=s.finish,
+            weight_version=min(versions, default=None),
+            sampled_mask=s.sampled,
+            messages=messages,
+            env_reward=rec.reward,
+            env_error=error,
+            prompt_ids=prompt_ids,
+            agent_stats={
+                "calls": float(rec.calls),
+                "forks": float(max(0, len(rec.samples) - 1)),
+                "forked_calls": float(forked),
+                "errors": float(error is not None),
+            },
+        )
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def _reward(out: Any) -> float | None:
+    if out is None:
+        return None
+    if isinstance(out, bool) or not isinstance(out, (int, float)):
+        raise TypeError(f"returned {type(out).__name__}; return a number (the rollout's reward) or None")
+    return float(out)
+
+
+def _options(body: dict) -> tuple[int | None, tuple[str, ...]]:
+    """(max tokens, stop strings) of a request; what plait can't honour is refused. Sampling
+    settings (temperature, top_p...) are the run's: the trainer's log-probs assume them."""
+    if body.get("stream"):
+        raise AgentRequestError("'stream' is not supported: ask without it")
+    if body.get("n", 1) != 1:
+        raise AgentRequestError(
+            f"'n' must be 1, got {body.get('n')!r}: plait runs rollout.num_generations rollouts of each prompt itself"
+        )
+    return _max_tokens(body), _stops(body)
+
+
+def _max_tokens(body: dict) -> int | None:
+    for key in ("max_completion_tokens", "max_tokens"):
+        v = body.get(key)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise AgentRequestError(f"'{key}' must be a positive integer, got {v!r}")
+            return v
+    return None
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise AgentRequestError(f"'stop' must be a string or a list of strings, got {stop!r}")
+
+
+def wrap(cfg, engine, tokenizer):
+    """`engine` as it is without rollout.agent, else an AgentEngine around it (chat calls rendered
+    with the run's chat template)."""
+    a = cfg.rollout.agent
+    if a is None:
+        return engine
+    from plait.tools.calls import resolve_function
+
+    own = cfg.data.chat_template if isinstance(cfg.data.chat_template, str) else None
+    turns = ChatTurns(tokenizer, own) if cfg.data.chat_template and (own or tokenizer.chat_template) else None
+    fn = resolve_function(a.function)
+    endpoint = Endpoint(a.host, a.port)
+    return AgentEngine(engine, tokenizer, fn, a.function, a.timeout_s, cfg.data.max_prompt_length, turns, endpoint)

@@ -1,0 +1,105 @@
+"""Agents (`rollout.agent`, plait/tools/agent.py) for tests: each drives its rollout through the
+OpenAI-compatible endpoint, with the `openai` client or plain HTTP."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+
+
+FEEDBACK = "Check that once more."
+SEEN: dict[int, list] = {}  # rollout index -> the replies (or HTTP statuses) its agent got, for the tests to read
+RELEASE = threading.Event()  # a hanging agent waits for it
+
+
+def chat_twice(task):
+    """The openai client: the model answers, the agent adds a user turn, the model answers again
+    (the second call repeats the first reply as the client returned it)."""
+    client = task.client()
+    messages = task.messages
+    first = client.chat.completions.create(model=task.model, messages=messages, max_tokens=5, logprobs=True)
+    reply = first.choices[0].message.model_dump(exclude_none=True)
+    messages += [reply, {"role": "user", "content": FEEDBACK}]
+    second = client.chat.completions.create(model=task.model, messages=messages, max_tokens=5, logprobs=True)
+    SEEN[task.index] = [first.model_dump(), second.model_dump()]
+
+
+def text_twice(task):
+    """Plain HTTP on /v1/completions: the agent appends a line to the text it got and goes on;
+    its reward is the number of characters the model wrote, a tenth each."""
+    url, auth = f"{task.base_url}/completions", {"Authorization": f"Bearer {task.api_key}"}
+    prompt = str(task.prompt)
+    first = httpx.post(url, json={"model": task.model, "prompt": prompt, "max_tokens": 4, "logprobs": 0}, headers=auth)
+    first.raise_for_status()
+    text = first.json()["choices"][0]["text"]
+    again = prompt + text + "\nAgain:"
+    second = httpx.post(url, json={"model": task.model, "prompt": again, "max_tokens": 4}, headers=auth)
+    second.raise_for_status()
+    SEEN[task.index] = [first.json(), second.json()]
+    return len(text + second.json()["choices"][0]["text"]) / 10
+
+
+def ids_twice(task):
+    """/v1/completions with token ids: the second prompt is the first's ids, the sampled ids and
+    three of the agent's own."""
+    url, auth = f"{task.base_url}/completions", {"Authorization": f"Bearer {task.api_key}"}
+    ids = task.columns["prompt_ids"]
+    first = httpx.post(url, json={"model": task.model, "prompt": ids, "max_tokens": 4}, headers=auth).json()
+    again = ids + first["choices"][0]["token_ids"] + [198, 198, 198]
+    second = httpx.post(url, json={"model": task.model, "prompt": again, "max_tokens": 4}, headers=auth).json()
+    SEEN[task.index] = [first, second]
+
+
+def forking(task):
+    """The second call changes the system prompt: it continues nothing, so it starts a new sample."""
+    client = task.client()
+    client.chat.completions.create(model=task.model, messages=task.messages, max_tokens=4)
+    other = [{"role": "system", "content": "Answer in one word."}, *task.messages]
+    client.chat.completions.create(model=task.model, messages=other, max_tokens=4)
+
+
+def raising(task):
+    task.client().chat.completions.create(model=task.model, messages=task.messages, max_tokens=3)
+    raise RuntimeError("the agent's own bug")
+
+
+def silent(task):
+    return 1.0
+
+
+def hanging(task):
+    """One call, then it waits far past its timeout (until the test releases it)."""
+    if task.index == 0:
+        task.client().chat.completions.create(model=task.model, messages=task.messages, max_tokens=3)
+        RELEASE.wait()
+        return 1.0
+    task.client().chat.completions.create(model=task.model, messages=task.messages, max_tokens=3)
+    return 0.5
+
+
+def hostile(task):
+    """Requests plait must refuse, each with its status; then one good call."""
+    base = task.base_url
+    auth = {"Authorization": f"Bearer {task.api_key}"}
+    msgs = task.messages
+    statuses = {
+        "no_token": httpx.post(f"{base}/chat/completions", json={"messages": msgs}).status_code,
+        "wrong_token": httpx.post(
+            f"{base}/chat/completions", json={"messages": msgs}, headers={"Authorization": "Bearer nope"}
+        ).status_code,
+        "unknown_rollout": httpx.post(
+            base.rsplit("/rollouts/", 1)[0] + "/rollouts/not-a-rollout/v1/chat/completions",
+            json={"messages": msgs},
+            headers=auth,
+        ).status_code,
+        "n_2": httpx.post(f"{base}/chat/completions", json={"messages": msgs, "n": 2}, headers=auth).status_code,
+        "no_messages": httpx.post(f"{base}/chat/completions", json={"messages": []}, headers=auth).status_code,
+        "bad_prompt": httpx.post(f"{base}/completions", json={"prompt": {"x": 1}}, headers=auth).status_code,
+        "too_long": httpx.post(f"{base}/completions", json={"prompt": "word " * 2000}, headers=auth).status_code,
+        "not_json": httpx.post(f"{base}/completions", content=b"{", headers=auth).status_code,
+    }
+    messages = httpx.post(f"{base}/chat/completions", json={"messages": msgs, "n": 2}, headers=auth).json()
+    good = httpx.post(f"{base}/chat/completions", json={"messages": msgs, "max_tokens": 3}, headers=auth)
+    statuses["good"] = good.status_code
+    SEEN[task.index] = [statuses, messages]

@@ -1,0 +1,248 @@
+"""Any agent as the rollout (`rollout.agent`, plait/tools/agent.py and endpoint.py, agents in
+tests/helpers/agents.py) on the tiny model: the OpenAI-compatible endpoint answers the `openai`
+client and plain HTTP with the tokens plait's engine sampled; linked calls become one training
+sequence of exactly the sampled tokens, with what the agent added masked; a call that continues
+nothing forks; failures are infrastructure errors; hostile requests are refused; and a real run
+trains through it and resumes exactly."""
+
+from __future__ import annotations
+
+import agents
+import pytest
+import test_rollout_func
+from test_train import assert_resumed_exactly, crash_then_resume, tiny_overrides
+
+from plait.config import load_config
+from plait.config.checks import check_agent, probe
+from plait.tools.agent import wrap
+from plait.train.loop import train
+from plait.types import SamplingParams
+
+
+engine_and_prompts = test_rollout_func.engine_and_prompts  # the fixture: the tiny model's engine and two prompts
+
+
+def agent_engine(cfg, engine, tok, fn, **options):
+    cfg = cfg.model_copy(deep=True)
+    cfg.rollout.agent = {"function": f"agents:{fn}", **options}
+    return wrap(cfg, engine, tok)
+
+
+@pytest.fixture
+def run_agent(engine_and_prompts):
+    """Run agent `fn` on the two prompts, two rollouts each: (completions by rollout, prompts, tokenizer)."""
+    cfg, tok, engine, prompts = engine_and_prompts
+    opened = []
+
+    def run(fn, max_tokens=30, **options):
+        agents.SEEN.clear()
+        hooked = agent_engine(cfg, engine, tok, fn, **options)
+        opened.append(hooked)
+        out = hooked.generate(prompts, SamplingParams(max_tokens=max_tokens, seed=5), 2)
+        return [c for row in out for c in row], prompts, tok
+
+    yield run
+    for hooked in opened:
+        hooked.endpoint.close()
+
+
+def test_chat_calls_are_linked_by_their_tokens_and_what_the_agent_added_is_masked(run_agent):
+    """Through the openai client: each rollout's two calls form one sequence, the first reply's
+    tokens as sampled (never re-tokenized from the text the client sent back), then the template's
+    markup and the agent's user turn (env_mask 0), then the second reply; the log-probs and token
+    ids the client got are the ones trained on."""
+    completions, prompts, tok = run_agent("chat_twice")
+    for k, c in enumerate(completions):
+        first, second = (r["choices"][0] for r in agents.SEEN[k])
+        a, b = first["token_ids"], second["token_ids"]
+        assert c.token_ids[: len(a)] == a and c.token_ids[len(c.token_ids) - len(b) :] == b
+        added = c.token_ids[len(a) : len(c.token_ids) - len(b)]
+        assert agents.FEEDBACK in tok.decode(added)
+        assert c.sampled_mask == [1] * len(a) + [0] * len(added) + [1] * len(b)
+        shown = [x["logprob"] for x in first["logprobs"]["content"] + second["logprobs"]["content"]]
+        assert [x for x, m in zip(c.logprobs, c.sampled_mask) if m] == shown
+        assert c.prompt_ids is None  # the agent sent the row's own prompt: the group's prompt tokens
+        assert c.agent_stats == {"calls": 2.0, "forks": 0.0, "forked_calls": 0.0, "errors": 0.0}
+        assert c.env_error is None and c.env_reward is None
+        assert c.messages[-2] == {"role": "user", "content": agents.FEEDBACK}
+    streams = {tuple(c.token_ids) for c in completions}
+    assert len(streams) == len(completions)  # every rollout samples from its own stream
+
+
+def test_a_reply_that_re_tokenizes_differently_is_continued_from_its_sampled_tokens(engine_and_prompts):
+    """The model sampled ' hel' + 'lo', which the tokenizer would read back as ' hello': the next
+    call's input goes on from the sampled pair, and only the agent's turn is tokenized."""
+    from plait.tools.agent import Recording, _plain
+    from plait.tools.template import ChatTurns
+
+    cfg, tok, engine, prompts = engine_and_prompts
+    sampled = tok.convert_tokens_to_ids(["Ġhel", "lo"])
+    assert tok(tok.decode(sampled), add_special_tokens=False)["input_ids"] != sampled
+    rec, turns = Recording(prompts[0], 0, "key", 100), ChatTurns(tok)
+    first = [{"role": "user", "content": "Say hello."}]
+    sample, ids = rec.link("chat", {"messages": first}, tok, turns, 256)
+    assert ids == tok(turns.render([_plain(m) for m in first], True), add_special_tokens=False)["input_ids"]
+    sample.append(sampled, True, [-1.0, -2.0])  # what the engine answered (AgentEngine._generate)
+    sample.pieces.append(tok.decode(sampled))
+    sample.turn_text = tok.decode(sampled)
+    reply = {"role": "assistant", "content": sample.turn_text}
+    sample.seen = [*first, reply]
+    again = [*first, reply, {"role": "user", "content": "Again."}]
+    linked, ids = rec.link("chat", {"messages": again}, tok, turns, 256)
+    assert linked is sample and ids[len(sample.prompt_ids) : len(sample.prompt_ids) + 2] == sampled
+    assert sample.sampled[:2] == [1, 1] and not any(sample.sampled[2:])
+    assert tok.decode(ids) == turns.render([_plain(m) for m in again], True)  # the same text, other tokens
+    assert ids != tok(tok.decode(ids), add_special_tokens=False)["input_ids"]
+
+
+def test_text_completions_link_by_text_and_by_token_ids_and_return_the_reward(run_agent):
+    completions, prompts, tok = run_agent("text_twice")
+    for k, c in enumerate(completions):
+        first, second = (r["choices"][0] for r in agents.SEEN[k])
+        a, b = first["token_ids"], second["token_ids"]
+        assert c.token_ids[: len(a)] == a and c.token_ids[len(c.token_ids) - len(b) :] == b
+        assert c.sampled_mask.count(0) == len(c.token_ids) - len(a) - len(b) > 0
+        assert first["logprobs"]["token_logprobs"] == c.logprobs[: len(a)]
+        assert c.env_reward == len(first["text"] + second["text"]) / 10
+        assert c.text.startswith(first["text"]) and "\nAgain:" in c.text
+
+
+def test_token_id_prompts_link_exactly(engine_and_prompts, run_agent):
+    cfg, tok, engine, prompts = engine_and_prompts
+    for p in prompts:
+        p.columns["prompt_ids"] = list(p.token_ids)
+    try:
+        completions, _, _ = run_agent("ids_twice")
+    finally:
+        for p in prompts:
+            del p.columns["prompt_ids"]
+    for k, c in enumerate(completions):
+        first, second = (r["choices"][0] for r in agents.SEEN[k])
+        assert c.token_ids == first["token_ids"] + [198, 198, 198] + second["token_ids"]
+        assert c.sampled_mask == [1] * len(first["token_ids"]) + [0] * 3 + [1] * len(second["token_ids"])
+
+
+def test_a_call_that_continues_nothing_forks_and_the_last_sample_is_trained(run_agent):
+    completions, prompts, tok = run_agent("forking")
+    for k, c in enumerate(completions):
+        assert c.agent_stats == {"calls": 2.0, "forks": 1.0, "forked_calls": 1.0, "errors": 0.0}
+        assert c.prompt_ids is not None and "Answer in one word." in tok.decode(c.prompt_ids)
+        assert c.prompt_ids != prompts[k // 2].token_ids
+        assert all(c.sampled_mask)
+
+
+def test_the_token_budget_ends_a_rollout_with_finish_reason_length(run_agent):
+    completions, prompts, tok = run_agent("chat_twice", max_tokens=7)
+    for k, c in enumerate(completions):
+        first, second = (r["choices"][0] for r in agents.SEEN[k])
+        assert len(c.token_ids) == 7 and c.truncated and c.finish_reason == "length"
+        assert second["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    "fn, error",
+    [("raising", "raised RuntimeError: the agent's own bug"), ("silent", "made no call to its endpoint")],
+)
+def test_a_failing_agent_is_an_infrastructure_error(run_agent, fn, error):
+    completions, _, _ = run_agent(fn)
+    assert all(error in c.env_error and c.env_reward is None for c in completions)
+    assert all(c.agent_stats["errors"] == 1.0 for c in completions)
+
+
+def test_an_agent_past_its_timeout_is_an_error_and_the_round_goes_on(run_agent):
+    agents.RELEASE.clear()
+    try:
+        completions, _, _ = run_agent("hanging", timeout_s=3)
+    finally:
+        agents.RELEASE.set()
+    assert "ran past rollout.agent.timeout_s=3" in completions[0].env_error
+    assert all(c.env_error is None for c in completions[1:])
+    assert [c.env_reward for c in completions[1:]] == [0.5, 0.5, 0.5]
+
+
+def test_hostile_requests_are_refused_with_their_reason(run_agent):
+    completions, _, _ = run_agent("hostile")
+    for k, c in enumerate(completions):
+        statuses, body = agents.SEEN[k]
+        assert statuses == {
+            "no_token": 401,
+            "wrong_token": 401,
+            "unknown_rollout": 404,
+            "n_2": 400,
+            "no_messages": 400,
+            "bad_prompt": 400,
+            "too_long": 400,
+            "not_json": 400,
+            "good": 200,
+        }
+        assert "'n' must be 1" in body["error"]["message"]
+        assert c.agent_stats["calls"] == 1.0 and c.env_error is None
+
+
+def test_plait_check_names_a_missing_agent_and_a_loop_beside_it(tiny_model_path, prompts_jsonl, tmp_path):
+    sets = tiny_overrides(tiny_model_path, prompts_jsonl, tmp_path, "rollout.agent={function: 'agents:nope'}")
+    cfg = load_config(None, sets)
+    problems = check_agent(cfg, probe(cfg))
+    assert "has no function 'nope'" in problems[0]
+    sets = tiny_overrides(
+        tiny_model_path, prompts_jsonl, tmp_path, "rollout.agent={function: 'agents:chat_twice'}", "rollout.tools={}"
+    )
+    cfg = load_config(None, sets)
+    problems = check_agent(cfg, probe(cfg))
+    assert problems and "can't run beside it" in problems[0]
+
+
+def test_a_run_trains_through_an_agent_and_resumes_exactly(tiny_model_path, prompts_jsonl, tmp_path):
+    """Four rounds through chat_twice straight, and the same run crashed in round 3 and resumed:
+    the same weights bit for bit and the same sampled tokens each round (the lockstep batches
+    make the agents' calls reproducible); the agent metrics are logged."""
+    agent = "rollout.agent={function: 'agents:chat_twice'}"
+    straight, crashed, result = crash_then_resume(tiny_model_path, prompts_jsonl, tmp_path, agent)
+    assert_resumed_exactly(straight, crashed)
+    m = result.history[-1]
+    assert m["agent/calls_per_rollout"] == 2.0 and m["agent/errors"] == 0.0 and m["agent/rollouts"] == 8.0
+
+
+@pytest.mark.parametrize("staleness", [0, 1], ids=["sync", "async"])
+def test_a_run_trains_on_the_agents_tokens_with_the_engines_logprobs(
+    tiny_model_path, prompts_jsonl, tmp_path, staleness
+):
+    """Synchronous, and asynchronous (k = 1: the endpoint serves from rank 0's producer thread and
+    its calls reach the generation process); the agent's reward is the `environment` reward; the
+    log-probs the endpoint returned are the trainer's own where both hold the same weights."""
+    sets = tiny_overrides(
+        tiny_model_path,
+        prompts_jsonl,
+        tmp_path / "run",
+        "rollout.agent={function: 'agents:text_twice'}",
+        "rollout.max_completion_length=24",
+        "rewards=[{name: environment}]",
+        "train.max_steps=2",
+        f"rollout.max_staleness={staleness}",
+    )
+    result = train(load_config(None, sets))
+    assert len(result.history) == 2
+    for m in result.history:
+        assert m["agent/calls_per_rollout"] == 2.0 and m["agent/errors"] == 0.0
+        assert m["reward/environment/mean"] > 0  # what text_twice returned: the characters the model wrote
+    same_weights = result.history if staleness == 0 else result.history[:1]
+    assert all(m["logprob_gap"] < 1e-4 for m in same_weights)
+
+
+def test_two_training_processes_each_serve_their_own_agents(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+    """Under torchrun, 2 processes: each generates its share through an endpoint of its own; the
+    logged counts are the sums over both."""
+    import json
+    import subprocess
+
+    from test_vllm import train_cmd
+
+    out = tmp_path / "run"
+    args = tiny_overrides(
+        tiny_model_path, prompts_jsonl, out, "rollout.agent={function: 'agents:chat_twice'}", "train.max_steps=2"
+    )
+    res = subprocess.run(train_cmd(2, args), env=helper_env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["agent/rollouts"] for m in rounds] == [8.0, 8.0]  # 2 prompts x 4 generations per round, both processes
+    assert all(m["agent/calls"] == 16.0 for m in rounds)
