@@ -183,9 +183,8 @@ def build_run(
     say("zero-advantage completions: " + ("left out of the update" if why is None else f"trained ({why})"))
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     tools = Tools.from_config(cfg, tokenizer)  # its sandbox, too, refuses below min_tier now
-    if tools.enabled:
-        for line in tools.describe().splitlines():
-            say(line)
+    for line in (tools.describe() or "").splitlines():
+        say(line)
 
     def prompts_of(split: str):
         rows = load_rows(cfg.data, split, cfg.seed, cfg.environments)
