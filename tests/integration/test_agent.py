@@ -95,6 +95,50 @@ def test_a_reply_that_re_tokenizes_differently_is_continued_from_its_sampled_tok
     assert ids != tok(tok.decode(ids), add_special_tokens=False)["input_ids"]
 
 
+def test_a_tool_call_comes_back_as_tool_calls_and_the_tool_turn_links(engine_and_prompts):
+    """A reply with a <tool_call> block (the chat template's own format) is returned as OpenAI
+    tool_calls; the agent sends it back as the openai client does (arguments as a JSON string)
+    with the tool's answer, and the call continues the same sample."""
+    from plait.tools.agent import AgentEngine, Call, Recording
+    from plait.tools.endpoint import Endpoint
+    from plait.tools.template import ChatTurns
+
+    cfg, tok, engine, prompts = engine_and_prompts
+    turns = ChatTurns(tok)
+    hooked = AgentEngine(engine, tok, None, "test", 60.0, 256, turns, Endpoint())
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+    first = {"messages": [{"role": "user", "content": "Add 2 and 3."}], "tools": tools}
+    rec = Recording(prompts[0], 0, "key", 200)
+    sample, _ = rec.link("chat", first, tok, turns, 256)
+    raw = 'Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    ids = tok(raw, add_special_tokens=False)["input_ids"]
+    sample.append(ids, True, [0.0] * len(ids))
+    sample.pieces.append(raw)
+    sample.turn_text = raw
+    rec.calls = 1
+    reply = hooked._reply(Call(rec, "chat", first, None), sample, ids, [0.0] * len(ids), "stop", raw, [])
+    (choice,) = reply["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me add."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
+    sent_back = {"role": "assistant", "content": "Let me add.", "tool_calls": [call]}
+    answer = {"role": "tool", "tool_call_id": call["id"], "content": "5"}
+    again = {"messages": [*first["messages"], sent_back, answer], "tools": tools}
+    linked, ids_again = rec.link("chat", again, tok, turns, 256)
+    assert linked is sample and ids_again[len(sample.prompt_ids) :][: len(ids)] == ids
+    assert "5" in tok.decode(ids_again[len(sample.prompt_ids) + len(ids) :])
+    changed = {
+        "messages": [
+            *first["messages"],
+            {**sent_back, "tool_calls": [{**call, "function": {"name": "add", "arguments": "{}"}}]},
+            answer,
+        ],
+        "tools": tools,
+    }
+    forked, _ = rec.link("chat", changed, tok, turns, 256)
+    assert forked is not sample  # other arguments than the model wrote: a fork
+
+
 def test_text_completions_link_by_text_and_by_token_ids_and_return_the_reward(run_agent):
     completions, prompts, tok = run_agent("text_twice")
     for k, c in enumerate(completions):
