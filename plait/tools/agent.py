@@ -225,7 +225,7 @@ class Recording:
         turns = turns.with_tools(tools)
         for sample in reversed(self.samples):
             n = len(sample.seen)
-            if sample.kind != "chat" or sample.tools != tools or len(messages) <= n:
+            if sample.kind != "chat" or sample.tools != tools or len(messages) < n:
                 continue
             if not all(_same_message(a, b) for a, b in zip(messages[:n], sample.seen)):
                 continue
@@ -259,13 +259,13 @@ class Recording:
             if sample.kind != "text":
                 continue
             whole = sample.prompt_ids + sample.tokens
-            if given_ids and len(prompt) > len(whole) and prompt[: len(whole)] == whole:
+            if given_ids and len(prompt) >= len(whole) and prompt[: len(whole)] == whole:
                 added = list(prompt[len(whole) :])
                 text = tokenizer.decode(added)
                 sample.shown_text += text
                 self._add(sample, tokenizer, text, added)
                 return sample, sample.prompt_ids + sample.tokens
-            if not given_ids and len(prompt) > len(sample.shown_text) and prompt.startswith(sample.shown_text):
+            if not given_ids and prompt.startswith(sample.shown_text):
                 added = prompt[len(sample.shown_text) :]
                 sample.shown_text += added
                 self._add(sample, tokenizer, added)

@@ -103,3 +103,13 @@ def hostile(task):
     good = httpx.post(f"{base}/chat/completions", json={"messages": msgs, "max_tokens": 3}, headers=auth)
     statuses["good"] = good.status_code
     SEEN[task.index] = [statuses, messages]
+
+
+def text_continued(task):
+    """/v1/completions cut by max_tokens, then continued from exactly what it returned."""
+    url, auth = f"{task.base_url}/completions", {"Authorization": f"Bearer {task.api_key}"}
+    prompt = str(task.prompt)
+    first = httpx.post(url, json={"prompt": prompt, "max_tokens": 3}, headers=auth).json()
+    again = prompt + first["choices"][0]["text"]
+    second = httpx.post(url, json={"prompt": again, "max_tokens": 3}, headers=auth).json()
+    SEEN[task.index] = [first, second]

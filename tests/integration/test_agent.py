@@ -151,6 +151,16 @@ def test_text_completions_link_by_text_and_by_token_ids_and_return_the_reward(ru
         assert c.text.startswith(first["text"]) and "\nAgain:" in c.text
 
 
+def test_a_call_cut_by_max_tokens_continues_where_it_stopped(run_agent):
+    """The second prompt is the first and its reply, nothing added: one sample, every token sampled."""
+    completions, _, _ = run_agent("text_continued")
+    for k, c in enumerate(completions):
+        first, second = (r["choices"][0] for r in agents.SEEN[k])
+        assert first["finish_reason"] == "length"
+        assert c.token_ids == first["token_ids"] + second["token_ids"] and all(c.sampled_mask)
+        assert c.agent_stats["forks"] == 0.0
+
+
 def test_token_id_prompts_link_exactly(engine_and_prompts, run_agent):
     cfg, tok, engine, prompts = engine_and_prompts
     for p in prompts:
