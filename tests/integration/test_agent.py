@@ -24,7 +24,7 @@ engine_and_prompts = test_rollout_func.engine_and_prompts  # the fixture: the ti
 
 def agent_engine(cfg, engine, tok, fn, **options):
     cfg = cfg.model_copy(deep=True)
-    cfg.rollout.agent = {"function": f"agents:{fn}", **options}
+    cfg.rollout.agent = {"function": fn if ":" in fn else f"agents:{fn}", **options}
     return wrap(cfg, engine, tok)
 
 
@@ -231,6 +231,22 @@ def test_hostile_requests_are_refused_with_their_reason(run_agent):
         }
         assert "'n' must be 1" in body["error"]["message"]
         assert c.agent_stats["calls"] == 1.0 and c.env_error is None
+
+
+def test_the_shipped_example_agent_runs(run_agent, monkeypatch):
+    """configs/agent-selfcheck.yaml's agent (examples/selfcheck_agent.py), found from the repository's
+    root as `plait train` finds it: every rollout calls, none fails, and a second call continues the
+    first."""
+    from pathlib import Path
+
+    root = Path(__file__).parents[2]
+    monkeypatch.chdir(root)
+    cfg = load_config(str(root / "configs" / "agent-selfcheck.yaml"), [])
+    assert check_agent(cfg, probe(cfg)) == []
+    completions, _, _ = run_agent(cfg.rollout.agent.function, max_tokens=64)
+    assert all(c.env_error is None and c.agent_stats["forks"] == 0 for c in completions)
+    for c in completions:  # a second call adds the user turn, masked, to the same sample
+        assert c.agent_stats["calls"] in (1.0, 2.0) and (0 in c.sampled_mask) == (c.agent_stats["calls"] == 2.0)
 
 
 def test_plait_check_names_a_missing_agent_and_a_loop_beside_it(tiny_model_path, prompts_jsonl, tmp_path):
