@@ -789,6 +789,18 @@ class EnvironmentSpec(Section):
         "or \\boxed{...}.",
     )
 
+    @field_validator("type", mode="before")
+    @classmethod
+    def _a_type_plait_can_install(cls, value: Any) -> Any:
+        if value == "verifiers":
+            raise ValueError(
+                "verifiers environments are not supported: no verifiers release installs beside plait's "
+                "dependencies (0.4 pins mcp==2.0.0, 0.3 needs mcp<2 where vLLM needs mcp>=2, 0.1 needs datasets<4.7; "
+                "docs/environments.md). Its harness can still drive the model from a Python environment of its "
+                "own: start it from a rollout.agent function, pointed at the task's OpenAI-compatible base_url"
+            )
+        return value
+
     @model_validator(mode="after")
     def _fields_of_its_type(self):
         if self.type == "reasoning_gym" and (self.dataset is None or self.factory is not None):

@@ -116,6 +116,8 @@ def test_plait_check_names_each_environment_problem_and_its_fix():
     assert "but neither is configured" in text
     with pytest.raises(ConfigError, match="reasoning_gym"):
         load_config(None, ["environments=[{type: gymnasium, dataset: x}]"])
+    with pytest.raises(ConfigError, match="no verifiers release installs beside plait's dependencies"):
+        load_config(None, ["environments=[{type: verifiers}]"])
 
 
 def test_unformatted_credit_scores_an_answer_outside_the_asked_format():
