@@ -78,15 +78,16 @@ class AgentTask:
         return [{"role": "user", "content": str(self.prompt)}]
 
     def client(self, **kwargs):
-        """An `openai.OpenAI` client for this rollout."""
+        """An `openai.OpenAI` client for this rollout. It does not retry by default: a call
+        retried after an error plait already answered would sample (and be recorded) twice."""
         import openai
 
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **{"max_retries": 0, **kwargs})
 
     def async_client(self, **kwargs):
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **{"max_retries": 0, **kwargs})
 
 
 # ---------------------------------------------------------------- samples and their linking

@@ -13,6 +13,11 @@ SEEN: dict[int, list] = {}  # rollout index -> the replies (or HTTP statuses) it
 RELEASE = threading.Event()  # a hanging agent waits for it
 
 
+def post(url: str, **kwargs) -> httpx.Response:
+    """A call answers when every agent of the round has called: no client timeout a busy machine breaks."""
+    return httpx.post(url, timeout=None, **kwargs)
+
+
 def chat_twice(task):
     """The openai client: the model answers, the agent adds a user turn, the model answers again
     (the second call repeats the first reply as the client returned it)."""
@@ -30,11 +35,11 @@ def text_twice(task):
     its reward is the number of characters the model wrote, a tenth each."""
     url, auth = f"{task.base_url}/completions", {"Authorization": f"Bearer {task.api_key}"}
     prompt = str(task.prompt)
-    first = httpx.post(url, json={"model": task.model, "prompt": prompt, "max_tokens": 4, "logprobs": 0}, headers=auth)
+    first = post(url, json={"model": task.model, "prompt": prompt, "max_tokens": 4, "logprobs": 0}, headers=auth)
     first.raise_for_status()
     text = first.json()["choices"][0]["text"]
     again = prompt + text + "\nAgain:"
-    second = httpx.post(url, json={"model": task.model, "prompt": again, "max_tokens": 4}, headers=auth)
+    second = post(url, json={"model": task.model, "prompt": again, "max_tokens": 4}, headers=auth)
     second.raise_for_status()
     SEEN[task.index] = [first.json(), second.json()]
     return len(text + second.json()["choices"][0]["text"]) / 10
@@ -45,9 +50,9 @@ def ids_twice(task):
     three of the agent's own."""
     url, auth = f"{task.base_url}/completions", {"Authorization": f"Bearer {task.api_key}"}
     ids = task.columns["prompt_ids"]
-    first = httpx.post(url, json={"model": task.model, "prompt": ids, "max_tokens": 4}, headers=auth).json()
+    first = post(url, json={"model": task.model, "prompt": ids, "max_tokens": 4}, headers=auth).json()
     again = ids + first["choices"][0]["token_ids"] + [198, 198, 198]
-    second = httpx.post(url, json={"model": task.model, "prompt": again, "max_tokens": 4}, headers=auth).json()
+    second = post(url, json={"model": task.model, "prompt": again, "max_tokens": 4}, headers=auth).json()
     SEEN[task.index] = [first, second]
 
 
@@ -84,23 +89,23 @@ def hostile(task):
     auth = {"Authorization": f"Bearer {task.api_key}"}
     msgs = task.messages
     statuses = {
-        "no_token": httpx.post(f"{base}/chat/completions", json={"messages": msgs}).status_code,
-        "wrong_token": httpx.post(
+        "no_token": post(f"{base}/chat/completions", json={"messages": msgs}).status_code,
+        "wrong_token": post(
             f"{base}/chat/completions", json={"messages": msgs}, headers={"Authorization": "Bearer nope"}
         ).status_code,
-        "unknown_rollout": httpx.post(
+        "unknown_rollout": post(
             base.rsplit("/rollouts/", 1)[0] + "/rollouts/not-a-rollout/v1/chat/completions",
             json={"messages": msgs},
             headers=auth,
         ).status_code,
-        "n_2": httpx.post(f"{base}/chat/completions", json={"messages": msgs, "n": 2}, headers=auth).status_code,
-        "no_messages": httpx.post(f"{base}/chat/completions", json={"messages": []}, headers=auth).status_code,
-        "bad_prompt": httpx.post(f"{base}/completions", json={"prompt": {"x": 1}}, headers=auth).status_code,
-        "too_long": httpx.post(f"{base}/completions", json={"prompt": "word " * 2000}, headers=auth).status_code,
-        "not_json": httpx.post(f"{base}/completions", content=b"{", headers=auth).status_code,
+        "n_2": post(f"{base}/chat/completions", json={"messages": msgs, "n": 2}, headers=auth).status_code,
+        "no_messages": post(f"{base}/chat/completions", json={"messages": []}, headers=auth).status_code,
+        "bad_prompt": post(f"{base}/completions", json={"prompt": {"x": 1}}, headers=auth).status_code,
+        "too_long": post(f"{base}/completions", json={"prompt": "word " * 2000}, headers=auth).status_code,
+        "not_json": post(f"{base}/completions", content=b"{", headers=auth).status_code,
     }
-    messages = httpx.post(f"{base}/chat/completions", json={"messages": msgs, "n": 2}, headers=auth).json()
-    good = httpx.post(f"{base}/chat/completions", json={"messages": msgs, "max_tokens": 3}, headers=auth)
+    messages = post(f"{base}/chat/completions", json={"messages": msgs, "n": 2}, headers=auth).json()
+    good = post(f"{base}/chat/completions", json={"messages": msgs, "max_tokens": 3}, headers=auth)
     statuses["good"] = good.status_code
     SEEN[task.index] = [statuses, messages]
 
@@ -109,7 +114,7 @@ def text_continued(task):
     """/v1/completions cut by max_tokens, then continued from exactly what it returned."""
     url, auth = f"{task.base_url}/completions", {"Authorization": f"Bearer {task.api_key}"}
     prompt = str(task.prompt)
-    first = httpx.post(url, json={"prompt": prompt, "max_tokens": 3}, headers=auth).json()
+    first = post(url, json={"prompt": prompt, "max_tokens": 3}, headers=auth).json()
     again = prompt + first["choices"][0]["text"]
-    second = httpx.post(url, json={"prompt": again, "max_tokens": 3}, headers=auth).json()
+    second = post(url, json={"prompt": again, "max_tokens": 3}, headers=auth).json()
     SEEN[task.index] = [first, second]
