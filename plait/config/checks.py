@@ -388,7 +388,7 @@ def check_rewards(cfg: Config, env: Env) -> list[str]:
     return out
 
 
-def _user_loop_problems(key: str, spec: str, cfg: Config, beside: bool) -> list[str]:
+def _user_loop_problems(key: str, spec: str, beside: bool) -> list[str]:
     """`key` (rollout.rollout_func, rollout.agent.function): a function that imports, and no
     other loop `beside` it."""
     from plait.tools.calls import resolve_function
@@ -415,7 +415,7 @@ def check_rollout_func(cfg: Config, env: Env) -> list[str]:
     if spec is None:
         return []
     beside = cfg.rollout.tools is not None or any(e.type in ROW_TYPES for e in cfg.environments)
-    return _user_loop_problems("rollout.rollout_func", spec, cfg, beside)
+    return _user_loop_problems("rollout.rollout_func", spec, beside)
 
 
 def check_agent(cfg: Config, env: Env) -> list[str]:
@@ -428,7 +428,7 @@ def check_agent(cfg: Config, env: Env) -> list[str]:
         or cfg.rollout.rollout_func is not None
         or any(e.type in ROW_TYPES for e in cfg.environments)
     )
-    return _user_loop_problems("rollout.agent.function", a.function, cfg, beside)
+    return _user_loop_problems("rollout.agent.function", a.function, beside)
 
 
 def check_tools(cfg: Config, env: Env) -> list[str]:

@@ -239,12 +239,11 @@ class Recording:
             sample.history_text += sample.turn_text + after
             sample.messages += messages[n:]
             self._add(sample, tokenizer, unsampled(tokenizer, sample.tokens, sample.sampled, after))
-            sample.seen = list(messages)
             return sample, sample.prompt_ids + sample.tokens
         plain = [_plain(m) for m in messages]
         text = turns.render(plain, True)
         sample = self._fork("chat", tokenizer(text, add_special_tokens=False)["input_ids"], text, max_prompt)
-        sample.seen, sample.rendered, sample.history_text, sample.tools = list(messages), plain, text, tools
+        sample.rendered, sample.history_text, sample.tools = plain, text, tools
         return sample, list(sample.prompt_ids)
 
     def _link_text(self, body, tokenizer, max_prompt) -> tuple[Sample, list[int]]:
@@ -332,9 +331,7 @@ class Round:
             if rec.finished:
                 return
             rec.finished, rec.error, rec.reward = True, error, reward
-            for call in [c for c in self.pending if c.recording is rec]:
-                self.pending.remove(call)
-                call.future.set_exception(AgentRequestError(f"rollout {rec.index} has finished", 409))
+            self._refuse_pending(rec, AgentRequestError(f"rollout {rec.index} has finished", 409))
             self.cond.notify_all()
 
     def next_batch(self) -> list[Call] | None:
@@ -357,9 +354,12 @@ class Round:
         for r in self.order:
             if not r.finished and now - r.started > self.timeout_s:
                 r.finished, r.error = True, f"the agent ran past rollout.agent.timeout_s={self.timeout_s:g}"
-                for call in [c for c in self.pending if c.recording is r]:
-                    self.pending.remove(call)
-                    call.future.set_exception(AgentRequestError(r.error, 408))
+                self._refuse_pending(r, AgentRequestError(r.error, 408))
+
+    def _refuse_pending(self, rec: Recording, err: AgentRequestError) -> None:
+        for call in [c for c in self.pending if c.recording is rec]:
+            self.pending.remove(call)
+            call.future.set_exception(err)
 
 
 # ---------------------------------------------------------------- the engine
