@@ -29,6 +29,21 @@ def _nanstd(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
     return std if keepdim or dim is None else std.squeeze(dim)
 
 
+def _flat(rewards: torch.Tensor) -> torch.Tensor:
+    """[groups, 1]: True where a group's scored rewards are all equal. Its float mean can be an
+    ulp off the common value (eight rewards of 1.7 in float32), so centring alone would give
+    every completion the same tiny advantage instead of the 0 that leaves the group out."""
+    scored = ~rewards.isnan()
+    high = rewards.masked_fill(~scored, float("-inf")).amax(1, keepdim=True)
+    low = rewards.masked_fill(~scored, float("inf")).amin(1, keepdim=True)
+    return high == low
+
+
+def _centred(rewards: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
+    """rewards - baseline, exactly 0 in a group of equal rewards (_flat); NaN stays NaN."""
+    return (rewards - baseline).masked_fill(_flat(rewards) & ~rewards.isnan(), 0.0)
+
+
 def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = EPS) -> torch.Tensor:
     """Advantages for rewards shaped [groups, num_generations].
 
@@ -43,7 +58,7 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = E
         raise ValueError(f"rewards must be [groups, num_generations], got shape {tuple(rewards.shape)}")
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
-    centred = rewards - torch.nanmean(rewards, dim=1, keepdim=True)
+    centred = _centred(rewards, torch.nanmean(rewards, dim=1, keepdim=True))
     if scale == "group":
         centred = centred / (_nanstd(rewards, dim=1, keepdim=True) + eps)
     elif scale == "batch":
@@ -118,7 +133,7 @@ def rloo_advantages(rewards: torch.Tensor, lengths: torch.Tensor, scale: str = "
     scored = ~rewards.isnan()
     m = scored.sum(1, keepdim=True).to(rewards.dtype)
     others = (torch.nansum(rewards, 1, keepdim=True) - rewards) / (m - 1)
-    centred = torch.where(m > 1, rewards - others, float("nan"))  # NaN: out of any batch statistics
+    centred = torch.where(m > 1, _centred(rewards, others), float("nan"))  # NaN: out of any batch statistics
     return _scaled(centred, rewards, scale)
 
 
@@ -131,7 +146,7 @@ def opo_advantages(rewards: torch.Tensor, lengths: torch.Tensor, scale: str = "n
     w = torch.where(scored, lengths.to(rewards.dtype), torch.zeros_like(rewards))
     weighted = torch.nansum(rewards * w, 1, keepdim=True) / w.sum(1, keepdim=True)
     baseline = torch.where(w.sum(1, keepdim=True) > 0, weighted, torch.nanmean(rewards, 1, keepdim=True))
-    return _scaled(rewards - baseline, rewards, scale)
+    return _scaled(_centred(rewards, baseline), rewards, scale)
 
 
 def reinforce_pp_scores(rewards: torch.Tensor, lengths: torch.Tensor, scale: str = "batch") -> torch.Tensor:
@@ -143,7 +158,7 @@ def reinforce_pp_scores(rewards: torch.Tensor, lengths: torch.Tensor, scale: str
 def reinforce_pp_baseline_scores(rewards: torch.Tensor, lengths: torch.Tensor, scale: str = "batch") -> torch.Tensor:
     """REINFORCE++-baseline: the group mean is subtracted first (no std division: OpenRLHF's
     reinforce_baseline, veRL's reinforce_plus_plus_baseline), then whitened like REINFORCE++."""
-    return rewards - torch.nanmean(rewards, 1, keepdim=True)
+    return _centred(rewards, torch.nanmean(rewards, 1, keepdim=True))
 
 
 Estimator = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]

@@ -56,3 +56,27 @@ def test_group_scaling_pays_a_format_only_difference_as_much_as_a_right_answer()
     by_group, by_batch = group_advantages(rewards, "group"), group_advantages(rewards, "batch")
     assert by_group[1, 0].item() == pytest.approx(by_group[0, 0].item(), rel=1e-3)
     assert by_batch[1, 0].item() == pytest.approx(by_batch[0, 0].item() * 0.2 / 1.7, rel=1e-6)
+
+
+def test_a_group_of_equal_rewards_gets_exactly_zero_whatever_the_float_rounding():
+    """Eight completions that each earn the demo's 0.5 + 1.0 + 0.2 = 1.7: in float32 their mean
+    is an ulp off 1.7, and centring alone gave each one +0.0012 (divided by a std of ~1e-7 + eps),
+    so the group was trained on instead of being left out of the update. Every estimator that
+    centres on a group baseline must give exactly 0 there, keep NaN for unscored completions,
+    and leave a group that differs alone."""
+    from plait.algo.advantages import ESTIMATORS, weighted_total
+
+    per_reward = torch.tensor([[[1.0] * 8], [[1.0] * 8], [[1.0] * 8]])  # [rewards, groups, n]
+    total = weighted_total(per_reward, torch.tensor([0.5, 1.0, 0.2]))
+    assert total.mean() != total[0, 0]  # float32's mean is off by an ulp: the case this test is about
+    nan = float("nan")
+    rewards = torch.cat([total, torch.tensor([[0.7, 0.7, nan, 0.7, 0.7, 0.7, 0.7, 0.7]]), total * 0 + 0.3])
+    rewards[2, 0] = 1.3  # this group differs
+    lengths = torch.full_like(rewards, 5.0)
+    for name in ("grpo", "rloo", "opo", "reinforce_pp_baseline"):
+        for scale in ("group", "none"):
+            a = ESTIMATORS[name](rewards, lengths, scale)
+            assert torch.equal(a[0], torch.zeros(8)), (name, scale, a[0])
+            assert torch.equal(a[1, [0, 1, 3, 4, 5, 6, 7]], torch.zeros(7)) and a[1, 2].isnan(), (name, scale)
+            assert (a[2] != 0).all(), (name, scale)
+    assert torch.equal(group_advantages(total, "batch"), torch.zeros_like(total))
