@@ -64,6 +64,13 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
 
 
+class Example(Section):
+    prompt: str = Field(..., min_length=1, description="The example's question (a user turn).")
+    completion: str = Field(
+        ..., min_length=1, description="Its answer, written as the model should answer (the assistant's turn)."
+    )
+
+
 class DataConfig(Section):
     task: str | None = Field(
         "arithmetic", description="A built-in task (see `plait tasks`); off (null) when `path` is given."
@@ -76,6 +83,12 @@ class DataConfig(Section):
     messages_field: str | None = Field(None, description="Column holding chat messages (overrides prompt_field).")
     answer_field: str | None = Field("answer", description="Column holding the reference answer.")
     system_prompt: str | None = Field(None, description="System message put before every prompt.")
+    examples: list[Example] | None = Field(
+        None,
+        description="Worked examples [{prompt, completion}] put before every prompt as earlier turns of the "
+        "conversation (few-shot), in training and evaluation alike. null = the built-in task's own (arithmetic: "
+        "two), none for your own data; [] = none.",
+    )
     chat_template: bool | str = Field(
         True, description="Apply the tokenizer's chat template (true), none (false), or this Jinja template instead."
     )

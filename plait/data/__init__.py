@@ -8,12 +8,22 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from plait.data.tasks import TASKS, task_rows
+from plait.data.tasks import TASKS, task_examples, task_rows
 from plait.envs import ROW_TYPES, SYSTEM_COLUMN, environment_rows
 from plait.types import Prompt
 
 
-__all__ = ["TASKS", "load_rows", "build_prompts", "PromptOrder", "DataError", "source_problem", "data_problems"]
+__all__ = [
+    "TASKS",
+    "load_rows",
+    "build_prompts",
+    "describe_examples",
+    "example_turns",
+    "PromptOrder",
+    "DataError",
+    "source_problem",
+    "data_problems",
+]
 
 
 class DataError(ValueError):
@@ -163,6 +173,35 @@ def load_rows(data_cfg, split: str, seed: int = 0, environments=None) -> list[di
     return read_file(path, data_cfg.format, data_cfg.split)
 
 
+def example_turns(data_cfg) -> list[dict]:
+    """`data.examples` (null: the built-in task's own) as alternating user and assistant turns."""
+    examples = data_cfg.examples
+    if examples is None:
+        examples = task_examples(data_cfg.task) if data_cfg.task else []
+    turns = []
+    for e in examples:
+        prompt, completion = (e["prompt"], e["completion"]) if isinstance(e, dict) else (e.prompt, e.completion)
+        turns += [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    return turns
+
+
+def describe_examples(data_cfg) -> str | None:
+    """The run header's line on the worked examples, if any."""
+    n = len(example_turns(data_cfg)) // 2
+    if not n:
+        return None
+    own = f"task {data_cfg.task}'s own; data.examples: [] for none"
+    whose = "data.examples" if data_cfg.examples is not None else own
+    return f"few-shot: {n} worked example(s) before every prompt ({whose})"
+
+
+def _after_system(messages: list[dict], turns: list[dict]) -> list[dict]:
+    lead = 0
+    while lead < len(messages) and messages[lead].get("role") == "system":
+        lead += 1
+    return [*messages[:lead], *turns, *messages[lead:]]
+
+
 def build_prompts(
     rows: list[dict], tokenizer, data_cfg, log=print, tools: list[dict] | None = None, envs=None
 ) -> list[Prompt]:
@@ -170,8 +209,10 @@ def build_prompts(
     the template can), and drop (or reject) prompts that are too long. With `envs` (trl_env
     entries, plait/tools/environments.py) each row's environment adds its reset observation to the
     prompt and describes its own tools."""
-    prompts, too_long = [], []
+    prompts, too_long, answered = [], [], []
     key = data_cfg.messages_field or data_cfg.prompt_field
+    shots = example_turns(data_cfg)
+    asked = {t["content"] for t in shots if t["role"] == "user"}
     for i, row in enumerate(rows):
         if key not in row:
             raise DataError(
@@ -184,6 +225,10 @@ def build_prompts(
         system = data_cfg.system_prompt or row.get(SYSTEM_COLUMN)  # an environment's own, when unset
         if system and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": system}, *messages]
+        if shots:
+            if any(m.get("role") == "user" and m.get("content") in asked for m in messages):
+                answered.append(i)
+            messages = _after_system(messages, shots)
         conversational = data_cfg.conversational
         if conversational is None:
             conversational = data_cfg.messages_field is not None
@@ -218,6 +263,11 @@ def build_prompts(
         if data_cfg.overlong_prompts == "error":
             raise DataError(msg + "; raise the limit or set data.overlong_prompts=drop")
         log(f"dropped {msg}")
+    if answered:
+        log(
+            f"{len(answered)} of {len(rows)} prompts are also data.examples (first: row {answered[0]}): their answer "
+            "is in the prompt"
+        )
     if not prompts:
         raise DataError("no prompts left to train on")
     return prompts

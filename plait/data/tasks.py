@@ -14,6 +14,15 @@ from typing import Callable
 ARITHMETIC_PROMPT = "What is {a} + {b}? Put the final answer in \\boxed{{}}."
 
 
+# Shown before every arithmetic prompt as earlier turns (`data.examples`): the answer's form
+# (`a + b = \\boxed{sum}`) comes from them, so training is left the adding. Their first numbers
+# lie above the task's range, so neither is ever a training or held-out problem.
+ARITHMETIC_EXAMPLES = (
+    {"prompt": ARITHMETIC_PROMPT.format(a=52, b=7), "completion": "52 + 7 = \\boxed{59}"},
+    {"prompt": ARITHMETIC_PROMPT.format(a=64, b=28), "completion": "64 + 28 = \\boxed{92}"},
+)
+
+
 def _split_of(key: str, eval_share: int = 10) -> str:
     """A problem's split from a hash of its content: held-out problems never appear in train."""
     return "eval" if zlib.crc32(key.encode()) % eval_share == 0 else "train"
@@ -126,6 +135,14 @@ CAPACITY: dict[str, Callable[[str], int]] = {
     "humaneval": humaneval_capacity,
     "multiply": multiply_capacity,
 }
+
+
+EXAMPLES: dict[str, tuple[dict, ...]] = {"arithmetic": ARITHMETIC_EXAMPLES}
+
+
+def task_examples(name: str) -> list[dict]:
+    """A built-in task's own worked examples ({"prompt", "completion"}), none for most."""
+    return [dict(e) for e in EXAMPLES.get(name, ())]
 
 
 def task_rows(name: str, split: str, n: int, seed: int = 0) -> list[dict]:

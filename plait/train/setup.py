@@ -19,7 +19,7 @@ import torch
 from plait import comm
 from plait.checkpoint import checkpoint_step, load_checkpoint, load_rollouts, resume_position, trim_logs
 from plait.config import Config
-from plait.data import PromptOrder, build_prompts, load_rows
+from plait.data import PromptOrder, build_prompts, describe_examples, load_rows
 from plait.models import load_tokenizer
 from plait.plan import BatchPlan
 from plait.rewards import uses_sandbox
@@ -185,6 +185,10 @@ def build_run(
     tools = Tools.from_config(cfg, tokenizer)  # its sandbox, too, refuses below min_tier now
     for line in (tools.describe() or "").splitlines():
         say(line)
+
+    examples = describe_examples(cfg.data)
+    if examples:
+        say(examples)
 
     def prompts_of(split: str):
         rows = load_rows(cfg.data, split, cfg.seed, cfg.environments)

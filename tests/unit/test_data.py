@@ -85,6 +85,43 @@ def test_messages_field_and_missing_field():
         build_prompts(rows, FakeTokenizer(), DataConfig(task=None, path="x"))
 
 
+def test_examples_come_before_each_prompt_after_the_system_message():
+    shots = [{"prompt": "What is 1 + 1?", "completion": "2"}, {"prompt": "What is 2 + 3?", "completion": "5"}]
+    rows = [ROWS[0], {"question": "What is 1 + 1?", "solution": 2}]
+    cfg = DataConfig(task=None, path="x", prompt_field="question", system_prompt="Be brief.", examples=shots)
+    logs = []
+    prompts = build_prompts(rows, FakeTokenizer(), cfg, log=logs.append)
+    assert prompts[0].text == (
+        "<system> Be brief. <user> What is 1 + 1? <assistant> 2 <user> What is 2 + 3? <assistant> 5 "
+        "<user> What is 2 + 2? <assistant>"
+    )
+    assert prompts[0].messages[-1] == {"role": "user", "content": "What is 2 + 2?"}
+    assert any("1 of 2 prompts are also data.examples (first: row 1)" in line for line in logs)
+    # a row's own messages keep their system message first; without a chat template the turns are lines
+    cfg = DataConfig(task=None, path="x", messages_field="msgs", examples=shots[:1], chat_template=False)
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
+    assert build_prompts([{"msgs": msgs}], FakeTokenizer(), cfg)[0].text == "S\nWhat is 1 + 1?\n2\nQ"
+
+
+def test_the_arithmetic_task_brings_its_own_examples_and_they_can_be_turned_off():
+    from plait.data import describe_examples, example_turns
+    from plait.data.tasks import ARITHMETIC_EXAMPLES
+
+    default = DataConfig()
+    turns = example_turns(default)
+    assert [t["role"] for t in turns] == ["user", "assistant"] * len(ARITHMETIC_EXAMPLES)
+    problems = {r["prompt"] for r in arithmetic("train", 1000) + arithmetic("eval", 100)}
+    for e in ARITHMETIC_EXAMPLES:  # never one of the task's problems (a > 50), and its answer is right
+        a, b = (int(x) for x in e["prompt"].split("What is ")[1].split("?")[0].split(" + "))
+        assert a > 50 and e["prompt"] not in problems and e["completion"] == f"{a} + {b} = \\boxed{{{a + b}}}"
+    assert "2 worked example(s)" in describe_examples(default) and "task arithmetic's own" in describe_examples(default)
+    assert example_turns(DataConfig(examples=[])) == [] and describe_examples(DataConfig(examples=[])) is None
+    assert example_turns(DataConfig(task="multiply")) == []  # a task without examples
+    assert example_turns(DataConfig(task=None, path="x")) == []  # the user's own data: none unless given
+    with pytest.raises(ValueError, match="completion"):
+        DataConfig(examples=[{"prompt": "q"}])
+
+
 def test_arithmetic_is_deterministic_correct_and_held_out():
     a, b = arithmetic("train", 500, seed=3), arithmetic("train", 500, seed=3)
     assert a == b
