@@ -617,9 +617,12 @@ def cmd_prepare_model(_args) -> int:
 
 def cmd_tasks(_args) -> int:
     from plait.data import TASKS
+    from plait.data.tasks import task_examples
 
     for name, fn in TASKS.items():
-        print(f"{name}: {(fn.__doc__ or '').strip().splitlines()[0]}")
+        n = len(task_examples(name))
+        shown = f" ({n} worked example(s) before every prompt unless data.examples says otherwise)" if n else ""
+        print(f"{name}: {(fn.__doc__ or '').strip().splitlines()[0]}{shown}")
     return 0
 
 

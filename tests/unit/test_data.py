@@ -122,6 +122,14 @@ def test_the_arithmetic_task_brings_its_own_examples_and_they_can_be_turned_off(
         DataConfig(examples=[{"prompt": "q"}])
 
 
+def test_plait_tasks_says_which_tasks_bring_examples(capsys):
+    from plait.cli import main
+
+    assert main(["tasks"]) == 0
+    lines = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "2 worked example(s)" in lines["arithmetic"] and "worked example" not in lines["multiply"]
+
+
 def test_arithmetic_is_deterministic_correct_and_held_out():
     a, b = arithmetic("train", 500, seed=3), arithmetic("train", 500, seed=3)
     assert a == b
