@@ -96,6 +96,9 @@ def test_examples_come_before_each_prompt_after_the_system_message():
         "<user> What is 2 + 2? <assistant>"
     )
     assert prompts[0].messages[-1] == {"role": "user", "content": "What is 2 + 2?"}
+    assert prompts[0].source == "What is 2 + 2?"  # a standard prompt reaches rewards as the row's own text
+    conversational = build_prompts(rows[:1], FakeTokenizer(), cfg.model_copy(update={"conversational": True}))
+    assert conversational[0].source == prompts[0].messages and len(prompts[0].messages) == 6  # as the model saw it
     assert any("1 of 2 prompts are also data.examples (first: row 1)" in line for line in logs)
     # a row's own messages keep their system message first; without a chat template the turns are lines
     cfg = DataConfig(task=None, path="x", messages_field="msgs", examples=shots[:1], chat_template=False)
