@@ -35,7 +35,7 @@ class StepMeter:
         self.local_generation = local_generation  # generation runs on the training devices (not a server)
 
     def flops(
-        self, groups: list[Group], iterations: int, prepass_forwards: int, trained_share: float = 1.0
+        self, groups: list[Group], iterations: int, prepass_forwards: float, trained_share: float = 1.0
     ) -> dict[str, float]:
         """This process's useful model FLOPs per phase (each group's prompt counted once);
         `trained_share`: the share of the loss tokens that went through forward and backward

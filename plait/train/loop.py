@@ -45,7 +45,7 @@ from plait.train.metrics import (
 from plait.train.rollouts import staleness
 from plait.train.sampling import SamplingStats
 from plait.train.setup import Run, TrainResult, open_run, trainer_state
-from plait.train.update import logprob_prepass, policy_update, step_advantages
+from plait.train.update import advantages_first, logprob_prepass, policy_update, step_advantages
 from plait.types import Group
 
 
@@ -60,7 +60,7 @@ class RoundResult:
     sampling: SamplingStats  # generation rounds, kept groups, and the rewards' report
     accuracy: list[float] | None  # eval.metric on each completion (None: the data has no reference)
     update: dict[str, float]  # policy_update's metrics
-    prepass_forwards: int  # forward passes of the log-prob prepass
+    prepass_forwards: float  # forward passes of the log-prob prepass, in whole batches
     rollout: dict[str, float]  # async generation: the producer's time and pushes (empty when synchronous)
     hashes: dict[str, str | None]  # this process's, by stage (plait.train.hashes)
 
@@ -128,11 +128,13 @@ def train_round(run: Run, round_: int) -> RoundResult:
     with timer("score"):
         accuracy = step_accuracy(groups, run.metric, sampling)
     batch = collate(groups, run.engine.pad_id, cfg.algo.mask_truncated_completions)
+    names, weights = [r.name for r in run.rewards], [r.weight for r in run.rewards]
+    if advantages_first(cfg):  # the prepass then leaves out the rows they zero
+        batch.advantages = step_advantages(groups, batch, cfg, names, weights)
     with timer("logprobs"):
         forwards = logprob_prepass(batch, cfg, run.backend)
-    batch.advantages = step_advantages(
-        groups, batch, cfg, [r.name for r in run.rewards], [r.weight for r in run.rewards]
-    )
+    if not advantages_first(cfg):  # the KL in the reward: from the prepass's log-probs
+        batch.advantages = step_advantages(groups, batch, cfg, names, weights)
     hashes = rollout_hashes(groups, batch)  # what was sampled, scored and advantaged, for `plait diff`
     deep = hashes if cfg.train.deterministic else None  # ... and the trainer's gradient and weights
     update = policy_update(batch, cfg, run.backend, run.guard, round_, timer, deep)

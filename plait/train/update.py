@@ -1,8 +1,10 @@
 """The policy update of one round: log-prob prepass, advantages, and the clipped update.
 
-    batch (collated groups) -> logprob_prepass  (old and reference log-probs, no gradients)
-                            -> step_advantages  (algo.advantage_estimator, over every process's groups)
+    batch (collated groups) -> step_advantages  (algo.advantage_estimator, over every process's groups)
+                            -> logprob_prepass  (old and reference log-probs, no gradients)
                             -> policy_update    (num_iterations x steps_per_generation updates)
+
+(With the KL in the reward the advantages need the prepass's log-probs: prepass first.)
 
 The arithmetic lives in plait.algo (pure tensor functions); this module feeds it micro-batches
 and hands gradients to the backend.
@@ -93,27 +95,40 @@ def reference_logprobs(model, ref_model, mb: Batch, temperature: float, sharing:
         return sequence_logprobs(ref_model or model, mb, temperature, sharing=sharing)
 
 
+def advantages_first(cfg) -> bool:
+    """The advantages need no log-probs (no KL in the reward): computed before the prepass,
+    which then leaves out the rows they zero."""
+    return not cfg.algo.kl_in_reward
+
+
 @torch.no_grad()
-def logprob_prepass(batch: Batch, cfg, backend: Backend) -> int:
+def logprob_prepass(batch: Batch, cfg, backend: Backend) -> float:
     """Fill batch.old_logprobs (needed when the policy moves before a row is trained on, or
-    for the KL reward) and batch.ref_logprobs (beta > 0), micro-batch by micro-batch.
-    Returns the number of forward passes made over the batch."""
+    for the KL reward) and batch.ref_logprobs (beta > 0), micro-batch by micro-batch. Where the
+    update leaves zero-advantage rows out (`why_nothing_is_skipped`), so does the old pass (their
+    old log-probs stay 0: nothing reads them); batch.advantages must then be the round's.
+    Returns the forward passes made, in whole batches (a share of the loss tokens for a pass
+    that left rows out)."""
     a = cfg.algo
     # the policy moves before a row is trained on, or the KL reward needs them. (Stale rows of
     # async generation need none either when a round makes one update: their proximal policy
     # is then the trainer's own forward pass, detached; docs/algorithms.md)
     need_old = a.num_iterations > 1 or a.steps_per_generation > 1 or a.kl_in_reward
     if not need_old and a.beta == 0:
-        return 0
+        return 0.0
     model, ref_model = backend.module, backend.ref_model
     temperature = cfg.rollout.temperature or 1.0
     old = torch.zeros_like(batch.completion_mask, dtype=torch.float32)
     ref = torch.zeros_like(old)
     sharing = prompt_sharing(cfg, backend)
     size = cfg.train.micro_batch_size
-    for start, mb in zip(range(0, len(batch), size), micro_batches(batch, size)):
+    order = torch.arange(len(batch))
+    if a.beta == 0 and advantages_first(cfg) and why_nothing_is_skipped(cfg) is None:
+        order, _ = informative_rows(batch, size)
+    part = batch.map(lambda t: t[order])
+    for start, mb in zip(range(0, len(part), size), micro_batches(part, size)):
         mb = mb.to(backend.device)
-        rows, cols = slice(start, start + len(mb)), slice(0, mb.completion_mask.shape[1])
+        rows, cols = order[start : start + len(mb)], slice(0, mb.completion_mask.shape[1])
         with backend.autocast():
             if need_old:
                 old[rows, cols] = sequence_logprobs(model, mb, temperature, sharing=sharing).float().cpu()
@@ -121,7 +136,8 @@ def logprob_prepass(batch: Batch, cfg, backend: Backend) -> int:
                 ref[rows, cols] = reference_logprobs(model, ref_model, mb, temperature, sharing).float().cpu()
     batch.old_logprobs = old if need_old else None
     batch.ref_logprobs = ref if a.beta > 0 else None
-    return int(need_old) + int(a.beta > 0)
+    share = float(part.completion_mask.sum() / batch.completion_mask.sum().clamp(min=1))
+    return share * need_old + float(a.beta > 0)
 
 
 def step_advantages(
@@ -245,9 +261,9 @@ def why_nothing_is_skipped(cfg) -> str | None:
     return None
 
 
-def informative_first(chunk: Batch, mb_size: int) -> tuple[Batch, int]:
-    """`chunk` cut to the rows that can change the update (a nonzero advantage on a loss token),
-    in their order, and the number of rows it kept. Every process keeps the same number of
+def informative_rows(chunk: Batch, mb_size: int) -> tuple[torch.Tensor, int]:
+    """The indices of `chunk`'s rows that can change the update (a nonzero advantage on a loss
+    token), in their order, and how many there are. Every process keeps the same number of
     micro-batches (sharded backends gather weights per forward), at least one (so the backend's
     step sees a gradient, zero if need be): a process with fewer informative rows fills up with
     as few uninformative ones as that takes (one per missing micro-batch), which add exact zeros."""
@@ -256,7 +272,12 @@ def informative_first(chunk: Batch, mb_size: int) -> tuple[Batch, int]:
     kept = int(useful.sum())
     n_mbs = int(comm.all_max([max(1, -(-kept // mb_size))])[0])
     rows = max(kept, (n_mbs - 1) * mb_size + 1)  # the fewest that still make n_mbs micro-batches
-    order = torch.cat([useful.nonzero().flatten(), (~useful).nonzero().flatten()])[:rows]
+    return torch.cat([useful.nonzero().flatten(), (~useful).nonzero().flatten()])[:rows], kept
+
+
+def informative_first(chunk: Batch, mb_size: int) -> tuple[Batch, int]:
+    """`chunk` cut to its informative rows (informative_rows), and how many it kept."""
+    order, kept = informative_rows(chunk, mb_size)
     return chunk.map(lambda t: t[order]), kept
 
 

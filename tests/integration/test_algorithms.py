@@ -16,7 +16,13 @@ from plait.telemetry import PhaseTimer
 from plait.train.backends import LocalBackend
 from plait.train.batch import collate, micro_batches
 from plait.train.loop import train
-from plait.train.update import accumulate_gradients, train_micro_batch, update_metrics, why_nothing_is_skipped
+from plait.train.update import (
+    accumulate_gradients,
+    logprob_prepass,
+    train_micro_batch,
+    update_metrics,
+    why_nothing_is_skipped,
+)
 from plait.types import Group, Prompt, SamplingParams
 
 
@@ -269,3 +275,46 @@ def test_leaving_zero_advantage_rows_out_keeps_the_gradient(tiny_model_path, los
     assert zero.abs().max() == 0.0
     if loss_type != "bnpo":
         assert zero_metrics["update/skipped_rows"] == 11 / 12  # one micro-batch of 1 row still runs
+
+
+def test_the_old_log_prob_pass_leaves_zero_advantage_rows_out_too(tiny_model_path):
+    """With num_iterations 2 the old log-probs come from a prepass. Where the update leaves
+    zero-advantage rows out, the prepass forwards only the rows it trains: their old log-probs
+    equal those of a prepass over every row, the gradient of an update that reads them is the
+    same, and the forward work it reports is the kept rows' share of the loss tokens."""
+    tok = load_tokenizer(str(tiny_model_path))
+    model = load_model(str(tiny_model_path))
+    prompts = [Prompt(i, t, tok(t)["input_ids"]) for i, t in enumerate(["What is 2 + 2?", "Name a colour", "Hi"])]
+    outs = HFEngine(model, tok).generate(prompts, SamplingParams(max_tokens=10, temperature=1.0, seed=5), n=4)
+    batch = collate([Group(p, cs) for p, cs in zip(prompts, outs)], tok.pad_token_id)
+    batch.advantages = torch.randn(12, generator=torch.Generator().manual_seed(1))
+    batch.advantages[4:8] = 0.0  # the second group all-equal
+    backend = LocalBackend.wrap(model)
+    useful = batch.advantages != 0
+
+    def prepass_and_gradient(skip: bool):
+        cfg = load_config(
+            None,
+            [
+                "algo.num_iterations=2",
+                "train.precision=fp32",
+                "train.micro_batch_size=2",
+                "rollout.max_completion_length=10",
+                f"train.skip_zero_advantage={str(skip).lower()}",
+            ],
+        )
+        forwards = logprob_prepass(batch, cfg, backend)
+        old = batch.old_logprobs.clone()
+        model.zero_grad()
+        accumulate_gradients(batch, cfg, LossSettings.from_algo(cfg.algo), backend, PhaseTimer(), defaultdict(float))
+        return old, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), forwards
+
+    old_all, grad_all, forwards_all = prepass_and_gradient(False)
+    old_kept, grad_kept, forwards_kept = prepass_and_gradient(True)
+    assert forwards_all == 1.0
+    kept_share = float(batch.completion_mask[useful].sum() / batch.completion_mask.sum())
+    assert forwards_kept == pytest.approx(kept_share) and kept_share < 1.0
+    assert torch.allclose(old_kept[useful], old_all[useful], atol=1e-5, rtol=0)
+    assert old_kept[~useful].abs().max() == 0.0 and old_all[~useful].abs().max() > 0  # never forwarded
+    assert grad_all.abs().max() > 0
+    assert torch.allclose(grad_kept, grad_all, atol=1e-7, rtol=1e-5), (grad_kept - grad_all).abs().max()
