@@ -270,7 +270,8 @@ def test_vllm_and_the_hf_engine_hold_the_same_conversations(tool_model, box):
     tok = load_tokenizer(tool_model)
     cfg = load_config(None, [f"model.name_or_path={tool_model}", "rollout.engine=vllm", "train.precision=fp32"])
     model = AutoModelForCausalLM.from_pretrained(tool_model, dtype=torch.float32)
-    prompts = build_prompts(load_rows(cfg.data.model_copy(update={"task": "multiply"}), "eval")[:4], tok, cfg.data)
+    data = cfg.data.model_copy(update={"task": "multiply"})
+    prompts = build_prompts(load_rows(data, "eval")[:4], tok, data)
     runner, turns = python_runner(box), ChatTurns(tok)
     hf = ToolEngine(
         make_engine(load_config(None, ["train.precision=fp32"]), model, tok), tok, ToolsConfig(), runner, turns
