@@ -122,10 +122,10 @@ def logprob_prepass(batch: Batch, cfg, backend: Backend) -> float:
     ref = torch.zeros_like(old)
     sharing = prompt_sharing(cfg, backend)
     size = cfg.train.micro_batch_size
-    order = torch.arange(len(batch))
-    if a.beta == 0 and advantages_first(cfg) and why_nothing_is_skipped(cfg) is None:
+    order, part = torch.arange(len(batch)), batch
+    if advantages_first(cfg) and why_nothing_is_skipped(cfg) is None:  # (beta is 0 there)
         order, _ = informative_rows(batch, size)
-    part = batch.map(lambda t: t[order])
+        part = batch.map(lambda t: t[order])
     for start, mb in zip(range(0, len(part), size), micro_batches(part, size)):
         mb = mb.to(backend.device)
         rows, cols = order[start : start + len(mb)], slice(0, mb.completion_mask.shape[1])
