@@ -281,11 +281,13 @@ class RolloutConfig(Section):
         "when a round's generation starts (faster decoding matmuls, for one extra copy of the weights while "
         "generating).",
     )
-    lora_push: Literal["adapter", "merged"] = Field(
-        "adapter",
-        description="With model.lora and generation in another process (engine hf with max_staleness > 0, a rollout "
-        "server): send the engine the adapter alone each round (it adds B @ A x scale to its base copy), or the "
-        "merged weights. Engines that can't take an adapter (vLLM) get merged weights either way.",
+    lora_push: Literal["auto", "adapter", "merged"] = Field(
+        "auto",
+        description="With model.lora and an engine that does not sample from the trainer's own model (vLLM, "
+        "colocated or on rollout servers; the HF engine's generation process): send it the adapter alone each round "
+        "(vLLM loads it with its own LoRA support, rank up to 512; the HF generation process adds B @ A x scale to "
+        "its base copy), or the merged weights. auto: the adapter, except to vLLM on CPU, whose LoRA kernels make "
+        "sampling several times slower than merged weights do.",
     )
     two_stage: TwoStageConfig | None = Field(
         None,

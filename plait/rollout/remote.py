@@ -34,6 +34,7 @@ from plait.rollout.weights import (
     adapter_part,
     adapter_weights,
     full_weights,
+    lora_rank,
     metas_of,
     plan_buckets,
     pushes_adapters,
@@ -279,11 +280,16 @@ class RemoteEngine:
 
     def takes_adapter(self, model, healths: list[dict] | None = None) -> bool:
         """Training rank 0: does this push send `model`'s LoRA adapter alone? rollout.lora_push
-        says so, the model's only trained weights are its adapter's, and every replica can
-        apply one (the HF engine can; vLLM's servers get merged weights)."""
-        if self.lora_push != "adapter" or not pushes_adapters(model):
+        allows it, the model's only trained weights are its adapter's, and every replica can
+        apply one of its rank (the HF engine can; vLLM's servers where they were started with the
+        run's model.lora, whose rank bound its rank must not pass)."""
+        if self.lora_push == "merged" or not pushes_adapters(model):
             return False
-        return all(h.get("adapters") for h in (healths if healths is not None else self._healths()))
+        rank = lora_rank(model)
+        return all(
+            h.get("adapters") and rank <= (h.get("max_lora_rank") or rank)
+            for h in (healths if healths is not None else self._healths())
+        )
 
     def stats(self) -> dict[str, float]:
         """The last weights_for_step's broadcast: gigabytes sent and seconds per gigabyte (on

@@ -62,6 +62,8 @@ from plait.rollout.api import (
     log,
 )
 from plait.rollout.auth import ENV
+from plait.rollout.vllm_engine import Adapters, refused_adapter
+from plait.rollout.weights import adapter_part
 
 
 class _Gate:
@@ -107,9 +109,16 @@ class VllmReplica:
     def __init__(self, engine_kwargs: dict):
         self.kwargs = engine_kwargs
         self.engine = None
+        # vLLM's own LoRA (started with model.lora): adapter pushes are loaded as LoRA requests
+        self.adapters = Adapters() if engine_kwargs.get("enable_lora") else None
 
     def describe(self) -> dict:
-        return dict(tensor_parallel_size=self.kwargs.get("tensor_parallel_size", 1), model=self.kwargs["model"])
+        return dict(
+            tensor_parallel_size=self.kwargs.get("tensor_parallel_size", 1),
+            model=self.kwargs["model"],
+            adapters=self.adapters is not None,
+            max_lora_rank=self.kwargs.get("max_lora_rank"),
+        )
 
     def limits(self) -> tuple[int, int]:
         """(longest prompt + completion, vocabulary size) of the served model."""
@@ -125,6 +134,8 @@ class VllmReplica:
         engine, self.engine = self.engine, None
         engine.shutdown()
         del engine  # AsyncLLM.__del__ shuts down again: now, not at interpreter exit (a traceback there)
+        if self.adapters is not None:
+            self.adapters.close()
 
     def failure(self) -> str | None:
         """Why the engine can serve nothing more (its engine-core process died), or None."""
@@ -141,7 +152,9 @@ class VllmReplica:
 
         # FINAL_ONLY: one answer holding all n completions (streamed answers come per completion)
         params = SamplingParams(**req["sampling"], output_kind=RequestOutputKind.FINAL_ONLY)
-        async for out in self.engine.generate({"prompt_token_ids": req["token_ids"]}, params, uuid.uuid4().hex):
+        lora = self.adapters.current if self.adapters is not None else None
+        prompt = {"prompt_token_ids": req["token_ids"]}
+        async for out in self.engine.generate(prompt, params, uuid.uuid4().hex, lora_request=lora):
             final = out
         return output_dicts(final)
 
@@ -154,8 +167,34 @@ class VllmReplica:
     async def receive(self, metas: list, buckets: list, version: int, shared: bool = False) -> None:
         if shared:
             raise ValueError("a vLLM replica takes weights through the weight group only, not shared memory")
+        adapter = [adapter_part(m[0]) is not None for m in metas]
+        if any(adapter):
+            await self._receive_adapter(metas, buckets, version, all(adapter))
+            return
         await self.engine.collective_rpc("plait_receive_weights", args=(metas, buckets))
         await self.engine.reset_prefix_cache()  # cached prompt KV came from the old weights
+        if self.adapters is not None:  # the base now holds whatever the push merged in
+            await self._remove(self.adapters.drop())
+
+    async def _receive_adapter(self, metas: list, buckets: list, version: int, adapter_only: bool) -> None:
+        if self.adapters is None:
+            raise ValueError(
+                "a LoRA adapter push to a replica started without vLLM's LoRA: start `plait rollout-server` with "
+                "the run's config (its model.lora), or set rollout.lora_push=merged"
+            )
+        if not adapter_only:
+            raise ValueError("a push that mixes LoRA adapter parts with whole weights")
+        request = self.adapters.request(version)  # the first worker writes its folder
+        await self.engine.collective_rpc("plait_receive_adapter", args=(metas, buckets, request.lora_path))
+        try:
+            await self.engine.add_lora(request)
+        except Exception as e:
+            raise refused_adapter(e) from e
+        await self._remove(self.adapters.swap(request))
+
+    async def _remove(self, request) -> None:
+        if request is not None:
+            await self.engine.remove_lora(request.lora_int_id)
 
 
 WATCH_S = 0.5  # how often an idle replica checks that its engine is alive

@@ -14,6 +14,10 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,7 +25,15 @@ import torch
 
 from plait.models import pad_id_of
 from plait.rollout.hf import group_seed
-from plait.rollout.weights import TensorMeta, full_weights, receive_buckets, weight_group
+from plait.rollout.weights import (
+    TensorMeta,
+    adapter_weights,
+    full_weights,
+    pushes_adapters,
+    receive_buckets,
+    weight_group,
+    write_lora_adapter,
+)
 from plait.types import Completion, Prompt, SamplingParams
 
 
@@ -106,7 +118,72 @@ def engine_kwargs(cfg, model_path: str, device: torch.device, tensor_parallel_si
         kw["kv_cache_memory_bytes"] = int((v.kv_cache_gb or 1.0) * 2**30)
     else:
         kw["gpu_memory_utilization"] = v.gpu_memory_utilization
-    return {**kw, **v.engine_kwargs}
+    return {**kw, **lora_kwargs(cfg, device), **v.engine_kwargs}
+
+
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM takes for max_lora_rank
+
+
+def lora_kwargs(cfg, device: torch.device) -> dict[str, Any]:
+    """vLLM's own LoRA, for a run that pushes its adapter alone (model.lora; rollout.lora_push
+    adapter, or auto off CPU: vLLM's CPU LoRA ops copy each token's adapter out before a
+    matmul, bench/vllm_lora.py): the smallest rank bound vLLM takes that holds the run's r, one
+    adapter live at a time (an update waits for the requests of the one before), and room for
+    the next beside it while it loads. {} otherwise (merged weights are pushed)."""
+    lora, push = cfg.model.lora, cfg.rollout.lora_push
+    rank = next((r for r in MAX_LORA_RANKS if lora is not None and r >= lora.r), None)
+    if rank is None or push == "merged" or (push == "auto" and device.type == "cpu"):
+        return {}
+    return dict(enable_lora=True, max_lora_rank=rank, max_loras=1, max_cpu_loras=2)
+
+
+class Adapters:
+    """The LoRA adapter versions a vLLM engine samples with: each push is written as a peft
+    folder under a private temporary directory (in /dev/shm where there is one: memory, not
+    disk) and loaded under a new adapter id, then the previous one is dropped."""
+
+    def __init__(self):
+        shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+        self.root = Path(tempfile.mkdtemp(prefix="plait-lora-", dir=shm))
+        self.current = None  # the LoRARequest generation uses
+        self.nbytes = 0
+
+    def request(self, version: int):
+        """Version `version`'s LoRARequest, its folder empty (a stale one is cleared)."""
+        from vllm.lora.request import LoRARequest
+
+        folder = self.root / f"v{version}"
+        shutil.rmtree(folder, ignore_errors=True)
+        # ids must be unique per adapter and above 0; a resumed run's engine starts afresh
+        return LoRARequest(f"plait-v{version}", version + 1, str(folder))
+
+    def write(self, weights: list[tuple[str, torch.Tensor]], version: int):
+        """Write version `version`'s adapter; its LoRARequest (not yet in use)."""
+        request = self.request(version)
+        self.nbytes = write_lora_adapter(weights, request.lora_path)
+        return request
+
+    def swap(self, request):
+        """Use `request` from now on; the previous request, to be removed from the engine."""
+        old, self.current = self.current, request
+        if old is not None:
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        return old
+
+    def drop(self):
+        """No adapter any more (a merged push replaced the base): the previous request, if any."""
+        return self.swap(None)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def refused_adapter(e: Exception) -> ValueError:
+    return ValueError(
+        f"vLLM refused the LoRA adapter ({type(e).__name__}: {e}); it takes adapters on the linear layers of the "
+        "models it supports LoRA for: adapt those (model.lora.target_modules) or push merged weights "
+        "(rollout.lora_push=merged)"
+    )
 
 
 def cpu_environment(threads: int) -> None:
@@ -152,6 +229,13 @@ class WeightReceiver:
             pass
         return len(metas_)
 
+    def plait_receive_adapter(self, metas: list[list], buckets: list[list[int]], folder: str) -> int:
+        """A LoRA adapter push: every worker takes its part in the broadcast, the first writes
+        the adapter folder the engine then loads (its workers share a machine). Bytes written."""
+        metas_ = [TensorMeta(n, d, tuple(s)) for n, d, s in metas]
+        weights = [w for bucket in receive_buckets(self._plait_group, metas_, buckets, "cpu") for w in bucket]
+        return write_lora_adapter(weights, folder) if self.rank == 0 else 0
+
 
 @contextlib.contextmanager
 def _rng_kept():
@@ -191,16 +275,42 @@ class VLLMEngine:
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
         self.pad_id = pad_id_of(tokenizer)
+        self.adapters = Adapters() if kw.get("enable_lora") else None
+        self._last_sync: dict[str, float] = {}
 
     def weights_for_step(self, version: int):
-        """Load the trainer's weights after `version` optimizer steps (once per version)."""
+        """Load the trainer's weights after `version` optimizer steps (once per version): the
+        LoRA adapter alone where vLLM's LoRA is on and the adapter is all that trains, else the
+        whole model (an adapter merged in)."""
+        self._last_sync = {}
         if self.version != version:
             self._wake()
-            with self.view() as model, full_weights(model) as weights:
-                self.llm.collective_rpc("plait_load_weights", args=(weights,))
-                self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
+            t0 = time.perf_counter()
+            with self.view() as model:
+                if self.adapters is not None and pushes_adapters(model):
+                    with adapter_weights(model) as weights:
+                        self._load_adapter(weights, version)
+                    self._last_sync = {"weight_sync/gb": self.adapters.nbytes / 1e9, "weight_sync/adapter": 1.0}
+                else:
+                    with full_weights(model) as weights:
+                        self.llm.collective_rpc("plait_load_weights", args=(weights,))
+                    self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
+                    self._remove(self.adapters.drop() if self.adapters is not None else None)
+            self._last_sync["weight_sync/seconds"] = time.perf_counter() - t0
             self.version = version
         return contextlib.nullcontext()
+
+    def _load_adapter(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
+        request = self.adapters.write(weights, version)
+        try:  # loaded now, so a refused adapter stops the run here and not mid-generation
+            self.llm.llm_engine.add_lora(request)
+        except Exception as e:
+            raise refused_adapter(e) from e
+        self._remove(self.adapters.swap(request))  # prompt KV is cached per adapter: nothing to reset
+
+    def _remove(self, request) -> None:
+        if request is not None:
+            self.llm.llm_engine.remove_lora(request.lora_int_id)
 
     def generate(self, prompts: list[Prompt], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
         from vllm import SamplingParams as VSP
@@ -210,6 +320,7 @@ class VLLMEngine:
             [{"prompt_token_ids": p.token_ids} for p in prompts],
             [VSP(**sampling_dict(params, n, p)) for p in prompts],
             use_tqdm=False,
+            lora_request=self.adapters.current if self.adapters is not None else None,
         )
         if self.sleeps:
             self.llm.sleep(level=1)  # weights to CPU, KV cache freed: training gets the memory
@@ -217,8 +328,9 @@ class VLLMEngine:
         return [[to_completion(p, o, self.version) for o in output_dicts(ro)] for p, ro in zip(prompts, outs)]
 
     def stats(self) -> dict[str, float]:
-        """No weight-sync metrics: the weights are handed over in-process."""
-        return {}
+        """The last load's seconds, and for an adapter the bytes written for vLLM to load (a
+        merged load hands the trainer's tensors over in-process: nothing is sent)."""
+        return dict(self._last_sync)
 
     def health(self) -> dict:
         """Colocated: an engine that died takes this process with it."""
@@ -231,3 +343,5 @@ class VLLMEngine:
 
     def close(self) -> None:
         del self.llm
+        if self.adapters is not None:
+            self.adapters.close()

@@ -18,6 +18,7 @@ processes, other machines):
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -119,6 +120,12 @@ def pushes_adapters(model) -> bool:
     return bool(trained) and all(".lora_A." in n or ".lora_B." in n for n in trained)
 
 
+def lora_rank(model) -> int:
+    """The largest rank among a peft model's LoRA layers (its r, or a rank_pattern's)."""
+    (c,) = model.peft_config.values()
+    return max([c.r, *(c.rank_pattern or {}).values()])
+
+
 @contextlib.contextmanager
 def adapter_weights(model) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The LoRA adapter alone (pushes_adapters must hold): for each adapted layer, its A and B
@@ -146,6 +153,46 @@ def apply_adapter(base: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.T
     cast to the base's dtype."""
     delta = (parts["lora_B"] @ parts["lora_A"]) * float(parts["lora_scaling"])
     return (base.to(delta.dtype) + delta).to(base.dtype)
+
+
+def write_lora_adapter(weights: list[tuple[str, torch.Tensor]], folder: str | os.PathLike) -> int:
+    """An adapter push (`adapter_weights`' tensors, or the same received) as the peft adapter
+    folder vLLM loads through a LoRARequest; returns the bytes written. Each layer's scale is
+    folded into its B (as vLLM itself does when it loads one) and its alpha is its rank, so vLLM
+    (and peft) scale by exactly 1 whatever scales the layers had."""
+    from safetensors.torch import save_file
+
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in weights:
+        base, part = adapter_part(name) or (None, None)
+        if base is None:
+            raise ValueError(f"{name} is not part of a LoRA adapter push")
+        layers.setdefault(base.removesuffix(".weight"), {})[part] = t
+    tensors, ranks = {}, {}
+    for module, parts in layers.items():
+        A, B = parts["lora_A"], parts["lora_B"]
+        scaled = (B * float(parts["lora_scaling"])).to(B.dtype)
+        tensors[f"base_model.model.{module}.lora_A.weight"] = A.contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = scaled.contiguous()
+        ranks[module] = A.shape[0]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    r = max(ranks.values())
+    other = {m: k for m, k in ranks.items() if k != r}  # layers of another rank: alpha = their rank too
+    config = dict(
+        peft_type="LORA",
+        r=r,
+        lora_alpha=r,
+        rank_pattern=other,
+        alpha_pattern=other,
+        target_modules=sorted({m.rpartition(".")[2] for m in layers}),
+        bias="none",
+        use_rslora=False,
+        use_dora=False,
+    )
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[list[int]]:

@@ -25,6 +25,7 @@ from plait.plan import BatchPlan
 from plait.rewards import uses_sandbox
 from plait.rewards.runner import BoundReward, bind_metric, bind_rewards, close_rewards
 from plait.rollout import RolloutEngine, ahead_of_trainer, generation_site, make_engine, make_generator
+from plait.rollout.vllm_engine import MAX_LORA_RANKS, lora_kwargs
 from plait.rollout.weights import pushes_adapters
 from plait.sandbox.box import Sandbox
 from plait.telemetry import MetricsSink, PhaseTimer
@@ -210,7 +211,7 @@ def build_run(
     else:
         engine = make_engine(cfg, backend.module, tokenizer, view=backend.for_generation, device=backend.device)
 
-    note = lora_push_note(cfg, backend.module)
+    note = lora_push_note(cfg, backend.module, backend.device)
     if note:
         say(note)
 
@@ -264,19 +265,35 @@ def _in_process(cfg: Config) -> Config:
     return cfg
 
 
-def lora_push_note(cfg: Config, model) -> str | None:
-    """What a LoRA run sends a generation engine in another process each round."""
+def lora_push_note(cfg: Config, model, device: torch.device) -> str | None:
+    """What a LoRA run hands its generation engine each round, where that is not the trainer's
+    own model (the in-process HF engine samples from it directly)."""
     site = generation_site(cfg)
-    if cfg.model.lora is None or site == "trainer":
+    vllm = cfg.rollout.engine == "vllm"
+    if cfg.model.lora is None or (site == "trainer" and not vllm):
         return None
-    if site == "server":  # vLLM's servers
-        return "LoRA: rollout servers get merged weights each round (vLLM's own LoRA loading is not used)"
+    engine = {"server": "rollout servers get", "process": "the generation process gets"}.get(site, "vLLM gets")
     if cfg.rollout.lora_push == "merged":
-        return "LoRA: the generation process gets merged weights each round (rollout.lora_push=merged)"
+        return f"LoRA: {engine} merged weights each round (rollout.lora_push=merged)"
     if not pushes_adapters(model):
-        return "LoRA: the generation process gets merged weights each round (weights beyond the adapter are trained)"
+        return f"LoRA: {engine} merged weights each round (weights beyond the adapter are trained)"
+    if vllm and cfg.model.lora.r > MAX_LORA_RANKS[-1]:
+        return f"LoRA: {engine} merged weights each round (r={cfg.model.lora.r} is above vLLM's largest LoRA rank)"
     size = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.requires_grad)
     shown = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
+    if site == "server":
+        return (
+            f"LoRA: rollout servers get the adapter alone each round ({shown}) where they run vLLM's LoRA (started "
+            "with the run's model.lora on GPU, or with rollout.lora_push=adapter), merged weights otherwise "
+            "(weight_sync/adapter says which)"
+        )
+    if vllm and not lora_kwargs(cfg, device):
+        return (
+            "LoRA: vLLM gets merged weights each round (vLLM's CPU LoRA ops sample several times slower; "
+            "rollout.lora_push=adapter to load the adapter alone anyway)"
+        )
+    if vllm:
+        return f"LoRA: vLLM loads the adapter alone each round ({shown}; vLLM's LoRA, not merged weights)"
     return f"LoRA: the generation process gets the adapter alone each round ({shown})"
 
 

@@ -63,7 +63,7 @@ def train_cmd(nproc: int, args: list[str]) -> list[str]:
 class RolloutServer:
     """`plait rollout-server` as a user starts it, stopped (with its replicas) at exit."""
 
-    def __init__(self, model, dp: int, env, port: int | None = None, tp: int = 1):
+    def __init__(self, model, dp: int, env, port: int | None = None, tp: int = 1, sets: tuple[str, ...] = ()):
         self.port = port or free_port(span=dp)  # replica i listens on port + i
         cmd = [
             sys.executable,
@@ -80,6 +80,7 @@ class RolloutServer:
             str(dp),
             "--tp",
             str(tp),
+            *sum((["--set", a] for a in sets), []),
         ]  # listens on 127.0.0.1 by default
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -179,7 +180,7 @@ def test_colocated_engine_matches_the_trainer_before_and_after_an_update(vllm_mo
 
 def test_colocated_lora_training_under_torchrun_syncs_every_step(vllm_model, prompts_jsonl, tmp_path, helper_env):
     """2 training processes (ddp, LoRA), each with its own vLLM engine: the engine samples from
-    the trainer's current weights (adapter merged in) at every step."""
+    the trainer's current weights at every step, given the adapter alone (vLLM's own LoRA)."""
     out = tmp_path / "run"
     args = vllm_overrides(
         vllm_model,
@@ -188,6 +189,7 @@ def test_colocated_lora_training_under_torchrun_syncs_every_step(vllm_model, pro
         "train.backend=ddp",
         "eval.after=true",
         "model.lora={r: 4}",
+        "rollout.lora_push=adapter",  # on CPU too (auto pushes merged weights there: vLLM's CPU LoRA is slow)
         "train.learning_rate=1e-2",
     )
     proc = subprocess.run(train_cmd(2, args), capture_output=True, text=True, env=helper_env, timeout=900)
@@ -195,6 +197,9 @@ def test_colocated_lora_training_under_torchrun_syncs_every_step(vllm_model, pro
     m = metrics_of(out)
     assert [x["step"] for x in m] == [1, 2, 3]
     assert all(x["logprob_gap"] < SYNCED_GAP for x in m), [x["logprob_gap"] for x in m]
+    assert all(x["weight_sync/adapter"] == 1.0 for x in m)  # the adapter, loaded as a LoRA request
+    model_bytes = sum(f.stat().st_size for f in vllm_model.glob("*.safetensors"))
+    assert max(x["weight_sync/gb"] for x in m) * 1e9 < model_bytes / 10, [x["weight_sync/gb"] for x in m]
     assert json.loads((out / "eval.jsonl").read_text().splitlines()[-1])["tag"] == "after"  # eval through vLLM too
     assert (out / "final" / "model.safetensors").is_file()
 
@@ -430,11 +435,16 @@ def test_a_vllm_engine_given_corrupted_weights_stops_the_run(
             server.stop()
 
 
-def test_server_mode_generates_asynchronously(vllm_model, prompts_jsonl, tmp_path, helper_env):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-adapter"])
+def test_server_mode_generates_asynchronously(vllm_model, prompts_jsonl, tmp_path, helper_env, lora):
     """rollout.max_staleness=1 against a real rollout server: round t is sampled with the
     weights after round max(0, t-2) (the logprob gap shows the server held the older weights),
-    and the server ends holding the last version a round was scheduled on."""
-    server = RolloutServer(vllm_model, dp=1, env=helper_env)
+    and the server ends holding the last version a round was scheduled on. With LoRA (the
+    server started with the run's model.lora) each version reaches it as the adapter alone,
+    loaded with vLLM's own LoRA, and holds the trainer's weights just as closely."""
+    lora_sets = ("model.lora={r: 4}", "rollout.lora_push=adapter")  # vLLM's LoRA on CPU too
+    extra = (*lora_sets, "train.learning_rate=1e-2") if lora else ()
+    server = RolloutServer(vllm_model, dp=1, env=helper_env, sets=lora_sets if lora else ())
     try:
         out = tmp_path / "run"
         args = vllm_overrides(
@@ -445,6 +455,7 @@ def test_server_mode_generates_asynchronously(vllm_model, prompts_jsonl, tmp_pat
             f"rollout.vllm.servers=[{server.url}]",
             "rollout.max_staleness=1",
             "train.max_steps=4",
+            *extra,
         )
         proc = subprocess.run(train_cmd(1, args), capture_output=True, text=True, env=helper_env, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -453,5 +464,46 @@ def test_server_mode_generates_asynchronously(vllm_model, prompts_jsonl, tmp_pat
         assert [x["async/scheduled_version"] for x in m] == [0, 0, 1, 2]
         assert m[0]["logprob_gap"] < SYNCED_GAP < min(x["logprob_gap"] for x in m[1:])
         assert server.health()["version"] == 2
+        pushed = [x for x in m if x["async/weight_pushes"]]
+        assert pushed and all(x["weight_sync/adapter"] == float(lora) for x in pushed)
+        if lora:
+            assert server.health()["adapters"]
+            model_bytes = sum(f.stat().st_size for f in vllm_model.glob("*.safetensors"))
+            assert max(x["weight_sync/gb"] for x in pushed) * 1e9 < model_bytes / 10
+            _an_adapter_push_makes_the_server_decode_as_the_adapted_model(vllm_model, server)
     finally:
         server.stop()
+
+
+def _an_adapter_push_makes_the_server_decode_as_the_adapted_model(vllm_model, server):
+    """A trainer's adapter push, then greedy decoding: the server's tokens are the peft
+    model's own (its adapter far from zero, so the base alone would decode otherwise)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from plait.config import load_config
+    from plait.models import load_tokenizer
+    from plait.rollout import make_engine
+    from plait.types import Prompt, SamplingParams
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    tok = load_tokenizer(vllm_model)
+    sets = ["rollout.engine=vllm", "rollout.vllm.mode=server", f"rollout.vllm.servers=[{server.url}]"]
+    remote = make_engine(load_config(None, [*sets, "train.precision=fp32"]), model, tok)
+    prompts = [Prompt(i, "", tok(f"What is {i} plus {i + 3}?")["input_ids"]) for i in range(6)]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    with remote.weights_for_step(10):
+        served = remote.generate(prompts, greedy)
+    assert remote.stats()["weight_sync/adapter"] == 1.0
+    own = make_engine(load_config(None, ["train.precision=fp32"]), model, tok).generate(prompts, greedy)
+    with model.disable_adapter():
+        bare = make_engine(load_config(None, ["train.precision=fp32"]), model, tok).generate(prompts, greedy)
+    assert [c[0].token_ids for c in served] == [c[0].token_ids for c in own]
+    assert [c[0].token_ids for c in own] != [c[0].token_ids for c in bare]
+    remote.close()

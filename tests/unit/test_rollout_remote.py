@@ -3,6 +3,7 @@ the sampling/output mapping, the config checks and a missing server's error."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import time
 from types import SimpleNamespace
@@ -95,6 +96,88 @@ def test_full_weights_lists_tied_weights_once_and_merges_lora():
     assert torch.equal(
         peft.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight, base_q
     )  # unmerged after
+
+
+def test_an_adapter_push_written_as_a_peft_folder_loads_as_the_same_adapter(tmp_path):
+    """vLLM loads an adapter push from the folder write_lora_adapter makes: peft reading that
+    folder back onto the base model computes what the trained adapter computes (each layer's
+    scale folded into B; lora_alpha = r)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from plait.rollout.weights import adapter_weights, lora_rank, write_lora_adapter
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(cfg)
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+    lora = LoraConfig(r=4, lora_alpha=12, target_modules="all-linear", rank_pattern={"down_proj": 2})
+    trained = get_peft_model(base, lora)
+    with torch.no_grad():
+        for n, p in trained.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)  # B starts at zero: give the adapter an effect to reproduce
+    assert lora_rank(trained) == 4
+    with adapter_weights(trained) as weights:
+        nbytes = write_lora_adapter(weights, tmp_path / "v1")
+    config = json.loads((tmp_path / "v1" / "adapter_config.json").read_text())
+    assert config["r"] == config["lora_alpha"] == 4 and "q_proj" in config["target_modules"]
+    assert nbytes == sum(p.numel() * 4 for n, p in trained.named_parameters() if "lora_" in n)
+
+    fresh = LlamaForCausalLM(cfg)
+    fresh.load_state_dict(state)
+    loaded = PeftModel.from_pretrained(fresh, tmp_path / "v1")
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        want, got = trained(ids).logits, loaded(ids).logits
+        with loaded.disable_adapter():
+            bare = loaded(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (bare - want).abs().max() > 1e-2  # the adapter is what made them agree
+    with pytest.raises(ValueError, match="not part of a LoRA adapter"):
+        write_lora_adapter([("model.embed_tokens.weight", torch.zeros(2))], tmp_path / "bad")
+
+
+def test_vllm_gets_its_own_lora_for_adapter_pushes_with_a_rank_bound_it_takes():
+    from plait.rollout.vllm_engine import lora_kwargs
+
+    def kw(*sets, device="cuda"):
+        return lora_kwargs(load_config(None, ["rollout.engine=vllm", *sets]), torch.device(device))
+
+    assert kw() == {}  # no LoRA
+    assert kw("model.lora={r: 4}")["max_lora_rank"] == 8  # vLLM's rank bounds: 1, 8, 16, 32, ...
+    assert kw("model.lora={r: 16}") == dict(enable_lora=True, max_lora_rank=16, max_loras=1, max_cpu_loras=2)
+    assert kw("model.lora={r: 600}") == {}  # above vLLM's largest: merged weights
+    assert kw("model.lora={r: 16}", "rollout.lora_push=merged") == {}
+    assert kw("model.lora={r: 16}", device="cpu") == {}  # auto: vLLM's CPU LoRA ops are slow
+    assert kw("model.lora={r: 16}", "rollout.lora_push=adapter", device="cpu")["enable_lora"]
+
+
+def test_the_run_header_says_what_a_lora_run_pushes_to_each_engine():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from plait.train.setup import lora_push_note
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=4, target_modules="all-linear"))
+
+    def note(*sets, device="cpu"):
+        return lora_push_note(load_config(None, ["model.lora={r: 4}", *sets]), model, torch.device(device))
+
+    assert note() is None  # the in-process HF engine samples from the trainer's own model
+    assert note("rollout.engine=vllm", device="cuda").startswith("LoRA: vLLM loads the adapter alone each round (")
+    assert "vLLM's CPU LoRA ops sample several times slower" in note("rollout.engine=vllm")
+    assert note("rollout.engine=vllm", "rollout.lora_push=adapter").startswith("LoRA: vLLM loads the adapter")
+    server = ("rollout.engine=vllm", "rollout.vllm.mode=server", "rollout.vllm.servers=[http://127.0.0.1:1]")
+    assert "rollout servers get the adapter alone" in note(*server) and "merged weights otherwise" in note(*server)
+    assert note("rollout.engine=vllm", "rollout.lora_push=merged") == (
+        "LoRA: vLLM gets merged weights each round (rollout.lora_push=merged)"
+    )
+    assert "generation process gets the adapter alone" in note("rollout.generation_process=true")
+    assert "above vLLM's largest LoRA rank" in lora_push_note(
+        load_config(None, ["model.lora={r: 600}", "rollout.engine=vllm"]), model, torch.device("cuda")
+    )
 
 
 def test_sampling_and_outputs_map_to_plait_terms():
