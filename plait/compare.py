@@ -203,6 +203,12 @@ def describe(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def by_round(values: dict | None) -> dict[int, dict]:
+    """A metric's per-round entries keyed by round number (compare.json, read back, has them as
+    strings: drawn as they are, they would be categories in text order, 1, 10, 11, ..., 2)."""
+    return {int(r): v for r, v in (values or {}).items()}
+
+
 def figure(summary: dict, key: str) -> bytes | None:
     """One metric's curves: each group's mean per round and its min-max band over runs."""
     import io
@@ -211,11 +217,12 @@ def figure(summary: dict, key: str) -> bytes | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 3.2))
     drawn = False
     for label, g in summary["groups"].items():
-        by = g["rounds"].get(key)
+        by = by_round(g["rounds"].get(key))
         if not by:
             continue
         rounds = sorted(by)
@@ -234,6 +241,7 @@ def figure(summary: dict, key: str) -> bytes | None:
         return None
     ax.set_title(f"{key}: mean per round (thick), each run (thin); band: min to max over runs", fontsize=9)
     ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(key)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)

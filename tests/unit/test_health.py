@@ -90,3 +90,15 @@ def test_a_seed_groups_comparison_names_each_runs_notes(tmp_path):
     summary, page = compare([tmp_path / "group"], tmp_path / "out")
     assert "group/seed-1, learning: reward accuracy fell from its peak" in describe(summary)
     assert "at accuracy&#x27;s expense" in page.read_text()
+
+
+def test_compare_json_read_back_is_drawn_in_round_order(tmp_path):
+    """compare.json's rounds come back as strings; drawn from it, round 10 must still follow 9."""
+    import json
+
+    from plait.compare import by_round, figure
+
+    rounds = {str(r): {"mean": r / 20, "min": 0.0, "max": r / 10, "n": 2} for r in range(1, 13)}
+    summary = json.loads(json.dumps({"groups": {"a": {"rounds": {"accuracy": rounds}, "curves": {}}}}))
+    assert sorted(by_round(summary["groups"]["a"]["rounds"]["accuracy"])) == list(range(1, 13))
+    assert figure(summary, "accuracy")[:4] == b"\x89PNG"
