@@ -482,7 +482,7 @@ def cmd_eval(args) -> int:
     from plait.rewards.runner import bind_metric
     from plait.rollout import make_engine
     from plait.sandbox.box import Sandbox
-    from plait.tools import Tools
+    from plait.tools import Tools, tool_role
 
     cfg = _load(args)
     why = model_path_problem(args.model)
@@ -494,9 +494,8 @@ def cmd_eval(args) -> int:
         metric.sandbox = Sandbox.from_config(cfg.sandbox)
     tok = load_tokenizer(args.model)
     tools = Tools.from_config(cfg, tok)  # evaluate the policy as it was trained: with its tools
-    prompts = build_prompts(
-        load_rows(cfg.data, "eval", cfg.seed, cfg.environments), tok, cfg.data, tools=tools.schemas, envs=tools.envs
-    )
+    rows = load_rows(cfg.data, "eval", cfg.seed, cfg.environments)
+    prompts = build_prompts(rows, tok, cfg.data, tools=tools.schemas, envs=tools.envs, tool_role=tool_role(cfg))
     tools.check(prompts)
     from plait.train.backends import resolve_device
 

@@ -69,6 +69,23 @@ class Example(Section):
     completion: str = Field(
         ..., min_length=1, description="Its answer, written as the model should answer (the assistant's turn)."
     )
+    tool_output: str | None = Field(
+        None,
+        description="With tools: what the tool returned for the call `completion` ends with (shown as a tool turn, "
+        "in rollout.tools.role), so the example also shows the model going on after a tool's output.",
+    )
+    answer: str | None = Field(
+        None, min_length=1, description="With tool_output: the model's turn after it (e.g. the boxed final answer)."
+    )
+
+    @model_validator(mode="after")
+    def _whole_tool_call(self):
+        if (self.tool_output is None) != (self.answer is None):
+            raise ValueError(
+                "a worked tool call needs both tool_output (what the tool returned) and answer (the model's turn "
+                "after it); give both or neither"
+            )
+        return self
 
 
 class DataConfig(Section):
@@ -86,8 +103,9 @@ class DataConfig(Section):
     examples: list[Example] | None = Field(
         None,
         description="Worked examples [{prompt, completion}] put before every prompt as earlier turns of the "
-        "conversation (few-shot), in training and evaluation alike. null = the built-in task's own (arithmetic: "
-        "two), none for your own data; [] = none.",
+        "conversation (few-shot), in training and evaluation alike; with tools, an example can also show the tool's "
+        "output and the answer after it (tool_output, answer). null = the built-in task's own (arithmetic: two; "
+        "multiply: one tool call), none for your own data; [] = none.",
     )
     chat_template: bool | str = Field(
         True, description="Apply the tokenizer's chat template (true), none (false), or this Jinja template instead."

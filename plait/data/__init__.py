@@ -173,21 +173,29 @@ def load_rows(data_cfg, split: str, seed: int = 0, environments=None) -> list[di
     return read_file(path, data_cfg.format, data_cfg.split)
 
 
-def example_turns(data_cfg) -> list[dict]:
-    """`data.examples` (null: the built-in task's own) as alternating user and assistant turns."""
+def _examples(data_cfg) -> list[dict]:
+    """`data.examples` (null: the built-in task's own) as plain dicts."""
     examples = data_cfg.examples
     if examples is None:
         examples = task_examples(data_cfg.task) if data_cfg.task else []
+    return [e if isinstance(e, dict) else e.model_dump() for e in examples]
+
+
+def example_turns(data_cfg, tool_role: str = "tool") -> list[dict]:
+    """The worked examples as earlier turns: the user asks, the assistant answers; an example
+    with a tool call goes on as a tool run does, the tool's output in `tool_role`, then the
+    assistant's answer after it."""
     turns = []
-    for e in examples:
-        prompt, completion = (e["prompt"], e["completion"]) if isinstance(e, dict) else (e.prompt, e.completion)
-        turns += [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    for e in _examples(data_cfg):
+        turns += [{"role": "user", "content": e["prompt"]}, {"role": "assistant", "content": e["completion"]}]
+        if e.get("tool_output") is not None:
+            turns += [{"role": tool_role, "content": e["tool_output"]}, {"role": "assistant", "content": e["answer"]}]
     return turns
 
 
 def describe_examples(data_cfg) -> str | None:
     """The run header's line on the worked examples, if any."""
-    n = len(example_turns(data_cfg)) // 2
+    n = len(_examples(data_cfg))
     if not n:
         return None
     own = f"task {data_cfg.task}'s own; data.examples: [] for none"
@@ -203,15 +211,21 @@ def _after_system(messages: list[dict], turns: list[dict]) -> list[dict]:
 
 
 def build_prompts(
-    rows: list[dict], tokenizer, data_cfg, log=print, tools: list[dict] | None = None, envs=None
+    rows: list[dict],
+    tokenizer,
+    data_cfg,
+    log=print,
+    tools: list[dict] | None = None,
+    envs=None,
+    tool_role: str = "tool",
 ) -> list[Prompt]:
     """Map fields, apply the chat template (describing `tools`, JSON schemas, to the model where
     the template can), and drop (or reject) prompts that are too long. With `envs` (trl_env
     entries, plait/tools/environments.py) each row's environment adds its reset observation to the
-    prompt and describes its own tools."""
+    prompt and describes its own tools. `tool_role`: the role of a worked example's tool output."""
     prompts, too_long, answered = [], [], []
     key = data_cfg.messages_field or data_cfg.prompt_field
-    shots = example_turns(data_cfg)
+    shots = example_turns(data_cfg, tool_role)
     asked = {t["content"] for t in shots if t["role"] == "user"}
     for i, row in enumerate(rows):
         if key not in row:

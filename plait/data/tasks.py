@@ -137,11 +137,23 @@ CAPACITY: dict[str, Callable[[str], int]] = {
 }
 
 
-EXAMPLES: dict[str, tuple[dict, ...]] = {"arithmetic": ARITHMETIC_EXAMPLES}
+# One tool call worked through: the model writes a python block, the tool prints the product, the
+# model boxes it. 12345 has five digits, so the example is never one of the task's problems.
+MULTIPLY_EXAMPLES = (
+    {
+        "prompt": MULTIPLY_PROMPT.format(a=12345, b=678),
+        "completion": "```python\nprint(12345 * 678)\n```",
+        "tool_output": "8369910\n",
+        "answer": "12345 * 678 = \\boxed{8369910}",
+    },
+)
+
+EXAMPLES: dict[str, tuple[dict, ...]] = {"arithmetic": ARITHMETIC_EXAMPLES, "multiply": MULTIPLY_EXAMPLES}
 
 
 def task_examples(name: str) -> list[dict]:
-    """A built-in task's own worked examples ({"prompt", "completion"}), none for most."""
+    """A built-in task's own worked examples ({"prompt", "completion"}, and "tool_output" and
+    "answer" for one that calls a tool), none for most."""
     return [dict(e) for e in EXAMPLES.get(name, ())]
 
 

@@ -66,6 +66,11 @@ def tool_schemas(tools_cfg) -> list[dict] | None:
     return schemas + [function_schema(fn) for fn in tool_functions(tools_cfg).values()]
 
 
+def tool_role(cfg) -> str:
+    """The chat role tool outputs are given (a worked example's too)."""
+    return cfg.rollout.tools.role if cfg.rollout.tools is not None else "tool"
+
+
 def chat_turns(cfg, tokenizer) -> ChatTurns | None:
     """Tool turns rendered by the run's chat template; None when prompts are plain text."""
     own = cfg.data.chat_template if isinstance(cfg.data.chat_template, str) else None

@@ -32,7 +32,7 @@ from plait.telemetry import MetricsSink, PhaseTimer
 from plait.telemetry.flops import cpu_peak, device_peak, model_cost
 from plait.telemetry.memory import MemoryMeter
 from plait.telemetry.meter import StepMeter
-from plait.tools import Tools
+from plait.tools import Tools, tool_role
 from plait.train.backends.base import Backend
 from plait.train.determinism import deterministic_process
 from plait.train.guard import NonFiniteGuard
@@ -193,7 +193,9 @@ def build_run(
 
     def prompts_of(split: str):
         rows = load_rows(cfg.data, split, cfg.seed, cfg.environments)
-        return build_prompts(rows, tokenizer, cfg.data, log=say, tools=tools.schemas, envs=tools.envs)
+        return build_prompts(
+            rows, tokenizer, cfg.data, log=say, tools=tools.schemas, envs=tools.envs, tool_role=tool_role(cfg)
+        )
 
     prompts = prompts_of("train")
     evaluating = cfg.eval.before or cfg.eval.after or cfg.eval.every_steps

@@ -119,7 +119,7 @@ def test_the_arithmetic_task_brings_its_own_examples_and_they_can_be_turned_off(
         assert a > 50 and e["prompt"] not in problems and e["completion"] == f"{a} + {b} = \\boxed{{{a + b}}}"
     assert "2 worked example(s)" in describe_examples(default) and "task arithmetic's own" in describe_examples(default)
     assert example_turns(DataConfig(examples=[])) == [] and describe_examples(DataConfig(examples=[])) is None
-    assert example_turns(DataConfig(task="multiply")) == []  # a task without examples
+    assert example_turns(DataConfig(task="humaneval")) == []  # a task without examples
     assert example_turns(DataConfig(task=None, path="x")) == []  # the user's own data: none unless given
     with pytest.raises(ValueError, match="completion"):
         DataConfig(examples=[{"prompt": "q"}])
@@ -130,7 +130,43 @@ def test_plait_tasks_says_which_tasks_bring_examples(capsys):
 
     assert main(["tasks"]) == 0
     lines = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
-    assert "2 worked example(s)" in lines["arithmetic"] and "worked example" not in lines["multiply"]
+    assert "2 worked example(s)" in lines["arithmetic"] and "worked example" not in lines["humaneval"]
+    assert "1 worked example(s)" in lines["multiply"]
+
+
+def test_a_worked_tool_call_shows_the_tools_output_and_the_answer_after_it():
+    """An example with tool_output and answer goes on as a tool run does: the call, the tool's
+    output in the tools' role, the model's answer. The multiply task brings one: its product is
+    right, it is never a task problem, and its code block is what the python tool runs."""
+    from plait.data import describe_examples, example_turns
+    from plait.data.tasks import MULTIPLY_EXAMPLES, multiply
+    from plait.tools.calls import python_call
+
+    turns = example_turns(DataConfig(task="multiply"), tool_role="user")
+    assert [t["role"] for t in turns] == ["user", "assistant", "user", "assistant"]
+    (e,) = MULTIPLY_EXAMPLES
+    code = python_call(e["completion"])  # the turn ends at the block, as the model's would
+    a, b = (int(x) for x in code.removeprefix("print(").removesuffix(")").split(" * "))
+    assert e["tool_output"] == f"{a * b}\n" and e["answer"].endswith(f"\\boxed{{{a * b}}}")
+    problems = {r["prompt"] for r in multiply("train", 2000) + multiply("eval", 200)}
+    assert a > 9999 and e["prompt"] not in problems
+    assert "1 worked example(s)" in describe_examples(DataConfig(task="multiply"))
+    shots = [
+        {
+            "prompt": "What is 6 * 7?",
+            "completion": "```python\nprint(6 * 7)\n```",
+            "tool_output": "42\n",
+            "answer": "\\boxed{42}",
+        }
+    ]
+    cfg = DataConfig(task=None, path="x", prompt_field="question", examples=shots)
+    text = build_prompts([{"question": "What is 3 * 3?"}], FakeTokenizer(), cfg, tool_role="tool")[0].text
+    assert text == (
+        "<user> What is 6 * 7? <assistant> ```python\nprint(6 * 7)\n``` <tool> 42\n <assistant> \\boxed{42} "
+        "<user> What is 3 * 3? <assistant>"
+    )
+    with pytest.raises(ValueError, match="needs both tool_output"):
+        DataConfig(examples=[{"prompt": "q", "completion": "c", "tool_output": "42"}])
 
 
 def test_arithmetic_is_deterministic_correct_and_held_out():
