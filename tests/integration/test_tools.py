@@ -270,7 +270,7 @@ def test_vllm_and_the_hf_engine_hold_the_same_conversations(tool_model, box):
     tok = load_tokenizer(tool_model)
     cfg = load_config(None, [f"model.name_or_path={tool_model}", "rollout.engine=vllm", "train.precision=fp32"])
     model = AutoModelForCausalLM.from_pretrained(tool_model, dtype=torch.float32)
-    data = cfg.data.model_copy(update={"task": "multiply"})
+    data = cfg.data.model_copy(update={"task": "multiply", "examples": []})  # the prompts tool_model was taught on
     prompts = build_prompts(load_rows(data, "eval")[:4], tok, data)
     runner, turns = python_runner(box), ChatTurns(tok)
     hf = ToolEngine(
@@ -297,6 +297,7 @@ def tool_run(model, out, *extra):
     return [
         f"model.name_or_path={model}",
         "data.task=multiply",
+        "data.examples=[]",  # the bare prompts tool_model was taught to call the tool on
         "data.num_train=64",
         "data.num_eval=4",
         "rollout.prompts_per_step=2",
