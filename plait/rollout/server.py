@@ -111,12 +111,13 @@ class VllmReplica:
         self.engine = None
         # vLLM's own LoRA (started with model.lora): adapter pushes are loaded as LoRA requests
         self.adapters = Adapters() if engine_kwargs.get("enable_lora") else None
+        self.base_replaced = False  # a whole push replaced the base an adapter would be added to
 
     def describe(self) -> dict:
         return dict(
             tensor_parallel_size=self.kwargs.get("tensor_parallel_size", 1),
             model=self.kwargs["model"],
-            adapters=self.adapters is not None,
+            adapters=self.adapters is not None and not self.base_replaced,  # trainers push merged weights else
             max_lora_rank=self.kwargs.get("max_lora_rank"),
         )
 
@@ -174,6 +175,7 @@ class VllmReplica:
         await self.engine.collective_rpc("plait_receive_weights", args=(metas, buckets))
         await self.engine.reset_prefix_cache()  # cached prompt KV came from the old weights
         if self.adapters is not None:  # the base now holds whatever the push merged in
+            self.base_replaced = True
             await self._remove(self.adapters.drop())
 
     async def _receive_adapter(self, metas: list, buckets: list, version: int, adapter_only: bool) -> None:
@@ -184,6 +186,11 @@ class VllmReplica:
             )
         if not adapter_only:
             raise ValueError("a push that mixes LoRA adapter parts with whole weights")
+        if self.base_replaced:
+            raise ValueError(
+                "a LoRA adapter push after a whole-weights push replaced the base it would be added to: restart "
+                "the server (or set rollout.lora_push=merged)"
+            )
         request = self.adapters.request(version)  # the first worker writes its folder
         await self.engine.collective_rpc("plait_receive_adapter", args=(metas, buckets, request.lora_path))
         try:

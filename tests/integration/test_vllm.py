@@ -507,3 +507,15 @@ def _an_adapter_push_makes_the_server_decode_as_the_adapted_model(vllm_model, se
     assert [c[0].token_ids for c in served] == [c[0].token_ids for c in own]
     assert [c[0].token_ids for c in own] != [c[0].token_ids for c in bare]
     remote.close()
+
+    # a merged push replaces the base an adapter is added to: the server stops taking adapters,
+    # and the next LoRA trainer sends it merged weights, which it samples from as exactly
+    for step, push in ((11, "merged"), (12, "auto")):
+        cfg = load_config(None, [*sets, "train.precision=fp32", f"rollout.lora_push={push}"])
+        trainer = make_engine(cfg, model, tok)
+        with trainer.weights_for_step(step):
+            served = trainer.generate(prompts, greedy)
+        assert trainer.stats()["weight_sync/adapter"] == 0.0
+        assert [c[0].token_ids for c in served] == [c[0].token_ids for c in own]
+        assert not server.health()["adapters"]
+        trainer.close()
