@@ -124,6 +124,11 @@ def engine_kwargs(cfg, model_path: str, device: torch.device, tensor_parallel_si
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM takes for max_lora_rank
 
 
+def vllm_lora_rank(r: int) -> int | None:
+    """The smallest max_lora_rank vLLM takes that holds rank `r`; None above its largest."""
+    return next((bound for bound in MAX_LORA_RANKS if bound >= r), None)
+
+
 def lora_kwargs(cfg, device: torch.device) -> dict[str, Any]:
     """vLLM's own LoRA, for a run that pushes its adapter alone (model.lora; rollout.lora_push
     adapter, or auto off CPU: vLLM's CPU LoRA ops copy each token's adapter out before a
@@ -131,7 +136,7 @@ def lora_kwargs(cfg, device: torch.device) -> dict[str, Any]:
     adapter live at a time (an update waits for the requests of the one before), and room for
     the next beside it while it loads. {} otherwise (merged weights are pushed)."""
     lora, push = cfg.model.lora, cfg.rollout.lora_push
-    rank = next((r for r in MAX_LORA_RANKS if lora is not None and r >= lora.r), None)
+    rank = vllm_lora_rank(lora.r) if lora is not None else None
     if rank is None or push == "merged" or (push == "auto" and device.type == "cpu"):
         return {}
     return dict(enable_lora=True, max_lora_rank=rank, max_loras=1, max_cpu_loras=2)
@@ -146,7 +151,6 @@ class Adapters:
         shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
         self.root = Path(tempfile.mkdtemp(prefix="plait-lora-", dir=shm))
         self.current = None  # the LoRARequest generation uses
-        self.nbytes = 0
 
     def request(self, version: int):
         """Version `version`'s LoRARequest, its folder empty (a stale one is cleared)."""
@@ -158,10 +162,9 @@ class Adapters:
         return LoRARequest(f"plait-v{version}", version + 1, str(folder))
 
     def write(self, weights: list[tuple[str, torch.Tensor]], version: int):
-        """Write version `version`'s adapter; its LoRARequest (not yet in use)."""
+        """Write version `version`'s adapter: (its LoRARequest, not yet in use; bytes written)."""
         request = self.request(version)
-        self.nbytes = write_lora_adapter(weights, request.lora_path)
-        return request
+        return request, write_lora_adapter(weights, request.lora_path)
 
     def swap(self, request):
         """Use `request` from now on; the previous request, to be removed from the engine."""
@@ -289,8 +292,8 @@ class VLLMEngine:
             with self.view() as model:
                 if self.adapters is not None and pushes_adapters(model):
                     with adapter_weights(model) as weights:
-                        self._load_adapter(weights, version)
-                    self._last_sync = {"weight_sync/gb": self.adapters.nbytes / 1e9, "weight_sync/adapter": 1.0}
+                        nbytes = self._load_adapter(weights, version)
+                    self._last_sync = {"weight_sync/gb": nbytes / 1e9, "weight_sync/adapter": 1.0}
                 else:
                     with full_weights(model) as weights:
                         self.llm.collective_rpc("plait_load_weights", args=(weights,))
@@ -300,13 +303,15 @@ class VLLMEngine:
             self.version = version
         return contextlib.nullcontext()
 
-    def _load_adapter(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
-        request = self.adapters.write(weights, version)
+    def _load_adapter(self, weights: list[tuple[str, torch.Tensor]], version: int) -> int:
+        """Write and load version `version`'s adapter; the bytes written."""
+        request, nbytes = self.adapters.write(weights, version)
         try:  # loaded now, so a refused adapter stops the run here and not mid-generation
             self.llm.llm_engine.add_lora(request)
         except Exception as e:
             raise refused_adapter(e) from e
         self._remove(self.adapters.swap(request))  # prompt KV is cached per adapter: nothing to reset
+        return nbytes
 
     def _remove(self, request) -> None:
         if request is not None:

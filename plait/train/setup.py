@@ -25,7 +25,7 @@ from plait.plan import BatchPlan
 from plait.rewards import uses_sandbox
 from plait.rewards.runner import BoundReward, bind_metric, bind_rewards, close_rewards
 from plait.rollout import RolloutEngine, ahead_of_trainer, generation_site, make_engine, make_generator
-from plait.rollout.vllm_engine import MAX_LORA_RANKS, lora_kwargs
+from plait.rollout.vllm_engine import lora_kwargs, vllm_lora_rank
 from plait.rollout.weights import pushes_adapters
 from plait.sandbox.box import Sandbox
 from plait.telemetry import MetricsSink, PhaseTimer
@@ -279,7 +279,7 @@ def lora_push_note(cfg: Config, model, device: torch.device) -> str | None:
         return f"LoRA: {engine} merged weights each round (rollout.lora_push=merged)"
     if not pushes_adapters(model):
         return f"LoRA: {engine} merged weights each round (weights beyond the adapter are trained)"
-    if vllm and cfg.model.lora.r > MAX_LORA_RANKS[-1]:
+    if vllm and vllm_lora_rank(cfg.model.lora.r) is None:
         return f"LoRA: {engine} merged weights each round (r={cfg.model.lora.r} is above vLLM's largest LoRA rank)"
     size = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.requires_grad)
     shown = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"

@@ -501,9 +501,10 @@ def _an_adapter_push_makes_the_server_decode_as_the_adapted_model(vllm_model, se
     with remote.weights_for_step(10):
         served = remote.generate(prompts, greedy)
     assert remote.stats()["weight_sync/adapter"] == 1.0
-    own = make_engine(load_config(None, ["train.precision=fp32"]), model, tok).generate(prompts, greedy)
+    hf = make_engine(load_config(None, ["train.precision=fp32"]), model, tok)  # samples from the model itself
+    own = hf.generate(prompts, greedy)
     with model.disable_adapter():
-        bare = make_engine(load_config(None, ["train.precision=fp32"]), model, tok).generate(prompts, greedy)
+        bare = hf.generate(prompts, greedy)
     assert [c[0].token_ids for c in served] == [c[0].token_ids for c in own]
     assert [c[0].token_ids for c in own] != [c[0].token_ids for c in bare]
     remote.close()
