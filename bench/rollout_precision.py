@@ -7,9 +7,11 @@ have to carry).
 
 Each mode samples the same prompts (the demo's arithmetic questions) with the HF engine:
 `fp32 packed` (plait's default on CPU: oneDNN-packed weight copies), `fp32` (torch's matmul),
-`bf16` (the engine under bf16 autocast), `int8` (torch's dynamic quantization through fbgemm:
-int8 weights per output row, activations quantized per tensor on each call; the output head
-kept fp32) and `int8 all` (the head quantized too). The trainer's log-probs of every sampled
+`bf16` (the engine under bf16 autocast), `int8` (rollout.precision=int8: fbgemm's dynamic
+quantization, int8 weights with a scale per output row, activations quantized per tensor on each
+call, the output head kept fp32 packed; the weights are packed again on every generate call, as
+in a run, and that time is counted) and `int8 torch.ao` (torch.ao's quantize_dynamic: one scale per
+weight matrix, done once before timing). The trainer's log-probs of every sampled
 token are recomputed with the fp32 model, one completion at a time; the table gives the mean
 and largest |engine - trainer| log-prob over the sampled tokens and the KL of the trainer from
 the engine (k3 estimate over those tokens). Say which CPU ran it (`lscpu`).
@@ -30,11 +32,9 @@ from plait.rollout.hf import HFEngine
 from plait.types import Prompt, SamplingParams
 
 
-def int8_copy(model: torch.nn.Module, head_too: bool) -> torch.nn.Module:
-    """A copy whose nn.Linear layers multiply in int8 (torch.ao's dynamic quantization)."""
-    names = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    if not head_too:
-        names.discard("lm_head")
+def int8_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy whose nn.Linear layers but the head multiply in int8 (torch.ao's dynamic quantization)."""
+    names = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)} - {"lm_head"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch marks its quantized tensor types deprecated
         return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), names, dtype=torch.qint8)
@@ -80,8 +80,8 @@ def main() -> None:
         "fp32 packed": lambda: HFEngine(model, tok, batch_size=rows),
         "fp32": lambda: HFEngine(model, tok, batch_size=rows, packed_weights=False),
         "bf16": lambda: HFEngine(model, tok, batch_size=rows, precision="bf16"),
-        "int8": lambda: HFEngine(int8_copy(model, head_too=False), tok, batch_size=rows),
-        "int8 all": lambda: HFEngine(int8_copy(model, head_too=True), tok, batch_size=rows),
+        "int8": lambda: HFEngine(model, tok, batch_size=rows, precision="int8"),
+        "int8 torch.ao": lambda: HFEngine(int8_copy(model), tok, batch_size=rows),
     }
     print(f"{args.model}, {rows} rows x {args.tokens} tokens, CPU with {torch.get_num_threads()} threads")
     print(f"torch {torch.__version__}, ATen capability {torch.backends.cpu.get_cpu_capability()}\n")

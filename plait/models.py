@@ -8,6 +8,7 @@ and caches a normal safetensors folder, so every later load is a plain `from_pre
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import shutil
@@ -120,6 +121,22 @@ def autocast(device: torch.device, precision: str):
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line for line in f if line.startswith("flags")), ":").split(":", 1)[1].split())
+    except OSError:
+        return frozenset()
+
+
+def native_bf16_cpu() -> bool:
+    """The CPU multiplies bf16 in hardware (AVX512_BF16 or AMX) and torch's kernels may use it
+    (ATEN_CPU_CAPABILITY=avx2 caps them below)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and torch.backends.cpu.get_cpu_capability() != "AVX2"
 
 
 def enable_activation_checkpointing(model) -> None:

@@ -191,6 +191,29 @@ def check_async(cfg: Config, env: Env) -> list[str]:
     return out
 
 
+def check_rollout_precision(cfg: Config, env: Env) -> list[str]:
+    """int8 rollouts are the HF engine's, on a CPU, with weights that hold still during a call."""
+    r = cfg.rollout
+    if r.precision != "int8":
+        return []
+    out = []
+    if r.engine != "hf":
+        out.append(
+            "rollout.precision=int8 is engine hf's (fbgemm, on a CPU): for vLLM set rollout.precision=bf16 and "
+            "quantize with rollout.vllm.engine_kwargs: {quantization: fp8}"
+        )
+    if cfg.train.device == "cuda" or (cfg.train.device == "auto" and _cuda_available()):
+        out.append(
+            "rollout.precision=int8 runs on a CPU only: on a GPU use rollout.precision=bf16, or vLLM's quantization"
+        )
+    if r.inflight_updates:
+        out.append(
+            "rollout.precision=int8 quantizes the weights once per generation call, and rollout.inflight_updates=true "
+            "swaps them mid-call: turn one of them off"
+        )
+    return out
+
+
 # ---------------------------------------------------------------- logging and restarts
 
 
@@ -698,6 +721,7 @@ CHECKS: tuple[Check, ...] = (
     check_generation_devices,
     check_vllm,
     check_async,
+    check_rollout_precision,
     check_keep_best,
     check_log_sinks,
     check_restarts,

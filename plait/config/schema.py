@@ -299,6 +299,15 @@ class RolloutConfig(Section):
         "when a round's generation starts (faster decoding matmuls, for one extra copy of the weights while "
         "generating).",
     )
+    precision: Literal["auto", "fp32", "bf16", "int8"] = Field(
+        "auto",
+        description="What rollouts are sampled in; the trainer keeps train.precision and recomputes the old "
+        "log-probs in it. auto: fp32 for engine hf on a CPU (its packed fp32 decoding is as fast as bf16 on CPUs "
+        "with AVX512-BF16, and bf16 is several times slower without), else train.precision. bf16: bf16 autocast "
+        "(vLLM: dtype bfloat16). int8: engine hf on a CPU, int8 weights and activations through fbgemm: faster "
+        "sampling, but log-probs far from the trainer's (docs/vs-trl.md); algo.engine_is_correction defaults to "
+        "on with it. vLLM quantizes with rollout.vllm.engine_kwargs: {quantization: fp8}.",
+    )
     lora_push: Literal["auto", "adapter", "merged"] = Field(
         "auto",
         description="With model.lora and an engine that does not sample from the trainer's own model (vLLM, "
@@ -363,8 +372,9 @@ class RolloutConfig(Section):
         "auto",
         description="Drift guard: a round sampled with the weights it is trained from whose mean |engine - "
         "trainer| log-prob of the sampled tokens (logprob_gap) passes this stops the run before its checkpoint: "
-        "the engine does not hold the trainer's weights. auto = 0.01 in fp32, 0.1 in bf16; null = off. Rounds "
-        "sampled with older weights by design (max_staleness >= 1, in-flight updates) are not checked.",
+        "the engine does not hold the trainer's weights. auto = 0.01 in fp32, 0.1 in bf16, 2 with int8 rollouts "
+        "(the coarser of rollout.precision and train.precision decides); null = off. Rounds sampled with older weights "
+        "by design (max_staleness >= 1, in-flight updates) are not checked.",
     )
 
 

@@ -4,6 +4,7 @@ import contextlib
 
 from plait.rollout.base import RolloutEngine
 from plait.rollout.hf import HFEngine
+from plait.rollout.precision import rollout_precision
 
 
 __all__ = ["RolloutEngine", "HFEngine", "make_engine", "make_generator", "generation_site", "ahead_of_trainer"]
@@ -34,7 +35,7 @@ def make_engine(cfg, model, tokenizer, view=None, device=None) -> RolloutEngine:
             model,
             tokenizer,
             batch_size=cfg.rollout.batch_size,
-            precision=cfg.train.precision,
+            precision=rollout_precision(cfg, device or next(model.parameters()).device),
             view=view,
             packed_weights=cfg.rollout.packed_weights,
         )

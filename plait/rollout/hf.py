@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.models import autocast, pad_id_of
-from plait.rollout.packed import packed_linears
+from plait.rollout.packed import int8_linears, packed_linears
 from plait.types import Completion, Prompt, SamplingParams
 
 
@@ -128,11 +128,21 @@ class HFEngine:
     def close(self) -> None:
         pass
 
+    @contextlib.contextmanager
     def _packed(self, model):
-        """fp32 on CPU: decode through oneDNN-packed weight copies (see rollout/packed.py)."""
-        if self.packed_weights and self.precision == "fp32" and self._device.type == "cpu":
-            return packed_linears(model, self.batch_size)
-        return contextlib.nullcontext()
+        """On CPU: decode through packed weight copies (see rollout/packed.py), int8 ones for
+        precision int8 (the output head then takes the fp32 path)."""
+        if self._device.type != "cpu":
+            if self.precision == "int8":
+                raise ValueError("rollout.precision=int8 runs on CPU only: on a GPU use bf16, or vLLM's quantization")
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            if self.precision == "int8":
+                stack.enter_context(int8_linears(model))
+            if self.packed_weights and self.precision in ("fp32", "int8"):
+                stack.enter_context(packed_linears(model, self.batch_size))
+            yield
 
     @property
     def _device(self) -> torch.device:

@@ -24,6 +24,7 @@ from dataclasses import asdict
 import torch
 
 from plait.rollout import replica
+from plait.rollout.precision import rollout_precision
 from plait.rollout.weights import (
     SharedWeights,
     TensorMeta,
@@ -211,7 +212,7 @@ def generation_spec(cfg, device: torch.device, shared_weights: str | None = None
     return dict(
         engine="hf",
         model=str(resolve_model_path(cfg.model.name_or_path)),
-        precision=cfg.train.precision,
+        precision=rollout_precision(cfg, device),
         batch_size=r.batch_size,
         packed_weights=r.packed_weights,
         threads=r.generator_threads,

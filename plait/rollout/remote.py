@@ -28,6 +28,7 @@ import torch
 
 from plait import comm
 from plait.models import pad_id_of
+from plait.rollout.precision import rollout_precision
 from plait.rollout.vllm_engine import sampling_dict, to_completion
 from plait.rollout.weights import (
     SharedWeights,
@@ -143,7 +144,7 @@ class RemoteEngine:
         self.settings = v
         self.view = view
         self.pad_id = pad_id_of(tokenizer)
-        self.dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+        self.dtype = torch.bfloat16 if rollout_precision(cfg, device) == "bf16" else torch.float32
         self.backend = v.sync_backend if v.sync_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
         self.device = device
         if token is None:

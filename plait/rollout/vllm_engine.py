@@ -25,6 +25,7 @@ import torch
 
 from plait.models import pad_id_of
 from plait.rollout.hf import group_seed
+from plait.rollout.precision import rollout_precision
 from plait.rollout.weights import (
     TensorMeta,
     adapter_weights,
@@ -97,7 +98,7 @@ def engine_kwargs(cfg, model_path: str, device: torch.device, tensor_parallel_si
     longest = max(cfg.rollout.max_completion_length, cfg.eval.max_completion_length or 0)
     kw: dict[str, Any] = dict(
         model=model_path,
-        dtype="bfloat16" if cfg.train.precision == "bf16" else "float32",
+        dtype="bfloat16" if rollout_precision(cfg, device) == "bf16" else "float32",
         seed=cfg.seed,
         max_model_len=v.max_model_len or cfg.data.max_prompt_length + longest,
         tensor_parallel_size=tensor_parallel_size,

@@ -4,6 +4,9 @@ gradient norm), with what to try."""
 
 from __future__ import annotations
 
+import torch
+
+from plait.models import native_bf16_cpu
 from plait.types import round_of
 
 
@@ -23,9 +26,10 @@ def _generate(cfg) -> str:
 def _train(cfg) -> str:
     t = cfg.train
     tips = []
-    # not suggested for CPUs: bf16 autocast there costs learning (config.fast_precision)
-    if t.precision == "fp32" and t.device != "cpu":
+    if t.precision == "fp32" and (t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())):
         tips.append("train.precision=bf16 on a GPU with bf16")
+    elif t.precision == "fp32" and native_bf16_cpu():
+        tips.append("train.precision=bf16 (this CPU multiplies bf16 natively; rollouts stay fp32: docs/vs-trl.md)")
     if cfg.model.gradient_checkpointing:
         tips.append("model.gradient_checkpointing=false if memory allows (it recomputes the forward)")
     tips.append(f"a larger train.micro_batch_size (now {t.micro_batch_size}) if memory allows")

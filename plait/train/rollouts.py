@@ -33,6 +33,7 @@ import torch
 
 from plait import comm
 from plait.data import PromptOrder
+from plait.rollout.precision import rollout_precision
 from plait.rollout.remote import remote_engine
 from plait.rollout.weights import adapter_part, adapter_weights, full_weights
 from plait.telemetry import PhaseTimer
@@ -310,7 +311,8 @@ class AsyncRollouts:
         self.restored: tuple[list[Rollout], list[int]] | None = None
         self.taken_consumed: list[int] | None = None  # data positions after the last round taken
         self.close_engine = None
-        self.dtype = torch.bfloat16 if run.cfg.train.precision == "bf16" else torch.float32
+        # the dtype pushes travel in: the generation engine's own
+        self.dtype = torch.bfloat16 if rollout_precision(run.cfg, run.backend.device) == "bf16" else torch.float32
         self.adapters: bool | None = None  # does each push send the LoRA adapter alone (decided at the first)
 
     def load_state(self, state: SourceState) -> None:

@@ -24,7 +24,14 @@ from plait.models import load_tokenizer
 from plait.plan import BatchPlan
 from plait.rewards import uses_sandbox
 from plait.rewards.runner import BoundReward, bind_metric, bind_rewards, close_rewards
-from plait.rollout import RolloutEngine, ahead_of_trainer, generation_site, make_engine, make_generator
+from plait.rollout import (
+    RolloutEngine,
+    ahead_of_trainer,
+    generation_site,
+    make_engine,
+    make_generator,
+)
+from plait.rollout.precision import coarser, rollout_precision
 from plait.rollout.vllm_engine import lora_kwargs, vllm_lora_rank
 from plait.rollout.weights import pushes_adapters
 from plait.sandbox.box import Sandbox
@@ -35,7 +42,7 @@ from plait.telemetry.meter import StepMeter
 from plait.tools import Tools, tool_role
 from plait.train.backends.base import Backend
 from plait.train.determinism import deterministic_process
-from plait.train.guard import NonFiniteGuard
+from plait.train.guard import NonFiniteGuard, precisions
 from plait.train.metrics import describe_processes
 from plait.train.rollouts import RolloutSource, SourceState, make_rollout_source
 from plait.train.rundir import prepare_run_dir
@@ -133,10 +140,14 @@ def resolved_config(cfg: Config, plan: BatchPlan, backend: Backend, say) -> Conf
     cfg.train.micro_batch_size = plan.micro_batch_size
     cfg.train.gradient_accumulation_steps = plan.gradient_accumulation_steps
     a, r = cfg.algo, cfg.rollout
+    r.precision = rollout_precision(cfg, backend.device)
+    coarse_rollouts = r.precision != cfg.train.precision and coarser(r.precision, cfg.train.precision) == r.precision
     if a.engine_is_correction is None:
-        a.engine_is_correction = r.max_staleness > 0
+        a.engine_is_correction = r.max_staleness > 0 or coarse_rollouts
         if r.max_staleness:
             say(f"rollout.max_staleness={r.max_staleness}: stale samples are corrected by algo.engine_is_correction")
+        elif coarse_rollouts:
+            say(f"rollout.precision={r.precision}: its samples are corrected by algo.engine_is_correction")
     if generation_site(cfg) == "process" and backend.device.type == "cpu":
         cores = len(os.sched_getaffinity(0))
         if cfg.train.threads is None:  # the generation process and the trainer share the cores
@@ -167,7 +178,7 @@ def build_run(
     seed_everything(cfg.seed)
     say(
         f"[bold]plait[/] run dir {run_dir}  |  {plan.prompts_per_step} prompts x {plan.num_generations} generations "
-        f"over {plan.training_processes} process(es) ({backend.name}, {cfg.train.precision}), "
+        f"over {plan.training_processes} process(es) ({backend.name}, {precisions(cfg)[1]}), "
         f"micro-batch {plan.micro_batch_size} x {plan.gradient_accumulation_steps} accumulation"
     )
     for line in pinned:

@@ -7,6 +7,7 @@ import sys
 import plait_test_rewards
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from plait.config import load_config
@@ -177,8 +178,9 @@ def test_existing_run_dir_is_not_overwritten(tiny_model_path, prompts_jsonl, tmp
         ["model.lora={r: 4, alpha: 8}", "algo.beta=0.05", "algo.loss_type=bnpo"],
         ["train.precision=bf16", "algo.scale_rewards=batch"],
         ["algo.mask_truncated_completions=true"],
+        ["rollout.precision=int8"],
     ],
-    ids=["kl", "iterations", "lora", "bf16", "mask-truncated"],
+    ids=["kl", "iterations", "lora", "bf16", "mask-truncated", "int8-rollouts"],
 )
 def test_variants_train(tiny_model_path, prompts_jsonl, tmp_path, extra):
     out = tmp_path / "run"
@@ -195,6 +197,14 @@ def test_variants_train(tiny_model_path, prompts_jsonl, tmp_path, extra):
         assert all(m["completion/truncated"] == 1.0 and m["grad_norm"] == 0.0 for m in result.history)
         start, end = load_file(str(tiny_model_path / "model.safetensors")), final_weights(out)
         assert all(torch.equal(start[k], end[k]) for k in start)
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    # rollouts sample in fp32 on a CPU unless told otherwise, bf16 training included
+    assert resolved["rollout"]["precision"] == ("int8" if "rollout.precision=int8" in extra else "fp32")
+    if "rollout.precision=int8" in extra:
+        # int8 samples from a coarser policy: the correction is on by default, and the gap it weighs is
+        # measured every round, above fp32 rounding yet under the int8 drift limit (the guard stayed quiet)
+        assert resolved["algo"]["engine_is_correction"] is True
+        assert all(1e-4 < m["logprob_gap"] < 2.0 and m["engine/kl"] > 0 for m in result.history)
     if "algo.num_iterations=2" in extra:
         # the second pass is against the old log-probs of a policy one update behind: ratio != 1
         assert all(abs(m["ratio/mean"] - 1.0) > 1e-6 for m in result.history)

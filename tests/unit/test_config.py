@@ -1,4 +1,5 @@
 import pytest
+import torch
 import yaml
 
 from plait.config import Config, ConfigError, describe_options, load_config, validate
@@ -343,3 +344,28 @@ def test_estimator_options_that_belong_to_another_estimator_are_refused():
         load_config(None, ["algo.advantage_estimator=ppo"])
     for est in ("rloo", "opo", "reinforce_pp", "reinforce_pp_baseline"):
         validate(load_config(None, [f"algo.advantage_estimator={est}"]), world_size=1)
+
+
+def test_rollout_precision_is_checked_and_auto_is_fp32_for_the_hf_engine_on_cpu():
+    from plait.rollout.precision import rollout_precision
+
+    int8 = "rollout.precision=int8"
+    assert any("for vLLM set rollout.precision=bf16" in p for p in problems_of([int8, "rollout.engine=vllm"]))
+    inflight = problems_of([int8, "rollout.max_staleness=1", "rollout.inflight_updates=true"])
+    assert any("swaps them mid-call" in p for p in inflight)
+    validate(load_config(None, [int8, "rollout.max_staleness=1"]))  # a generation process quantizes per call
+    bf16 = load_config(None, ["train.precision=bf16"])
+    assert rollout_precision(bf16, torch.device("cpu")) == "fp32"  # packed fp32 decoding outruns bf16 on CPUs
+    assert rollout_precision(bf16, torch.device("cuda")) == "bf16"
+    assert rollout_precision(load_config(None, ["train.precision=bf16", "rollout.engine=vllm"])) == "bf16"
+    assert rollout_precision(load_config(None, ["train.precision=fp32", "rollout.precision=bf16"])) == "bf16"
+
+
+def test_the_drift_limit_follows_the_coarser_precision():
+    from plait.train.guard import EngineDrift, check_drift
+
+    int8 = load_config(None, ["train.precision=fp32", "rollout.precision=int8"])
+    check_drift(int8, 3, 0.8, sampled_version=2)  # int8's own rounding (SmolLM2-135M: 0.14-0.85)
+    with pytest.raises(EngineDrift, match=r"limit 2: rollout.max_logprob_gap, rollouts int8, training fp32"):
+        check_drift(int8, 3, 3.0, sampled_version=2)
+    check_drift(load_config(None, ["train.precision=bf16", "rollout.precision=fp32"]), 3, 0.05, 2)  # bf16's limit

@@ -1,5 +1,6 @@
 """The CPU fast paths behind plait's step time: the inverse-CDF sampler, oneDNN-packed decoding
-weights, and retained host memory. Each must give what the slow path gives."""
+weights, int8 rollouts, and retained host memory. Each must give what the slow path gives (int8:
+within its rounding)."""
 
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from plait.rollout.hf import HFEngine, inverse_cdf, sample_next
-from plait.rollout.packed import packed_linears, packing_available
+from plait.rollout.packed import int8_available, int8_linears, packed_linears, packing_available
 from plait.train.hostmem import glibc
 from plait.types import Prompt, SamplingParams
 
@@ -82,6 +83,59 @@ def test_engine_samples_the_same_with_packed_weights(tiny_model_path):
         for gp, gq in zip(plain, packed):
             for cp, cq in zip(gp, gq):
                 assert torch.allclose(torch.tensor(cp.logprobs), torch.tensor(cq.logprobs), atol=1e-4)
+
+
+class _HeadedModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.SiLU(), torch.nn.Linear(96, 64, bias=False))
+        self.head = torch.nn.Linear(64, 50, bias=False)
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+@pytest.mark.skipif(not int8_available(), reason="this torch has no fbgemm int8 kernels")
+def test_int8_linears_stay_near_fp32_keep_the_head_and_restore_the_model():
+    torch.manual_seed(0)
+    model = _HeadedModel()
+    x = torch.randn(5, 7, 64)
+    with torch.no_grad():
+        expected, body = model(x), model.body(x)
+        with int8_linears(model) as n:
+            assert n == 2 and "forward" not in model.head.__dict__  # the output head stays fp32
+            got, got_body = model(x), model.body(x)
+            with packed_linears(model) as rest:
+                assert rest == 1  # what the engine packs in fp32 inside: the head alone
+    relative = float((got_body - body).norm() / body.norm())
+    assert 1e-5 < relative < 0.03  # int8 rounding: not the fp32 numbers, but near them
+    assert float((got - expected).norm() / expected.norm()) < 0.03
+    assert not any("forward" in m.__dict__ for m in model.modules())  # restored
+    model(x).sum().backward()
+    assert model.body[0].weight.grad is not None
+
+
+@pytest.mark.skipif(not int8_available(), reason="this torch has no fbgemm int8 kernels")
+def test_engine_samples_in_int8_near_the_trainers_policy(tiny_model_path):
+    from plait.models import load_model, load_tokenizer
+
+    tok, model = load_tokenizer(str(tiny_model_path)), load_model(str(tiny_model_path))
+    prompts = [Prompt(i, t, tok(t)["input_ids"]) for i, t in enumerate(["What is 2 + 2?", "Name a colour."])]
+    groups = HFEngine(model, tok, precision="int8").generate(prompts, SamplingParams(max_tokens=12, seed=3), n=3)
+    gaps = []
+    with torch.no_grad():
+        for prompt, group in zip(prompts, groups):
+            for c in group:
+                ids = torch.tensor([prompt.token_ids + c.token_ids])
+                logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+                ours = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)[len(prompt.token_ids) - 1 :]
+                gaps.append((ours - torch.tensor(c.logprobs)).abs())
+    gap = torch.cat(gaps)
+    assert len(gap) == 2 * 3 * 12 and 1e-5 < float(gap.mean()) < 0.05  # sampled in int8, near the fp32 policy
+    assert not any("forward" in m.__dict__ for m in model.modules())  # the trainer's module is left as it was
 
 
 # PR_SET_THP_DISABLE: page faults counted in 4 KiB pages whatever the machine's transparent huge

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from plait.config import load_config
 from plait.models import load_model
-from plait.telemetry import PhaseTimer
+from plait.telemetry import PhaseTimer, advice
 from plait.telemetry.advice import suggestion
 from plait.telemetry.flops import device_peak, gpu_peak, measure_cpu_peak, model_cost
 from plait.telemetry.memory import MemoryMeter
@@ -122,14 +122,15 @@ def test_memory_peak_is_per_step():
     assert third["memory/rss_gb"] > 0
 
 
-def test_suggestion_names_the_dominant_phase_and_the_settings():
+def test_suggestion_names_the_dominant_phase_and_the_settings(monkeypatch):
     cfg = load_config(None, ["rollout.max_completion_length=256", "rollout.num_generations=8"])
     tip = suggestion({"generate": 0.78, "train": 0.2, "score": 0.02}, cfg)
     assert tip.startswith("generate is 78% of step time") and "rollout.engine=vllm" in tip
     assert "max_completion_length (now 256)" in tip and "num_generations (now 8)" in tip
-    assert "train.precision=bf16" in suggestion(
-        {"train": 0.6, "generate": 0.4}, load_config(None, ["train.precision=fp32"])
-    )
+    fp32 = load_config(None, ["train.precision=fp32", "train.device=cpu"])
+    for native in (True, False):  # bf16 is suggested on a CPU only where it multiplies bf16 natively
+        monkeypatch.setattr(advice, "native_bf16_cpu", lambda: native)
+        assert ("train.precision=bf16 (this CPU" in suggestion({"train": 0.6, "generate": 0.4}, fp32)) == native
     assert suggestion({"train": 0.45, "generate": 0.45, "idle": 0.1}, cfg) is None  # nothing dominates
 
 

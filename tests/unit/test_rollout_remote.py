@@ -284,6 +284,7 @@ def test_engine_arguments_follow_the_run_config():
         None,
         [
             "train.precision=bf16",
+            "rollout.engine=vllm",
             "data.max_prompt_length=100",
             "rollout.max_completion_length=50",
             "eval.max_completion_length=80",
