@@ -155,6 +155,12 @@ def resolved_config(cfg: Config, plan: BatchPlan, backend: Backend, say) -> Conf
         if r.generator_threads is None:
             r.generator_threads = max(1, cores - cfg.train.threads)
         say(f"on CPU: trainer {cfg.train.threads} thread(s), generation process {r.generator_threads}")
+        if r.max_staleness:
+            say(
+                "[yellow]async on one CPU splits its cores between generation and training, so each phase runs "
+                "slower: on a 2-core Zen 5 k=1 made 0.94x the synchronous default's rounds/hour (docs/async.md). "
+                "It gains where generation has a device of its own (rollout servers)"
+            )
     if cfg.train.deterministic and cfg.train.threads is None:  # written down, so a rerun uses the same count
         cfg.train.threads = torch.get_num_threads()
     if cfg.train.deterministic and r.packed_weights:  # oneDNN's packed kernels have no reproducible mode
