@@ -372,7 +372,7 @@ class RolloutConfig(Section):
         "auto",
         description="Drift guard: a round sampled with the weights it is trained from whose mean |engine - "
         "trainer| log-prob of the sampled tokens (logprob_gap) passes this stops the run before its checkpoint: "
-        "the engine does not hold the trainer's weights. auto = 0.01 in fp32, 0.1 in bf16, 2 with int8 rollouts "
+        "the engine does not hold the trainer's weights. auto = 0.01 in fp32, 0.5 in bf16, 2 with int8 rollouts "
         "(the coarser of rollout.precision and train.precision decides); null = off. Rounds sampled with older weights "
         "by design (max_staleness >= 1, in-flight updates) are not checked.",
     )

@@ -44,10 +44,12 @@ class EngineDrift(TrainingDiverged):
 
 # rollout.max_logprob_gap=auto. A healthy round stays far below (tiny test model, Intel Xeon with
 # AVX-512/AMX: fp32 ~4e-7 for the HF engine and vLLM, bf16 ~1e-4); an engine left one update
-# behind at the tests' learning rate (1e-3) shows ~0.1, corrupted weights more. int8 rollouts
-# sample from a coarser policy: SmolLM2-135M's healthy gap is 0.5-0.85 there (bench/rollout_precision.py),
-# so only gross corruption stands out.
-DRIFT_LIMITS = {"fp32": 1e-2, "bf16": 1e-1, "int8": 2.0}
+# behind at the tests' learning rate (1e-3) shows ~0.1, corrupted weights more. bf16 logits of a
+# real model are coarse: SmolLM2-135M trained in bf16 against fp32 rollouts showed up to 0.054 in
+# the demo and 0.135 in bench/vs_trl.py (Zen 5), a healthy run, so bf16's limit leaves room above
+# that. int8 rollouts sample from a coarser policy still: 0.1-0.85 on SmolLM2-135M
+# (bench/rollout_precision.py, the demo), so only gross corruption stands out there.
+DRIFT_LIMITS = {"fp32": 1e-2, "bf16": 0.5, "int8": 2.0}
 
 
 def drift_limit(cfg) -> float | None:
@@ -85,7 +87,7 @@ def check_drift(cfg, round_: int, gap: float, sampled_version: int) -> None:
             f"{gap:.3g} on average (limit {limit:g}: rollout.max_logprob_gap, {precisions(cfg)[1]}). The engine "
             "does not hold the trainer's weights: a weight sync failed or corrupted them, or another trainer "
             "updates the same rollout server. This round was not saved; checkpoints already written are intact: "
-            "fix the engine and rerun with resume=auto. (A healthy round stays near 1e-6 in fp32, 1e-3 in bf16; "
+            "fix the engine and rerun with resume=auto. (A healthy round stays near 1e-6 in fp32, under ~0.15 in bf16; "
             "rollout.max_logprob_gap=null turns the check off.)"
         )
 

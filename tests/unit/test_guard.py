@@ -100,6 +100,9 @@ def test_the_drift_guard_checks_synchronous_rounds_against_the_precisions_limit(
     fp32, bf16 = load_config(None, ["train.precision=fp32"]), load_config(None, ["train.precision=bf16"])
     check_drift(fp32, 3, 4e-7, sampled_version=2)  # healthy
     check_drift(bf16, 3, 0.05, sampled_version=2)  # within bf16's rounding, not fp32's
+    check_drift(bf16, 3, 0.14, sampled_version=2)  # a healthy SmolLM2-135M round in bf16 showed 0.135
+    with pytest.raises(EngineDrift, match=r"limit 0.5: rollout.max_logprob_gap, rollouts fp32, training bf16"):
+        check_drift(bf16, 3, 0.6, sampled_version=2)
     with pytest.raises(EngineDrift, match=r"round 3: .* by 0.02 on average \(limit 0.01.*resume=auto"):
         check_drift(fp32, 3, 0.02, sampled_version=2)
     check_drift(fp32, 3, float("nan"), sampled_version=2)  # the trainer's own numbers broke: the non-finite guard's
