@@ -24,13 +24,7 @@ from plait.models import load_tokenizer
 from plait.plan import BatchPlan
 from plait.rewards import uses_sandbox
 from plait.rewards.runner import BoundReward, bind_metric, bind_rewards, close_rewards
-from plait.rollout import (
-    RolloutEngine,
-    ahead_of_trainer,
-    generation_site,
-    make_engine,
-    make_generator,
-)
+from plait.rollout import RolloutEngine, ahead_of_trainer, generation_site, make_engine, make_generator
 from plait.rollout.precision import coarser, rollout_precision
 from plait.rollout.vllm_engine import lora_kwargs, vllm_lora_rank
 from plait.rollout.weights import pushes_adapters
@@ -163,6 +157,11 @@ def resolved_config(cfg: Config, plan: BatchPlan, backend: Backend, say) -> Conf
             )
     if cfg.train.deterministic and cfg.train.threads is None:  # written down, so a rerun uses the same count
         cfg.train.threads = torch.get_num_threads()
+    if cfg.train.deterministic and r.precision == "int8":
+        say(
+            "[yellow]train.deterministic: int8 rollouts run fbgemm's kernels for this CPU (7-bit activations where it "
+            "has no VNNI), which the kernel caps do not pin: another CPU kind samples other tokens"
+        )
     if cfg.train.deterministic and r.packed_weights:  # oneDNN's packed kernels have no reproducible mode
         r.packed_weights = False
         say("train.deterministic: rollout.packed_weights=false (generation through MKL's reproducible matmul)")
