@@ -73,16 +73,13 @@ def _int8_pack(module: torch.nn.Linear):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch marks its quantized tensor types deprecated (for torchao)
         qw = torch._make_per_channel_quantized_tensor(q, scale.squeeze(1).double(), zeros, 0)
-        bias = None if module.bias is None else module.bias.detach()
-        return torch.ops.quantized.linear_prepack(qw, bias)
+        return torch.ops.quantized.linear_prepack(qw, None if module.bias is None else module.bias.detach())
 
 
-def _int8_linear(module: torch.nn.Linear, packed, x: torch.Tensor) -> torch.Tensor:
+def _int8_linear(module: torch.nn.Linear, packed, x: torch.Tensor, reduce_range: bool) -> torch.Tensor:
     if x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
         return torch.nn.functional.linear(x, module.weight, module.bias)
-    # Without VNNI, fbgemm's AVX2 kernels add pairs of u8 x s8 products in int16, which full-range
-    # activations can saturate: reduce their range to 7 bits there (about twice the rounding error).
-    return torch.ops.quantized.linear_dynamic(x, packed, not {"avx512_vnni", "avx_vnni"} & cpu_flags())
+    return torch.ops.quantized.linear_dynamic(x, packed, reduce_range)
 
 
 def _onednn_pack(rows: int, module: torch.nn.Linear):
@@ -124,4 +121,7 @@ def int8_linears(model: torch.nn.Module):
             f"{torch.backends.quantized.supported_engines}: use rollout.precision=fp32"
         )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return _swapped(model, _int8_pack, _int8_linear, skip=[head] if head is not None else [])
+    # Without VNNI, fbgemm's AVX2 kernels add pairs of u8 x s8 products in int16, which full-range
+    # activations can saturate: reduce their range to 7 bits there (about twice the rounding error).
+    forward = functools.partial(_int8_linear, reduce_range=not {"avx512_vnni", "avx_vnni"} & cpu_flags())
+    return _swapped(model, _int8_pack, forward, skip=[head] if head is not None else [])

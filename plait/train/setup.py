@@ -135,7 +135,7 @@ def resolved_config(cfg: Config, plan: BatchPlan, backend: Backend, say) -> Conf
     cfg.train.gradient_accumulation_steps = plan.gradient_accumulation_steps
     a, r = cfg.algo, cfg.rollout
     r.precision = rollout_precision(cfg, backend.device)
-    coarse_rollouts = r.precision != cfg.train.precision and coarser(r.precision, cfg.train.precision) == r.precision
+    coarse_rollouts = coarser(r.precision, cfg.train.precision) != cfg.train.precision
     if a.engine_is_correction is None:
         a.engine_is_correction = r.max_staleness > 0 or coarse_rollouts
         if r.max_staleness:
