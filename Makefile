@@ -59,10 +59,15 @@ browser:
 # that has more: a tolerance or equality that holds on one CPU kind only then fails here, before
 # it lands (docs/testing.md). bf16 is left out: AVX2 has no bf16 instructions, so there it is
 # emulated and many times slower.
+# Two pytest-xdist workers: much of the suite waits on processes it started (servers, torchrun
+# jobs, sandboxes), so a second worker fills the idle core. tests/conftest.py keeps the tests that
+# start services of their own on one worker. `make test PARALLEL=` runs one process.
+PARALLEL ?= -n 2 --dist loadgroup
+
 AVX2_CAP := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 
 test: setup browser
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 $(PARALLEL)
 	@$(MAKE) --no-print-directory test-avx2
 
 test-avx2: setup

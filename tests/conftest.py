@@ -33,11 +33,24 @@ NUMERIC = {
 }
 
 
+# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`). These files start
+# services of their own (vLLM servers and engines, a Ray cluster) or train the real model: they
+# all go to one worker, so at most one of them runs at a time and the other worker takes the
+# light tests beside it.
+ONE_AT_A_TIME = {
+    "integration/test_vllm.py",
+    "integration/test_ray.py",
+    "integration/test_setup_and_offline.py",
+}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         where = Path(item.path).relative_to(HERE).as_posix()
         if where in NUMERIC or f"{where}::{item.originalname}" in NUMERIC:
             item.add_marker(pytest.mark.numeric)
+        if where in ONE_AT_A_TIME:
+            item.add_marker(pytest.mark.xdist_group("one_at_a_time"))
 
 
 @pytest.fixture(scope="session")
