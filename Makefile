@@ -61,8 +61,9 @@ browser:
 # emulated and many times slower.
 # Two pytest-xdist workers: much of the suite waits on processes it started (servers, torchrun
 # jobs, sandboxes), so a second worker fills the idle core. tests/conftest.py keeps the tests that
-# start services of their own on one worker. `make test PARALLEL=` runs one process.
-PARALLEL ?= -n 2 --dist loadgroup
+# start services of their own on one worker, and first (the order of tests/conftest.py, not
+# the number of tests per file). `make test PARALLEL=` runs one process.
+PARALLEL ?= -n 2 --dist loadgroup --no-loadscope-reorder
 
 AVX2_CAP := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 
@@ -73,11 +74,11 @@ test: setup browser
 test-avx2: setup
 	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then \
 	  echo "the numeric tests again, kernels capped to AVX2 ($(AVX2_CAP)):"; \
-	  $(AVX2_CAP) $(BIN)/python -m pytest -q -p no:cacheprovider -m numeric -k "not bf16"; \
+	  $(AVX2_CAP) $(BIN)/python -m pytest -q -p no:cacheprovider -m numeric -k "not bf16" $(PARALLEL); \
 	else echo "test-avx2: this CPU has no AVX-512: the suite above already ran on AVX2 kernels"; fi
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit $(PARALLEL)
 
 # The CUDA paths on a GPU machine (docs/gpu-tests.md): set TORCH_SPEC to a CUDA build of torch
 # (and VLLM_EXTRA=vllm for the vLLM test). PLAIT_TEST_DEVICE=cpu runs the same tests on a CPU.

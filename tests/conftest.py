@@ -33,10 +33,11 @@ NUMERIC = {
 }
 
 
-# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`). These files start
-# services of their own (vLLM servers and engines, a Ray cluster) or train the real model: they
-# all go to one worker, so at most one of them runs at a time and the other worker takes the
-# light tests beside it.
+# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`). An integration
+# file's tests stay on one worker, so its module fixtures (a taught model, a server) are made
+# once. These files start services of their own (vLLM servers and engines, a Ray cluster) or
+# train the real model: they share one worker, so at most one of them runs at a time and the
+# other worker takes lighter tests beside it. Being the longest unit of work, they come first.
 ONE_AT_A_TIME = {
     "integration/test_vllm.py",
     "integration/test_ray.py",
@@ -45,12 +46,13 @@ ONE_AT_A_TIME = {
 
 
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: Path(item.path).relative_to(HERE).as_posix() not in ONE_AT_A_TIME)
     for item in items:
         where = Path(item.path).relative_to(HERE).as_posix()
         if where in NUMERIC or f"{where}::{item.originalname}" in NUMERIC:
             item.add_marker(pytest.mark.numeric)
-        if where in ONE_AT_A_TIME:
-            item.add_marker(pytest.mark.xdist_group("one_at_a_time"))
+        if where.startswith("integration/"):
+            item.add_marker(pytest.mark.xdist_group("one_at_a_time" if where in ONE_AT_A_TIME else where))
 
 
 @pytest.fixture(scope="session")
