@@ -61,7 +61,7 @@ browser:
 # emulated and many times slower.
 # Two pytest-xdist workers: much of the suite waits on processes it started (servers, torchrun
 # jobs, sandboxes), so a second worker fills the idle core. tests/conftest.py keeps the tests that
-# start services of their own on one worker, and first (the order of tests/conftest.py, not
+# start services of their own on one worker, and last (the order of tests/conftest.py, not
 # the number of tests per file). `make test PARALLEL=` runs one process.
 PARALLEL ?= -n 2 --dist loadgroup --no-loadscope-reorder
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.models import autocast, pad_id_of
-from plait.rollout.packed import int8_linears, packed_linears
+from plait.rollout.packed import grouped_attention, int8_linears, packed_linears
 from plait.types import Completion, Prompt, SamplingParams
 
 
@@ -138,6 +138,7 @@ class HFEngine:
             yield
             return
         with contextlib.ExitStack() as stack:
+            stack.enter_context(grouped_attention(model))
             if self.precision == "int8":
                 stack.enter_context(int8_linears(model))
             if self.packed_weights and self.precision in ("fp32", "int8"):

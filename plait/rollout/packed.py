@@ -125,3 +125,46 @@ def int8_linears(model: torch.nn.Module):
     # activations can saturate: reduce their range to 7 bits there (about twice the rounding error).
     forward = functools.partial(_int8_linear, reduce_range=not {"avx512_vnni", "avx_vnni"} & cpu_flags())
     return _swapped(model, _int8_pack, forward, skip=[head] if head is not None else [])
+
+
+GROUPED = "plait_grouped_sdpa"
+
+
+def grouped_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' sdpa attention, but a decoding step (one query per row) of a model whose
+    query heads share key/value heads (GQA) multiplies each shared head once. transformers'
+    own sdpa path copies every shared key/value head per query head (`repeat_kv`) whenever a
+    mask is given, as it always is for a left-padded batch: with the growing cache that copy
+    was a quarter of a demo generation call on CPU (aten::copy_). Prefill goes to sdpa as is."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, heads, q_len, dim = query.shape
+    shared = key.shape[1]
+    if q_len != 1 or heads == shared or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    q = query.view(b, shared, heads // shared, dim)  # [b, kv heads, queries per kv head, dim]
+    scores = torch.matmul(q, key.transpose(-1, -2)) * (dim**-0.5 if scaling is None else scaling)
+    if attention_mask is not None:
+        mask = attention_mask[:, :, -1:, :]  # [b, 1, 1, L]: the last query's row
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    out = torch.matmul(scores.float().softmax(-1).to(value.dtype), value).view(b, heads, 1, dim)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def grouped_attention(model):
+    """Decode through grouped_attention_forward where the model runs transformers' sdpa."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    AttentionInterface.register(GROUPED, grouped_attention_forward)
+    AttentionMaskInterface.register(GROUPED, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    config._attn_implementation = GROUPED
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"

@@ -1,6 +1,6 @@
 """The CPU fast paths behind plait's step time: the inverse-CDF sampler, oneDNN-packed decoding
-weights, int8 rollouts, and retained host memory. Each must give what the slow path gives (int8:
-within its rounding)."""
+weights, int8 rollouts, grouped decoding attention, and retained host memory. Each must give what
+the slow path gives (int8: within its rounding)."""
 
 import subprocess
 import sys
@@ -136,6 +136,42 @@ def test_engine_samples_in_int8_near_the_trainers_policy(tiny_model_path):
     gap = torch.cat(gaps)
     assert len(gap) == 2 * 3 * 12 and 1e-5 < float(gap.mean()) < 0.05  # sampled in int8, near the fp32 policy
     assert not any("forward" in m.__dict__ for m in model.modules())  # the trainer's module is left as it was
+
+
+def test_grouped_decoding_attention_equals_sdpa_and_samples_the_same(tiny_model_path, monkeypatch):
+    import contextlib
+
+    import plait.rollout.hf as hf
+    from plait.models import load_model, load_tokenizer
+    from plait.rollout.packed import grouped_attention, grouped_attention_forward
+
+    class Attention(torch.nn.Module):
+        num_key_value_groups = 3
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(5, 6, 1, 16), torch.randn(5, 2, 9, 16), torch.randn(5, 2, 9, 16)
+    mask = torch.ones(5, 1, 1, 9, dtype=torch.bool)
+    mask[1, ..., :4] = mask[3, ..., :7] = False  # left padding
+    ours, _ = grouped_attention_forward(Attention(), q, k, v, mask)
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask
+    ).transpose(1, 2)
+    assert ours.shape == (5, 1, 6, 16) and torch.allclose(ours, theirs, atol=1e-5)
+
+    tok, model = load_tokenizer(str(tiny_model_path)), load_model(str(tiny_model_path))
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # the tiny model shares heads
+    prompts = [Prompt(i, t, tok(t)["input_ids"]) for i, t in enumerate(["What is 2 + 2?", "Name a colour, please."])]
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=3)
+    grouped = HFEngine(model, tok).generate(prompts, params, n=3)
+    monkeypatch.setattr(hf, "grouped_attention", lambda model: contextlib.nullcontext())
+    plain = HFEngine(model, tok).generate(prompts, params, n=3)
+    assert [[c.token_ids for c in g] for g in plain] == [[c.token_ids for c in g] for g in grouped]
+    lp = [torch.tensor([x for g in gs for c in g for x in c.logprobs]) for gs in (plain, grouped)]
+    assert torch.allclose(*lp, atol=1e-4) and not torch.equal(*lp)  # another kernel, the same policy
+    with pytest.raises(RuntimeError), grouped_attention(model):
+        assert model.config._attn_implementation != "sdpa"
+        raise RuntimeError
+    assert model.config._attn_implementation == "sdpa"  # the trainer's attention is left as it was
 
 
 # PR_SET_THP_DISABLE: page faults counted in 4 KiB pages whatever the machine's transparent huge
