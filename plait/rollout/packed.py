@@ -22,6 +22,10 @@ rows), so fbgemm it is. The output head stays fp32 (packed): its rounding would 
 logit. The sampled tokens then come from a slightly different policy than the trainer's; the
 trainer recomputes the old log-probs in full precision and algo.engine_is_correction weighs
 the gap (docs/vs-trl.md has the measurements).
+
+Attention: a decoding step of a model whose query heads share key/value heads goes through
+grouped_attention_forward, which multiplies each shared head once; transformers' sdpa path
+copies them out per query head whenever a mask is given (bench/decode_attention.py).
 """
 
 from __future__ import annotations
