@@ -60,9 +60,9 @@ browser:
 # it lands (docs/testing.md). bf16 is left out: AVX2 has no bf16 instructions, so there it is
 # emulated and many times slower.
 # Two pytest-xdist workers: much of the suite waits on processes it started (servers, torchrun
-# jobs, sandboxes), so a second worker fills the idle core. tests/conftest.py keeps the tests that
-# start services of their own on one worker, and last (the order of tests/conftest.py, not
-# the number of tests per file). `make test PARALLEL=` runs one process.
+# jobs, sandboxes), so a second worker fills the idle core. Each test is a unit of its own, handed
+# out in the order of tests/conftest.py (the tests that start vLLM or Ray last), not reordered by
+# xdist. `make test PARALLEL=` runs one process.
 PARALLEL ?= -n 2 --dist loadgroup --no-loadscope-reorder
 
 AVX2_CAP := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2

@@ -33,15 +33,13 @@ NUMERIC = {
 }
 
 
-# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`). An integration
-# file's tests stay on one worker, so its module fixtures (a taught model, a server) are made
-# once. These files start services of their own (vLLM servers and engines, a Ray cluster) or
-# train the real model: they share one worker, so at most one of them runs at a time, and they
-# come last: an in-process vLLM engine leaves state behind in its Python process that changes
-# later in-process runs there (test_agent's resumed run sampled other bits after
-# test_vllm.py::test_a_vllm_engine_given_corrupted_weights_stops_the_run[colocate], and a
-# second in-process vLLM engine failed to start), so nothing may follow them on their worker.
-ONE_AT_A_TIME = {
+# `make test` runs the suite on two pytest-xdist workers, each test a unit of its own handed out
+# in the order below. These files start vLLM (some in the test's own process), a Ray cluster, or
+# train the real model, and they come last: an in-process vLLM engine leaves state behind in its
+# Python process that changes later in-process runs there (test_agent's resumed run sampled other
+# bits after test_vllm.py::test_a_vllm_engine_given_corrupted_weights_stops_the_run[colocate],
+# and a second in-process vLLM engine failed to start), so no other test follows them on a worker.
+RUN_LAST = {
     "integration/test_vllm.py",
     "integration/test_ray.py",
     "integration/test_setup_and_offline.py",
@@ -49,13 +47,11 @@ ONE_AT_A_TIME = {
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: Path(item.path).relative_to(HERE).as_posix() in ONE_AT_A_TIME)
+    items.sort(key=lambda item: Path(item.path).relative_to(HERE).as_posix() in RUN_LAST)
     for item in items:
         where = Path(item.path).relative_to(HERE).as_posix()
         if where in NUMERIC or f"{where}::{item.originalname}" in NUMERIC:
             item.add_marker(pytest.mark.numeric)
-        if where.startswith("integration/"):
-            item.add_marker(pytest.mark.xdist_group("one_at_a_time" if where in ONE_AT_A_TIME else where))
 
 
 @pytest.fixture(scope="session")
