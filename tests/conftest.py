@@ -46,10 +46,14 @@ RUN_LAST = {
 }
 
 
+def _where(item) -> str:
+    return Path(item.path).relative_to(HERE).as_posix()
+
+
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: Path(item.path).relative_to(HERE).as_posix() in RUN_LAST)
+    items.sort(key=lambda item: _where(item) in RUN_LAST)
     for item in items:
-        where = Path(item.path).relative_to(HERE).as_posix()
+        where = _where(item)
         if where in NUMERIC or f"{where}::{item.originalname}" in NUMERIC:
             item.add_marker(pytest.mark.numeric)
 

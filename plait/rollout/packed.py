@@ -155,18 +155,24 @@ def grouped_attention_forward(module, query, key, value, attention_mask, dropout
     return out.transpose(1, 2).contiguous(), None
 
 
-@contextlib.contextmanager
-def grouped_attention(model):
-    """Decode through grouped_attention_forward where the model runs transformers' sdpa."""
+@functools.cache
+def _register_grouped() -> None:
+    """Make GROUPED a name transformers' models accept: its attention, and sdpa's masks."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+    AttentionInterface.register(GROUPED, grouped_attention_forward)
+    AttentionMaskInterface.register(GROUPED, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+@contextlib.contextmanager
+def grouped_attention(model):
+    """Decode through grouped_attention_forward where the model runs transformers' sdpa."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         yield
         return
-    AttentionInterface.register(GROUPED, grouped_attention_forward)
-    AttentionMaskInterface.register(GROUPED, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    _register_grouped()
     config._attn_implementation = GROUPED
     try:
         yield
