@@ -913,16 +913,19 @@ class Config(Section):
         if not isinstance(data, dict) or not data.get("environments"):
             return data
         data = dict(data)
-        section = dict(data.get("data") or {})
+        # a section already built (an assignment re-validates the whole config) had these applied
+        built = {k for k in ("data", "rollout", "eval") if isinstance(data.get(k), BaseModel)}
+        section = {} if "data" in built else dict(data.get("data") or {})
         kinds = {e.get("type") if isinstance(e, dict) else getattr(e, "type", None) for e in data["environments"]}
         if kinds <= {"trl_env", "openenv"}:  # they act on the data's rows through tools: hermes calls unless said
             rollout = dict(data.get("rollout") or {})
-            if rollout.get("tools") is None:
+            if "rollout" not in built and rollout.get("tools") is None:
                 data["rollout"] = {**rollout, "tools": {"format": "hermes", "python": False}}
-        elif "task" not in section and section.get("path") is None:
+        elif "data" not in built and "task" not in section and section.get("path") is None:
             data["data"] = {**section, "task": None}
         data.setdefault("rewards", [{"name": "environment"}])
-        data["eval"] = {"metric": "environment", **(data.get("eval") or {})}
+        if "eval" not in built:
+            data["eval"] = {"metric": "environment", **(data.get("eval") or {})}
         return data
 
     def to_yaml(self) -> str:

@@ -168,6 +168,11 @@ def test_train_help_lists_every_option(capsys):
 def test_shipped_configs_load(path):
     cfg = load_config(path)
     assert cfg.rewards and cfg.train.max_steps > 0
+    # `plait train --seeds` sets each run's seed and directory on a copy: an assignment
+    # re-validates the whole config, and must keep what the file said
+    run = cfg.model_copy(deep=True)
+    run.seed, run.output_dir = 7, "runs/seed-7"
+    assert run.model_dump(exclude={"seed", "output_dir"}) == cfg.model_dump(exclude={"seed", "output_dir"})
 
 
 def test_cli_reports_config_errors_with_exit_code_2(capsys):
