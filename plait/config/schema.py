@@ -832,6 +832,16 @@ class EnvironmentSpec(Section):
         "or \\boxed{...}.",
     )
 
+    examples: int = Field(
+        0,
+        ge=0,
+        le=8,
+        description="reasoning_gym: worked examples shown before each of this environment's prompts as earlier turns "
+        "of the chat: problems of the same dataset drawn with a third seed (none a training or held-out problem), "
+        "each answered with its reference answer in the answer format. Small models learn the answer's form from "
+        "them at once (docs/environments.md); 0 = none.",
+    )
+
     @field_validator("type", mode="before")
     @classmethod
     def _a_type_plait_can_install(cls, value: Any) -> Any:
@@ -871,6 +881,11 @@ class EnvironmentSpec(Section):
                     "a trl_env environment takes its rows from `data` (a row's `environment` column picks the "
                     "entry): drop `weight` and `config`"
                 )
+        if self.examples and self.type != "reasoning_gym":
+            raise ValueError(
+                f"`examples` draws worked examples from a reasoning_gym dataset; a {self.type} environment's rows come "
+                "from `data`: give worked examples there (data.examples)"
+            )
         return self
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from plait.data.tasks import TASKS, task_examples, task_rows
-from plait.envs import ROW_TYPES, SYSTEM_COLUMN, environment_rows
+from plait.envs import ROW_TYPES, SHOTS_COLUMN, SYSTEM_COLUMN, environment_rows
 from plait.types import Prompt
 
 
@@ -243,11 +243,15 @@ def build_prompts(
             if any(m.get("role") == "user" and m.get("content") in asked for m in messages):
                 answered.append(i)
             messages = _after_system(messages, shots)
+        if row.get(SHOTS_COLUMN):  # an environment's own worked examples
+            messages = _after_system(messages, row[SHOTS_COLUMN])
         conversational = data_cfg.conversational
         if conversational is None:
             conversational = data_cfg.messages_field is not None
         source = [dict(m) for m in messages] if conversational else str(row[key])
-        columns = {k: v for k, v in row.items() if k not in (key, SYSTEM_COLUMN)}  # the answer also under its name
+        columns = {
+            k: v for k, v in row.items() if k not in (key, SYSTEM_COLUMN, SHOTS_COLUMN)
+        }  # the answer also under its name
         shown, observation = tools, None
         if envs is not None:
             try:

@@ -28,6 +28,8 @@ TYPES: dict[str, ModuleType] = {"reasoning_gym": reasoning_gym}
 ROW_TYPES = ("trl_env", "openenv")
 # a row's own system prompt (an environment's), used when data.system_prompt is unset
 SYSTEM_COLUMN = "_system"
+# a row's worked examples (an environment's own), as turns put before its prompt
+SHOTS_COLUMN = "_shots"
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +54,23 @@ def environment_rows(specs, split: str, seed: int, system_prompt: str | None) ->
     out = []
     for spec, size in zip(specs, train_sizes(specs)):
         kind = TYPES[spec.type]
-        rows = kind.rows(spec, label(spec), split, seed if spec.seed is None else spec.seed, size)
+        own_seed = seed if spec.seed is None else spec.seed
+        rows = kind.rows(spec, label(spec), split, own_seed, size)
         own = kind.system_prompt(spec) if system_prompt is None else None
-        if own:
-            for row in rows:
-                row[SYSTEM_COLUMN] = own
+        shots = kind.worked_examples(spec, own_seed, size)
+        for row in rows:
+            row.update({SYSTEM_COLUMN: own} if own else {}, **({SHOTS_COLUMN: shots} if shots else {}))
         out += rows
     return out
+
+
+def describe_shots(specs) -> list[str]:
+    """The run header's lines on the environments' own worked examples."""
+    return [
+        f"few-shot: {s.examples} worked example(s) before every '{label(s)}' prompt (the environment's examples)"
+        for s in specs
+        if getattr(s, "examples", 0)
+    ]
 
 
 def environment_problems(specs, seed: int, evaluating: bool = False) -> list[str]:

@@ -20,6 +20,8 @@ from typing import Any
 BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
 # the eval split's seed: far from any train seed, so the two splits are drawn apart
 EVAL_SEED_OFFSET = 1_000_003
+# the worked examples' seed, apart from both splits'
+EXAMPLE_SEED_OFFSET = 2_000_003
 
 
 @functools.lru_cache(maxsize=64)
@@ -42,13 +44,49 @@ def system_prompt(spec) -> str | None:
     return SYSTEM_PROMPTS["default"]
 
 
+def _question(entry: dict, answer_format: str) -> str:
+    return entry["question"].rstrip() + (f"\n\n{BOXED_INSTRUCTION}" if answer_format == "boxed" else "")
+
+
+def _answered(answer, answer_format: str) -> str:
+    return f"\\boxed{{{answer}}}" if answer_format == "boxed" else f"<answer>{answer}</answer>"
+
+
+def _questions(source: dict) -> set[str]:
+    ds = dataset(source)
+    return {ds[i]["question"] for i in range(source["size"])}
+
+
+def worked_examples(spec, seed: int, train_size: int) -> list[dict]:
+    """`spec.examples` problems of the dataset drawn with a third seed, none a training or
+    held-out problem, as turns: the question asked as the prompts ask it, the reference answer
+    given in the answer format. Fewer when the problem space holds no more new ones."""
+    if not spec.examples:
+        return []
+    train = {"dataset": spec.dataset, "config": spec.config, "seed": seed, "size": train_size}
+    held_out = {**train, "seed": train["seed"] + EVAL_SEED_OFFSET, "size": spec.eval_size}
+    taken = _questions(train) | _questions(held_out)
+    ds = dataset({**train, "seed": train["seed"] + EXAMPLE_SEED_OFFSET, "size": 8 * spec.examples + 32})
+    turns = []
+    for i in range(len(ds)):
+        entry = ds[i]
+        if entry["question"] in taken or entry["answer"] is None or len(turns) == 2 * spec.examples:
+            continue
+        taken.add(entry["question"])
+        turns += [
+            {"role": "user", "content": _question(entry, spec.answer_format)},
+            {"role": "assistant", "content": _answered(entry["answer"], spec.answer_format)},
+        ]
+    return turns
+
+
 def rows(spec, label: str, split: str, seed: int, train_size: int) -> list[dict]:
     """The problems of the environment `spec` for `split`: `train_size` of them for "train";
     for "eval", `spec.eval_size` drawn with another seed, less those also in the train split."""
     train = {"dataset": spec.dataset, "config": spec.config, "seed": seed, "size": train_size}
     source = train if split == "train" else {**train, "seed": seed + EVAL_SEED_OFFSET, "size": spec.eval_size}
     ds = dataset(source)
-    seen = {dataset(train)[i]["question"] for i in range(train_size)} if split == "eval" else set()
+    seen = _questions(train) if split == "eval" else set()
     out = []
     for i in range(source["size"]):
         entry = ds[i]
@@ -56,8 +94,7 @@ def rows(spec, label: str, split: str, seed: int, train_size: int) -> list[dict]
             continue
         out.append(
             {
-                "prompt": entry["question"].rstrip()
-                + (f"\n\n{BOXED_INSTRUCTION}" if spec.answer_format == "boxed" else ""),
+                "prompt": _question(entry, spec.answer_format),
                 "answer": None if entry["answer"] is None else str(entry["answer"]),
                 "environment": label,
                 "env_source": {"type": "reasoning_gym", **source, "index": i, "answer_format": spec.answer_format},
@@ -113,17 +150,20 @@ def problems(spec, label: str, seed: int, train_size: int, evaluating: bool) -> 
             "plait can't check a completion's answer offline; pick another dataset"
         ]
     source = first["env_source"]
-    wrapped = (
-        f"\\boxed{{{first['answer']}}}" if spec.answer_format == "boxed" else f"<answer>{first['answer']}</answer>"
-    )
     try:
-        full = score_answer(source, extract_answer(wrapped, spec.answer_format))
+        full = score_answer(source, extract_answer(_answered(first["answer"], spec.answer_format), spec.answer_format))
     except Exception as err:
         return [f"environments: '{label}': scoring its own answer raised {type(err).__name__}: {err}"]
     if full < 1.0:
         return [
             f"environments: '{label}': '{spec.dataset}' scores its own reference answer {full:g}, not 1, with "
             f"answer_format={spec.answer_format}; try the other answer_format"
+        ]
+    shots = len(worked_examples(spec, seed, train_size)) // 2
+    if shots < spec.examples:
+        return [
+            f"environments: '{label}': only {shots} of its {spec.examples} worked examples could be drawn that are "
+            "neither training nor held-out problems (a small problem space); lower its examples or its size"
         ]
     if evaluating and not rows(spec, label, "eval", seed, train_size):
         return [

@@ -20,6 +20,7 @@ from plait import comm
 from plait.checkpoint import checkpoint_step, load_checkpoint, load_rollouts, resume_position, trim_logs
 from plait.config import Config
 from plait.data import PromptOrder, build_prompts, describe_examples, load_rows
+from plait.envs import describe_shots
 from plait.models import load_tokenizer
 from plait.plan import BatchPlan
 from plait.rewards import uses_sandbox
@@ -203,9 +204,9 @@ def build_run(
     for line in (tools.describe() or "").splitlines():
         say(line)
 
-    examples = describe_examples(cfg.data)
-    if examples:
-        say(examples)
+    for line in [describe_examples(cfg.data), *describe_shots(cfg.environments)]:
+        if line:
+            say(line)
 
     def prompts_of(split: str):
         rows = load_rows(cfg.data, split, cfg.seed, cfg.environments)

@@ -137,3 +137,53 @@ def test_an_environment_without_a_new_held_out_problem_is_refused_when_evaluatin
         load_config(None, [f"environments=[{small}, size: 300}}]", "eval.before=false", "eval.after=false"]),
         world_size=1,
     )
+
+
+def test_an_environment_shows_its_own_worked_examples_before_each_of_its_prompts():
+    from plait.data import build_prompts
+    from plait.envs import describe_shots
+
+    class Chat:  # renders turns as text: enough to see what comes before the question
+        chat_template = "yes"
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return "".join(f"<{m['role']}> {m['content']}\n" for m in messages) + "<assistant>"
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": list(range(len(text.split())))}
+
+    cfg = config(ARITH + ", size: 20, eval_size: 10, examples: 2, answer_format: boxed}", LEGS + ", size: 5}")
+    train, held_out = (load_rows(cfg.data, split, 0, cfg.environments) for split in ("train", "eval"))
+    shots = train[0]["_shots"]
+    asked = [t["content"] for t in shots if t["role"] == "user"]
+    # two problems of the same dataset, asked as the prompts ask, answered in the format asked for
+    assert [t["role"] for t in shots] == ["user", "assistant"] * 2 and len(set(asked)) == 2
+    assert all(q.endswith("Put the final answer in \\boxed{}.") for q in asked)
+    assert all(t["content"].startswith("\\boxed{") for t in shots if t["role"] == "assistant")
+    # none a training or held-out problem; every row of both splits shows the same ones
+    assert not set(asked) & {r["prompt"] for r in train + held_out}
+    arith = [r for r in train + held_out if r["environment"] == "basic_arithmetic"]
+    assert all(r["_shots"] == shots for r in arith)
+    assert all("_shots" not in r for r in train if r["environment"] == "leg_counting")  # examples: 0
+    # each example's answer is the dataset's reference: its verifier gives it full marks
+    from plait.envs.reasoning_gym import BOXED_INSTRUCTION, EXAMPLE_SEED_OFFSET, dataset
+
+    source = {**arith[0]["env_source"], "seed": EXAMPLE_SEED_OFFSET, "size": 8 * 2 + 32}
+    drawn = dataset(source)
+    index = {f"{drawn[i]['question'].rstrip()}\n\n{BOXED_INSTRUCTION}": i for i in range(len(drawn))}
+    for question, answer in zip(asked, [t["content"] for t in shots if t["role"] == "assistant"]):
+        assert environment([answer], [{**source, "index": index[question]}]) == [1.0]
+    # in the chat, before the question; not a column the rewards see
+    prompts = build_prompts(train, Chat(), cfg.data)
+    first = next(p for p in prompts if p.columns["environment"] == "basic_arithmetic")
+    assert first.text.index(asked[0]) < first.text.index(asked[1]) < first.text.rindex(arith[0]["prompt"][:10])
+    assert "_shots" not in first.columns
+    assert describe_shots(cfg.environments) == [
+        "few-shot: 2 worked example(s) before every 'basic_arithmetic' prompt (the environment's examples)"
+    ]
+    # refused where they cannot be drawn, or where the rows come from data
+    small = "{type: reasoning_gym, dataset: leg_counting, config: {min_animals: 1, max_animals: 1, max_instances: 2}"
+    text = _problems(f"environments=[{small}, size: 300, examples: 2}}]", "eval.before=false", "eval.after=false")
+    assert "only 0 of its 2 worked examples could be drawn" in text and "lower its examples" in text
+    with pytest.raises(ConfigError, match="give worked examples there"):
+        load_config(None, ["environments=[{type: trl_env, factory: 'm:E', examples: 1}]"])
