@@ -35,10 +35,11 @@ NUMERIC = {
 
 # `make test` runs the suite on two pytest-xdist workers, each test a unit of its own handed out
 # in the order below. These files start vLLM (some in the test's own process), a Ray cluster, or
-# train the real model, and they come last: an in-process vLLM engine leaves state behind in its
-# Python process that changes later in-process runs there (test_agent's resumed run sampled other
-# bits after test_vllm.py::test_a_vllm_engine_given_corrupted_weights_stops_the_run[colocate],
-# and a second in-process vLLM engine failed to start), so no other test follows them on a worker.
+# train the real model, and they come last, so no other test follows them on a worker. An
+# in-process vLLM engine used to leave its process group and environment behind, which changed
+# later in-process runs (test_agent's resumed run sampled other bits after test_vllm.py's colocated
+# drift test); its close now undoes both (asserted in that test), but vLLM and torch's compiler
+# keep process-wide state nobody can undo (kernel registries, compile caches).
 RUN_LAST = {
     "integration/test_vllm.py",
     "integration/test_ray.py",

@@ -12,6 +12,7 @@ On GPU the engine sleeps while the trainer trains, so training gets its memory b
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import random
 import shutil
@@ -257,6 +258,11 @@ class VLLMEngine:
     """A vLLM engine inside the training process (rollout.vllm.mode=colocate)."""
 
     def __init__(self, cfg, model_path: str, tokenizer, view, device: torch.device):
+        import torch.distributed as dist
+
+        env_before = dict(os.environ)
+        # a world group vLLM makes for itself is its to destroy; a trainer's (torchrun) is not
+        self._owns_world = not (dist.is_available() and dist.is_initialized())
         # The engine core and worker run in this process, so new weights are loaded from the
         # trainer's tensors directly (set before vLLM is imported)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -278,6 +284,7 @@ class VLLMEngine:
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op; the trainer keeps its own
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
+        self._env_set = {k: (env_before.get(k), v) for k, v in os.environ.items() if env_before.get(k) != v}
         self.pad_id = pad_id_of(tokenizer)
         self.adapters = Adapters() if kw.get("enable_lora") else None
         self._last_sync: dict[str, float] = {}
@@ -348,6 +355,25 @@ class VLLMEngine:
             self.asleep = False
 
     def close(self) -> None:
-        del self.llm
+        """Drop the engine and leave the process as it was before: without the world group vLLM
+        made for itself (a later engine would find it stale, and the trainer's collectives would
+        take it for a process group of its own) and without the environment variables it set,
+        which later child processes would inherit (OMP_NUM_THREADS, LD_PRELOAD, LOCAL_WORLD_SIZE...)."""
+        if self.llm is None:
+            return
+        self.llm = None
+        gc.collect()
         if self.adapters is not None:
             self.adapters.close()
+        if self._owns_world:
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        for key, (before, set_) in self._env_set.items():
+            if os.environ.get(key) != set_:  # changed since by someone else: theirs now
+                continue
+            if before is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = before

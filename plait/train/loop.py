@@ -291,7 +291,6 @@ def finish_run(run: Run) -> None:
         run.result.eval_after = run_eval(run, "after", last)
     if cfg.checkpoint.save_final_model:
         run.backend.export(run.run_dir / "final", run.tokenizer)
-    run.engine.close()
     describe_processes(run.backend, run.run_dir, run.say, final=True)
     _summary(run)
 

@@ -121,6 +121,8 @@ def open_run(cfg: Config, plan: BatchPlan, backend: Backend, console: str | None
     finally:
         if run is not None:
             close_rewards([*run.rewards, run.metric])
+            if run.engine is not None:  # a run that failed, too: its engine must not outlive it
+                run.engine.close()
         sink.finish()
         pins.close()
 

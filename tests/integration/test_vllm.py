@@ -388,9 +388,13 @@ def test_a_vllm_engine_given_corrupted_weights_stops_the_run(
 ):
     """The drift guard (test_drift_guard.py) with vLLM: the weights a colocated engine loads, or
     a rollout server is sent, are corrupted from the second sync on; round 2 stops the run, round
-    1 and its checkpoint stand."""
+    1 and its checkpoint stand. The failed run leaves its process as it found it: no process group
+    (a colocated engine makes one for itself) and no environment variable of vLLM's, which a later
+    engine or child process of the same process would otherwise inherit."""
     import contextlib
+    import os
 
+    import torch.distributed as dist
     from test_drift_guard import committed, noisy, rounds_logged
 
     import plait.rollout.vllm_engine as vllm_engine
@@ -426,8 +430,15 @@ def test_a_vllm_engine_given_corrupted_weights_stops_the_run(
         extra = [f"rollout.vllm.mode={mode}", "checkpoint.save_steps=1"]
         if server is not None:
             extra.append(f"rollout.vllm.servers=[{server.url}]")
+        env = dict(os.environ)
         with pytest.raises(EngineDrift, match=r"round 2: the rollout engine's log-probs"):
             train(load_config(None, vllm_overrides(vllm_model, prompts_jsonl, out, *extra)))
+        assert not dist.is_initialized()
+        # but torch's compiler's own: it keeps a pointer there for the modules it compiled (any
+        # torch.compile in the process sets it), which later loads of them read
+        changed = {k: (env.get(k), v) for k, v in os.environ.items() if env.get(k) != v}
+        assert {k: v for k, v in changed.items() if not k.startswith("_TORCHINDUCTOR_")} == {}
+        assert set(env) <= set(os.environ)
         assert syncs["n"] >= 2
         assert committed(out) == ["step_00000001"] and rounds_logged(out) == [1]
     finally:
