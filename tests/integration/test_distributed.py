@@ -111,11 +111,16 @@ def test_two_processes_match_one_and_resume_after_a_crash(
 ):
     """2 processes with gradient accumulation (4 micro-batches each): rank 1 crashes in step
     3, torchrun stops the job, the committed checkpoints of steps 1-2 resume it, and the
-    finished run equals the single-process one."""
+    finished run equals the same backend's unbroken 2-process run bit for bit (the same hashes of
+    every stage in every round, torch.equal weights) and the single-process one within
+    WEIGHT_ATOL."""
     out = tmp_path / "run"
     opts = _options(
         tiny_model_path, prompts_jsonl, out, "checkpoint.save_steps=1", "checkpoint.keep_last=3", *BACKENDS[backend]
     )
+    unbroken = tmp_path / "unbroken"
+    straight = _torchrun([*opts, f"output_dir={unbroken}"], helper_env)
+    assert straight.returncode == 0, straight.stderr[-3000:]
     crash_env = {**helper_env, "PLAIT_TEST_CRASH_CALL": "3", "PLAIT_TEST_CRASH_RANK": "1"}
     crashed = _torchrun(opts, crash_env)
     assert crashed.returncode != 0 and "simulated crash" in crashed.stderr, crashed.stderr[-3000:]
@@ -128,6 +133,11 @@ def test_two_processes_match_one_and_resume_after_a_crash(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     assert_same_run(out, single_process_run)
+    assert (out / "hashes.jsonl").read_text() == (unbroken / "hashes.jsonl").read_text()
+    same = ("loss", "grad_norm", "reward/total/mean", "logprob_gap", "entropy")
+    assert [[m[k] for k in same] for m in _metrics(out)] == [[m[k] for k in same] for m in _metrics(unbroken)]
+    a, b = (load_file(str(d / "final" / "model.safetensors")) for d in (out, unbroken))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     for m in _metrics(out):  # the telemetry of two processes: collectives timed, FLOPs of both counted
         assert m["comm/seconds"] > 0 and 0 < m["mfu/train"] < 2, m["step"]
