@@ -178,6 +178,19 @@ def test_colocated_engine_matches_the_trainer_before_and_after_an_update(vllm_mo
     engine.close()
 
 
+def test_a_colocated_vllm_run_resumes_exactly(vllm_model, prompts_jsonl, tmp_path):
+    """A run on the in-process vLLM engine crashed in round 3 and resumed with resume=auto (a
+    third engine in the same process, after a failed run's) ends with the unbroken run's weights
+    and sampled the same tokens in every round."""
+    from test_train import assert_resumed_exactly, crash_then_resume
+
+    straight, crashed, result = crash_then_resume(
+        vllm_model, prompts_jsonl, tmp_path, "rollout.engine=vllm", "train.warmup_steps=1"
+    )
+    assert len(result.history) == 2  # rounds 3 and 4
+    assert_resumed_exactly(straight, crashed)
+
+
 def test_colocated_lora_training_under_torchrun_syncs_every_step(vllm_model, prompts_jsonl, tmp_path, helper_env):
     """2 training processes (ddp, LoRA), each with its own vLLM engine: the engine samples from
     the trainer's current weights at every step, given the adapter alone (vLLM's own LoRA)."""
