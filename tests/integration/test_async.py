@@ -150,16 +150,33 @@ def test_async_with_dynamic_sampling_and_two_stage(tiny_model_path, prompts_json
 def test_async_under_torchrun_two_processes(tiny_model_path, prompts_jsonl, tmp_path, helper_env, backend):
     """2 processes with k=1: rank 0's producer makes both processes' shares (fsdp2: the weights
     it pushes are gathered from both shards). Rounds 1 and 2 are sampled from the initial
-    weights, so their completions and rewards equal a one-process async run's exactly."""
-    one, two = tmp_path / "one", tmp_path / "two"
+    weights, so their completions and rewards equal a one-process async run's exactly. The same
+    2-process run, crashed in rank 0's seventh reward call, round 4's (its producer scores each
+    process's share, ahead of the trainer), and resumed with resume=auto, ends with the unbroken
+    run's weights and every round's hashes, bit for bit."""
+    one, two, crashed = tmp_path / "one", tmp_path / "two", tmp_path / "crashed"
     train(load_config(None, async_overrides(tiny_model_path, prompts_jsonl, one)))
-    args = async_overrides(tiny_model_path, prompts_jsonl, two, f"train.backend={backend}")
+    crashing = ["rewards=[{name: 'plait_test_rewards:vowel_share_crash_env'}]", "checkpoint.save_steps=1"]
+    args = async_overrides(tiny_model_path, prompts_jsonl, two, f"train.backend={backend}", *crashing)
     proc = subprocess.run(train_cmd(2, args), env=helper_env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m1, m2 = metrics_of(one), metrics_of(two)
     assert [x["rollout/weight_staleness"] for x in m2] == [0, 1, 1, 1]
     key = "reward/total/mean"
     assert [x[key] for x in m2[:2]] == [x[key] for x in m1[:2]]
+
+    args = async_overrides(tiny_model_path, prompts_jsonl, crashed, f"train.backend={backend}", *crashing)
+    env = {**helper_env, "PLAIT_TEST_CRASH_CALL": "7", "PLAIT_TEST_CRASH_RANK": "0"}
+    proc = subprocess.run(train_cmd(2, args), env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode != 0 and "simulated crash" in proc.stderr, proc.stderr[-3000:]
+    assert not (crashed / "final").exists() and any((crashed / "checkpoints").glob("step_*/COMMITTED"))
+    proc = subprocess.run(
+        train_cmd(2, [*args, "resume=auto"]), env=helper_env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (crashed / "hashes.jsonl").read_text() == (two / "hashes.jsonl").read_text()
+    a, b = final_weights(two), final_weights(crashed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_inflight_updates_record_the_version_of_every_token(tiny_model_path, prompts_jsonl, tmp_path):
