@@ -20,8 +20,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from plait.config import load_config
+from plait.rewards import runner
 from plait.telemetry import flops, meter, sinks
-from plait.train import loop
+from plait.train import loop, setup
 from plait.train.loop import train
 
 
@@ -77,9 +78,9 @@ def main() -> None:
         stopwatch(sinks.MetricsSink, "log", "sinks: jsonl + console + TensorBoard" + (" + W&B" if args.wandb else ""))
         stopwatch(sinks.MetricsSink, "samples", "samples (every step here)")
         stopwatch(loop, "round_rollout_metrics", "rollout statistics")
-        stopwatch(loop, "reward_health", "reward timeouts/seconds")
+        stopwatch(runner.RewardReport, "metrics", "reward timeouts/seconds")
         stopwatch(sinks.MetricsSink, "open", "start-up: open the sinks")
-        stopwatch(loop, "make_meter", "start-up: cost model + device peak")
+        stopwatch(setup, "make_meter", "start-up: cost model + device peak")
         flops._cache_file = lambda: Path(tmp) / "peak.json"  # measure the peak, as a first run does
         result = train(load_config(None, sets))
 

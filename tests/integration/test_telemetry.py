@@ -194,3 +194,18 @@ def test_wandb_offline_run_records_the_metrics(tiny_model_path, prompts_jsonl, t
     assert b"reward/total/mean" in data and b"mfu/train" in data
     run_id = (out / "wandb_id").read_text().strip()
     assert run_id in runs[0].name  # a resumed run continues this W&B run
+
+
+def test_the_telemetry_bench_runs_and_times_every_part():
+    """bench/telemetry.py still wraps the functions it times (they move as the loop changes):
+    every per-step part and both start-up costs get a row. Its figures are the bench's business."""
+    from pathlib import Path
+
+    bench = Path(__file__).parents[2] / "bench" / "telemetry.py"
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--model", "tiny", "--steps", "3"], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for part in ("rollout statistics", "reward timeouts/seconds", "FLOPs count", "per-step figures", "sinks:"):
+        assert part in proc.stdout, part
+    assert "all per-step telemetry" in proc.stdout and proc.stdout.count("s once") == 2
