@@ -74,3 +74,23 @@ def teach(
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return Path(out)
+
+
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """`make(folder)` run once for the whole test session, however many pytest-xdist workers
+    ask: the first makes it under a file lock in the folder the workers share, the others wait
+    and take it. A taught model costs about a minute of CPU; unshared, each worker that ran one
+    of its tests made its own (the same bits: the same seed and thread count)."""
+    import os
+
+    from filelock import FileLock
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return make(tmp_path_factory.mktemp(name) / "model")
+    root = tmp_path_factory.getbasetemp().parent  # pytest-of-USER/pytest-N: every worker's basetemp is under it
+    folder, done = root / name / "model", root / name / "DONE"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.is_file():
+            make(folder)
+            done.touch()
+    return folder

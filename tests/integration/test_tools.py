@@ -17,7 +17,7 @@ import torch
 from test_fault_tolerance import start, wait_for_steps
 from test_train import final_weights
 from test_vllm import metrics_of, train_cmd
-from tool_model import teach_tool_calls
+from tool_model import made_once, teach_tool_calls
 
 from plait.config.schema import ToolsConfig
 from plait.sandbox import Limits
@@ -44,7 +44,7 @@ def tok(tiny_model_path):
 @pytest.fixture(scope="session")
 def tool_model(vllm_model, tmp_path_factory):
     """The tiny model vLLM can run, fine-tuned to call the Python tool."""
-    return teach_tool_calls(vllm_model, tmp_path_factory.mktemp("tools") / "model")
+    return made_once(tmp_path_factory, "tool-model", lambda out: teach_tool_calls(vllm_model, out))
 
 
 def python_runner(box, **cfg):

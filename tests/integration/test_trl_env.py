@@ -214,10 +214,12 @@ def counting(target: int, first: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def counting_model(tiny_model_path, tmp_path_factory):
     """The tiny model, taught the shape of a counting conversation (its numbers stay uncertain)."""
-    from tool_model import teach
+    from tool_model import made_once, teach
 
     conversations = [counting(t, f) for t in range(2, 12) for f in range(1, t)]
-    return teach(tiny_model_path, tmp_path_factory.mktemp("counting") / "model", conversations, steps=120, batch=8)
+    return made_once(
+        tmp_path_factory, "counting-model", lambda out: teach(tiny_model_path, out, conversations, steps=120, batch=8)
+    )
 
 
 def test_a_run_trains_on_an_environment_in_the_sandbox(tmp_path, counting_model, helper_env):
