@@ -249,9 +249,8 @@ def build_prompts(
         if conversational is None:
             conversational = data_cfg.messages_field is not None
         source = [dict(m) for m in messages] if conversational else str(row[key])
-        columns = {
-            k: v for k, v in row.items() if k not in (key, SYSTEM_COLUMN, SHOTS_COLUMN)
-        }  # the answer also under its name
+        # every other field is a column the rewards see (the answer also under its own name)
+        columns = {k: v for k, v in row.items() if k not in (key, SYSTEM_COLUMN, SHOTS_COLUMN)}
         shown, observation = tools, None
         if envs is not None:
             try:

@@ -57,9 +57,10 @@ def environment_rows(specs, split: str, seed: int, system_prompt: str | None) ->
         own_seed = seed if spec.seed is None else spec.seed
         rows = kind.rows(spec, label(spec), split, own_seed, size)
         own = kind.system_prompt(spec) if system_prompt is None else None
-        shots = kind.worked_examples(spec, own_seed, size)
+        extra = {SYSTEM_COLUMN: own, SHOTS_COLUMN: kind.worked_examples(spec, own_seed, size)}
+        extra = {k: v for k, v in extra.items() if v}  # a column only where the environment has one
         for row in rows:
-            row.update({SYSTEM_COLUMN: own} if own else {}, **({SHOTS_COLUMN: shots} if shots else {}))
+            row.update(extra)
         out += rows
     return out
 
@@ -69,7 +70,7 @@ def describe_shots(specs) -> list[str]:
     return [
         f"few-shot: {s.examples} worked example(s) before every '{label(s)}' prompt (the environment's examples)"
         for s in specs
-        if getattr(s, "examples", 0)
+        if s.examples
     ]
 
 

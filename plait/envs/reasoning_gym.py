@@ -69,8 +69,10 @@ def worked_examples(spec, seed: int, train_size: int) -> list[dict]:
     ds = dataset({**train, "seed": train["seed"] + EXAMPLE_SEED_OFFSET, "size": 8 * spec.examples + 32})
     turns = []
     for i in range(len(ds)):
+        if len(turns) == 2 * spec.examples:
+            break
         entry = ds[i]
-        if entry["question"] in taken or entry["answer"] is None or len(turns) == 2 * spec.examples:
+        if entry["question"] in taken or entry["answer"] is None:
             continue
         taken.add(entry["question"])
         turns += [
