@@ -172,6 +172,16 @@ def bwrap_argv(bwrap: str, python_prefix: str, src: str, tmpfs_bytes: int, secco
     return argv + ["--"]
 
 
+def tasks_of_user(uid: int) -> int:
+    """Threads of every process whose real uid is `uid`: what RLIMIT_NPROC counts (a trainer with
+    a vLLM engine runs over a hundred, far more than its processes)."""
+    return sum(
+        p.info["num_threads"] or 1
+        for p in psutil.process_iter(["uids", "num_threads"])
+        if p.info["uids"] and p.info["uids"].real == uid
+    )
+
+
 def set_limits(limits: dict, nproc: int) -> None:
     """In the child, before exec: rlimits and no_new_privs (so no setuid binary regains rights)."""
     mem = limits["memory_mb"] << 20
@@ -344,9 +354,8 @@ def _run(req: dict, limits: dict, tier: str, uid: int | None, top: str) -> dict:
         "PYTHONHASHSEED": "0",
     }
     nproc = limits["max_processes"]
-    if uid is None:  # not root: RLIMIT_NPROC counts every process this user already runs
-        me = os.getuid()
-        nproc += sum(1 for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == me)
+    if uid is None:  # not root: RLIMIT_NPROC counts what this user already runs
+        nproc += tasks_of_user(os.getuid())
     pass_fds = (nonce_r, result_w) + extra_fds
     drop = dict(user=uid, group=uid, extra_groups=[]) if uid is not None else {}
     started = time.monotonic()

@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -700,6 +701,32 @@ HOST = socket.gethostname()
         tests += ["assert HOST == 'sandbox'", "assert os.getpid() < 10", "assert not os.path.exists('/root/.cache')"]
     res = run_tests(probe, tests, tier=tier)
     assert res.all_passed, res
+
+
+def test_a_caller_with_many_threads_still_runs_programs():
+    """RLIMIT_NPROC counts threads, per real uid. Not as root the program shares the caller's uid,
+    so the limit it gets must count the caller's threads (a trainer with a vLLM engine runs over a
+    hundred): counting only processes made every call fail as a non-root user, bwrap's clone
+    refused with EAGAIN. As root each run has a uid of its own; the call must succeed there too."""
+    from plait.sandbox.supervisor import tasks_of_user
+
+    tiers = sandbox.probe()
+    stop = threading.Event()
+    before = tasks_of_user(os.getuid())
+    threads = [threading.Thread(target=stop.wait, daemon=True) for _ in range(3 * FAST.max_processes)]
+    for t in threads:
+        t.start()
+    try:
+        assert tasks_of_user(os.getuid()) >= before + len(threads)
+        # every tier that works still works: none is lost to the caller's threads (the probe, too,
+        # runs a program: it would otherwise settle on a weaker tier without a word)
+        assert sandbox.probe(refresh=True) == tiers
+        for tier in (t for t, why in tiers.items() if why is None):
+            res = run_tests("x = 6 * 7", ["assert x == 42"], limits=FAST, tier=tier)
+            assert res.all_passed and res.tier == tier, res
+    finally:
+        stop.set()
+        sandbox.probe(refresh=True)
 
 
 def test_infrastructure_failure_is_invalid_not_wrong():
