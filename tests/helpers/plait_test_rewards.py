@@ -8,11 +8,17 @@ def vowel_share(completions, **_):
     return [sum(ch in "aeiouAEIOU" for ch in t) / max(1, len(t)) for t in completions]
 
 
-def vowel_share_crashing(completions, **kwargs):
-    """vowel_share, but raises on call number CALLS['crash_at'] (simulates a crash mid-run)."""
-    CALLS["n"] += 1
-    if CALLS["crash_at"] is not None and CALLS["n"] >= CALLS["crash_at"]:
+def _crash_in_round(kwargs) -> None:
+    """Raise in round CALLS['crash_at'] (1-based; from `trainer_state`, so however many reward
+    calls a round makes: dynamic sampling and two-stage rounds make several)."""
+    state = kwargs.get("trainer_state")
+    if CALLS["crash_at"] is not None and state is not None and state.global_step + 1 >= CALLS["crash_at"]:
         raise RuntimeError("simulated crash")
+
+
+def vowel_share_crashing(completions, **kwargs):
+    """vowel_share, but raises in round CALLS['crash_at'] (simulates a crash mid-run)."""
+    _crash_in_round(kwargs)
     return vowel_share(completions, **kwargs)
 
 
@@ -50,6 +56,12 @@ def sometimes_constant(completions, prompts, **_):
     vowel share otherwise: exercises dynamic sampling."""
     shares = vowel_share(completions)
     return [0.0 if len(p) % 2 == 0 else s for p, s in zip(prompts, shares)]
+
+
+def sometimes_constant_crashing(completions, prompts, **kwargs):
+    """sometimes_constant, but raises in round CALLS['crash_at'], as vowel_share_crashing."""
+    _crash_in_round(kwargs)
+    return sometimes_constant(completions, prompts, **kwargs)
 
 
 def even_a(completions, a, **_):

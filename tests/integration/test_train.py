@@ -89,9 +89,11 @@ def test_cli_train_end_to_end(tiny_model_path, prompts_jsonl, tmp_path, helper_e
     assert "eval after" in proc.stdout and "boxed_accuracy:" in proc.stdout and "round    4" in proc.stdout
 
 
-def crash_then_resume(model, data, tmp_path, *extra):
+def crash_then_resume(model, data, tmp_path, *extra, reward="vowel_share"):
     """A run of 4 steps straight, and the same run crashed in step 3 (after the checkpoint of
-    step 2) then resumed with resume=auto: (straight dir, crashed dir, the resumed run's result)."""
+    step 2) then resumed with resume=auto: (straight dir, crashed dir, the resumed run's result).
+    `reward`: a plait_test_rewards function with a `{reward}_crashing` twin."""
+    extra = (*extra, f"rewards=[{{name: 'plait_test_rewards:{reward}'}}]")
     straight = tmp_path / "straight"
     train(load_config(None, tiny_overrides(model, data, straight, *extra)))
 
@@ -105,10 +107,10 @@ def crash_then_resume(model, data, tmp_path, *extra):
             *extra,
             "checkpoint.save_steps=2",
             # on the trainer's thread, where the CALLS set below is seen
-            "rewards=[{name: 'plait_test_rewards:vowel_share_crashing', process: false}]",
+            f"rewards=[{{name: 'plait_test_rewards:{reward}_crashing', process: false}}]",
         ),
     )
-    plait_test_rewards.CALLS.update(n=0, crash_at=3)  # the reward call of step 3 raises
+    plait_test_rewards.CALLS.update(n=0, crash_at=3)  # the reward raises in round 3
     try:
         with pytest.raises(Exception, match="simulated crash"):
             train(crash_cfg)
@@ -151,6 +153,40 @@ def test_a_lora_run_resumes_exactly(tiny_model_path, prompts_jsonl, tmp_path):
     start = load_file(str(tiny_model_path / "model.safetensors"))
     assert any(not torch.equal(a[k], start[k]) for k in a if k in start)  # the adapter trained
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+RESUME_CASES = {
+    "moving KL reference": (["algo.beta=0.04", "algo.ref_model_sync_steps=1"], "vowel_share"),
+    "bf16 autocast": (["train.precision=bf16"], "vowel_share"),
+    "dynamic sampling": (["algo.dynamic_sampling=true"], "sometimes_constant"),
+    "two-stage rounds": (["rollout.two_stage={first_generations: 2, keep: mixed, threshold: 0.3}"], "vowel_share"),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_resume_is_exact_with(case, tiny_model_path, prompts_jsonl, tmp_path):
+    """What a round carries beyond the weights comes back too: the reference model a moving KL
+    mixes into (its weights and the updates since the last sync), bf16 autocast, dynamic
+    sampling's refills and two-stage generation's kept groups. The resumed run samples, scores
+    and weighs every round as the unbroken one and ends with its weights."""
+    extra, reward = RESUME_CASES[case]
+    straight, crashed, result = crash_then_resume(tiny_model_path, prompts_jsonl, tmp_path, *extra, reward=reward)
+    assert len(result.history) == 2
+    a, b = final_weights(straight), final_weights(crashed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    m = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (straight, crashed)]
+    same = ("loss", "grad_norm", "reward/total/mean", "kl", "entropy")
+    assert [[x.get(k) for k in same] for x in m[0]] == [[x.get(k) for k in same] for x in m[1]]
+    h = [[json.loads(line) for line in (d / "hashes.jsonl").read_text().splitlines()] for d in (straight, crashed)]
+    stages = ("round", "generation", "advantages")  # scores hash the reward's name, which differs here
+    assert [[x[k] for k in stages] for x in h[0]] == [[x[k] for k in stages] for x in h[1]]
+    exercised = {  # the feature did its work in the rounds compared
+        "moving KL reference": lambda x: x["ref_syncs"] > 0 and x["kl"] > 0,
+        "bf16 autocast": lambda x: True,
+        "dynamic sampling": lambda x: x["sampling/generated_groups"] > 2,
+        "two-stage rounds": lambda x: x["two_stage/prompts_skipped"] > 0,
+    }[case]
+    assert any(exercised(x) for x in m[0]), m[0]
 
 
 def test_existing_run_dir_is_not_overwritten(tiny_model_path, prompts_jsonl, tmp_path):
