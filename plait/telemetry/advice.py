@@ -103,26 +103,49 @@ def _entropy_knobs(history: list[dict], lower_lr: str) -> str:
     )
 
 
+def converged(history: list[dict]) -> bool:
+    """The reward rose and ended at its best (smoothed, within 2%): falling entropy and equal
+    groups are then the policy settling on what earns the reward, not a collapse."""
+    rewards = [m["reward/total/mean"] for m in history if m.get("reward/total/mean") is not None]
+    if len(rewards) < MIN_ROUNDS:
+        return False
+    smooth = _smooth(rewards)
+    first, last = _thirds(rewards)
+    return last > first and smooth[-1] >= max(smooth) - 0.02 * abs(max(smooth))
+
+
+def _entropy_note(first: float, last: float, lr: str, history: list[dict]) -> str:
+    if converged(history):
+        return (
+            f"entropy fell ({first:.3f} -> {last:.3f}, first vs last third) as the reward rose to its best and "
+            "stayed there: the policy converged on what earns it. More rounds teach it little (stop, or harder "
+            "data); if the held-out score did not rise with it, the reward pays for something else"
+        )
+    return (
+        f"entropy collapsed ({first:.3f} -> {last:.3f}, first vs last third): the policy is "
+        f"settling on few answers. Try {_entropy_knobs(history, lr)}"
+    )
+
+
+def _all_equal_note(first: float, last: float, lr: str, history: list[dict]) -> str:
+    head = (
+        f"{last:.0%} of the groups in the last third of the run had all-equal rewards (first third "
+        f"{first:.0%}): they carry no gradient. "
+    )
+    if converged(history):
+        return (
+            head + "The reward ended at its best, so most likely all right: the task is solved (stop, or harder data)"
+        )
+    return head + (
+        "All right: the task is solved (stop, or harder data); all wrong: it is out of reach or its reward "
+        "cannot be earned (read samples.jsonl). algo.dynamic_sampling=true draws more groups until they differ"
+    )
+
+
 # (metric, fires(first third's mean, last third's), the note(first, last, "a lower learning rate", history))
 TRENDS = (
-    (
-        "entropy",
-        lambda first, last: first > 0 and last < 0.2 * first,
-        lambda first, last, lr, history: (
-            f"entropy collapsed ({first:.3f} -> {last:.3f}, first vs last third): the policy is "
-            f"settling on few answers. Try {_entropy_knobs(history, lr)}"
-        ),
-    ),
-    (
-        "groups/all_equal",
-        lambda first, last: last >= 0.8 and last > first,
-        lambda first, last, lr, history: (
-            f"{last:.0%} of the groups in the last third of the run had all-equal rewards (first third "
-            f"{first:.0%}): they carry no gradient. All right: the task is solved (stop, or harder data); all "
-            "wrong: it is out of reach or its reward cannot be earned (read samples.jsonl). "
-            "algo.dynamic_sampling=true draws more groups until they differ"
-        ),
-    ),
+    ("entropy", lambda first, last: first > 0 and last < 0.2 * first, _entropy_note),
+    ("groups/all_equal", lambda first, last: last >= 0.8 and last > first, _all_equal_note),
     (
         "clip/fraction",
         lambda first, last: last > 0.2 and last > 2 * first,

@@ -47,6 +47,32 @@ def test_an_entropy_collapse_without_clipping_is_not_sent_to_clip_higher():
     assert "not clip-higher: no token was clipped" in note and "Try clip-higher" not in note
 
 
+def test_a_run_that_converged_is_not_told_to_fight_its_entropy():
+    """The reward rose to its best and stayed (a solved task: tools-multiply at 1.7 from round 12):
+    falling entropy and equal groups are convergence, and the notes say so instead of sending the
+    user to an entropy bonus. The same curves with a reward that fell back keep the old advice."""
+    solved = [0.2, 0.4, 1.0, 1.3, 1.4, 1.6] + [1.7] * 6
+    history = rounds(
+        reward__total__mean=solved,
+        entropy=[0.5] * 4 + [0.1] * 4 + [0.02] * 4,
+        groups__all_equal=[0.1] * 4 + [0.6] * 4 + [1.0] * 4,
+        clip__fraction=[0.0] * 12,
+    )
+    text = "\n".join(health_notes(history, [], CFG, "accuracy"))
+    assert "as the reward rose to its best and stayed there: the policy converged" in text
+    assert "most likely all right: the task is solved" in text
+    assert "entropy bonus" not in text and "entropy collapsed" not in text
+    fell = rounds(
+        reward__total__mean=solved[:6] + [1.2] * 6,
+        entropy=[0.5] * 4 + [0.1] * 4 + [0.02] * 4,
+        groups__all_equal=[0.1] * 4 + [0.6] * 4 + [1.0] * 4,
+        clip__fraction=[0.0] * 12,
+    )
+    text = "\n".join(health_notes(fell, [], CFG, "accuracy"))
+    assert "entropy collapsed (0.500 -> 0.020" in text and "entropy bonus (algo.entropy_coeff)" in text
+    assert "all wrong: it is out of reach" in text
+
+
 DATA = __import__("pathlib").Path(__file__).parents[1] / "data"
 
 
