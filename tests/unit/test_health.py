@@ -48,9 +48,10 @@ def test_an_entropy_collapse_without_clipping_is_not_sent_to_clip_higher():
 
 
 def test_a_run_that_converged_is_not_told_to_fight_its_entropy():
-    """The reward rose to its best and stayed (a solved task: tools-multiply, 1.7 on nearly every completion in its last rounds):
-    falling entropy and equal groups are convergence, and the notes say so instead of sending the
-    user to an entropy bonus. The same curves with a reward that fell back keep the old advice."""
+    """The reward rose to its best and stayed (a solved task: tools-multiply, 1.7 on nearly every
+    completion in its last rounds): falling entropy and equal groups are convergence, and the notes
+    say so instead of sending the user to an entropy bonus. The same curves with a reward that fell
+    back keep the old advice."""
     solved = [0.2, 0.4, 1.0, 1.3, 1.4, 1.6] + [1.7] * 6
     history = rounds(
         reward__total__mean=solved,
