@@ -174,7 +174,7 @@ def bwrap_argv(bwrap: str, python_prefix: str, src: str, tmpfs_bytes: int, secco
 
 def tasks_of_user(uid: int) -> int:
     """Threads of every process whose real uid is `uid`: what RLIMIT_NPROC counts (a trainer with
-    a vLLM engine runs over a hundred, far more than its processes)."""
+    a vLLM engine runs dozens, far more than its processes)."""
     return sum(
         p.info["num_threads"] or 1
         for p in psutil.process_iter(["uids", "num_threads"])

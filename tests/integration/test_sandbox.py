@@ -705,8 +705,8 @@ HOST = socket.gethostname()
 
 def test_a_caller_with_many_threads_still_runs_programs():
     """RLIMIT_NPROC counts threads, per real uid. Not as root the program shares the caller's uid,
-    so the limit it gets must count the caller's threads (a trainer with a vLLM engine runs over a
-    hundred): counting only processes made every call fail as a non-root user, bwrap's clone
+    so the limit it gets must count the caller's threads (a process with a vLLM engine runs
+    dozens): counting only processes made every call fail as a non-root user, bwrap's clone
     refused with EAGAIN. As root each run has a uid of its own; the call must succeed there too."""
     from plait.sandbox.supervisor import tasks_of_user
 
