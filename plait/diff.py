@@ -88,6 +88,10 @@ class HashParting:
     stages: list[str]  # hashed by both runs
     round: int | None = None
     stage: str | None = None
+    # the `completions` record (token ids whatever the process count): rounds both recorded, and
+    # the first whose completions differ (None: all the same)
+    completion_rounds: int = 0
+    completions_part: int | None = None
 
 
 def metrics_by_round(run_dir: Path) -> dict[int, dict]:
@@ -134,6 +138,9 @@ def first_hash_parting(a: dict[int, dict], b: dict[int, dict]) -> HashParting:
     shared = sorted(set(a) & set(b))
     stages = [s for s in HASH_STAGES if any(a[r].get(s) is not None and b[r].get(s) is not None for r in shared)]
     out = HashParting(len(shared), stages)
+    both = [r for r in shared if a[r].get("completions") is not None and b[r].get("completions") is not None]
+    out.completion_rounds = len(both)
+    out.completions_part = next((r for r in both if a[r]["completions"] != b[r]["completions"]), None)
     for r in shared:
         for stage in stages:
             ha, hb = a[r].get(stage), b[r].get(stage)
@@ -201,6 +208,12 @@ def describe(p: Parting, rtol: float = 0.0, shown: int = 8) -> str:
                 f"hashes: the runs part at round {h.round}, first in its {h.stage} stage "
                 f"({HASH_MEANING[h.stage]} differ; stages hashed by both: {', '.join(h.stages)})"
             )
+    if h is not None and h.completion_rounds:
+        what = "sampled completions (token ids, whatever the process count)"
+        if h.completions_part is None:
+            lines.append(f"{what}: the same in all {h.completion_rounds} rounds both recorded")
+        else:
+            lines.append(f"{what}: first differ at round {h.completions_part}")
     if p.weights:
         equal = [r for r, eq in p.weights if eq]
         parted = [r for r, eq in p.weights if not eq]

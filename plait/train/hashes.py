@@ -9,7 +9,12 @@ stage where they part (`plait diff`).
     optimizer   the weights after the round's updates (train.deterministic)
 
 Each process hashes its own share (its rows; its shard of sharded weights); the record holds
-one hash over the processes' hashes in rank order.
+one hash over the processes' hashes in rank order, so these depend on the number of processes.
+
+One more record, `completions`, does not: every group's prompt and completion token ids, hashed
+per group and taken in order of their hashes across all processes. Two runs that sampled the
+same completions agree on it whatever their process counts or batch layouts (the generation
+stage also hashes the padding and the engine's log-probs, which do not agree across those).
 """
 
 from __future__ import annotations
@@ -49,6 +54,14 @@ def generation_hash(batch: Batch) -> str:
     return digest([batch.input_ids, batch.attention_mask, batch.completion_mask, batch.sampling_logprobs])
 
 
+def group_hash(group: Group) -> str:
+    """A group's prompt (dataset index and token ids) and its completions' token ids, in order."""
+    ids = [np.asarray(c.token_ids, dtype=np.int64) for c in group.completions]
+    return digest(
+        [np.array([group.prompt.index], dtype=np.int64), np.asarray(group.prompt.token_ids, dtype=np.int64), *ids]
+    )
+
+
 def scoring_hash(groups: list[Group]) -> str:
     names = sorted(groups[0].rewards) if groups else []
     scores = [
@@ -74,12 +87,21 @@ def gradient_hash(module: torch.nn.Module) -> str | None:
     return digest(grads) if grads else None
 
 
-def gather_hashes(local: dict[str, str | None]) -> dict[str, str | None]:
-    """One hash per stage over every process's (in rank order); collective."""
-    if not comm.active():
-        return local
-    every = comm.all_gather_objects(local)
-    return {k: None if any(h[k] is None for h in every) else digest_text([h[k] for h in every]) for k in local}
+def gather_hashes(local: RoundHashes) -> dict[str, str | None]:
+    """One hash per stage over every process's (in rank order), and the `completions` record
+    over every process's groups; collective."""
+    every = comm.all_gather_objects((dict(local), local.groups))
+    stages = dict(local)
+    if len(every) > 1:
+        stages = {
+            k: None if any(h[k] is None for h, _ in every) else digest_text([h[k] for h, _ in every]) for k in local
+        }
+    return {**stages, "completions": completions_record([groups for _, groups in every])}
+
+
+def completions_record(per_process: list[list[str]]) -> str:
+    """One hash over every process's group hashes, whichever process holds which group."""
+    return digest_text(sorted(g for groups in per_process for g in groups))
 
 
 def digest_text(parts: list[str]) -> str:
@@ -87,7 +109,11 @@ def digest_text(parts: list[str]) -> str:
 
 
 class RoundHashes(dict):
-    """A round's hashes by stage, added as the round computes them."""
+    """A round's hashes by stage, added as the round computes them, and its groups' hashes."""
+
+    def __init__(self, *args, groups: list[str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.groups = groups or []
 
     def add_gradient(self, module: torch.nn.Module) -> None:
         self["loss"] = gradient_hash(module)
@@ -99,5 +125,8 @@ class RoundHashes(dict):
 def rollout_hashes(groups: list[Group], batch: Batch) -> RoundHashes:
     """Generation, scoring and advantages (cheap: every run records them)."""
     return RoundHashes(
-        generation=generation_hash(batch), scoring=scoring_hash(groups), advantages=digest([batch.advantages])
+        generation=generation_hash(batch),
+        scoring=scoring_hash(groups),
+        advantages=digest([batch.advantages]),
+        groups=[group_hash(g) for g in groups],
     )

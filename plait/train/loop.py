@@ -31,7 +31,7 @@ from plait.telemetry.advice import health_notes, suggestion
 from plait.train.backends import make_backend, resolve_device
 from plait.train.batch import collate
 from plait.train.guard import Preempted, StopSignal, check_drift
-from plait.train.hashes import gather_hashes, rollout_hashes
+from plait.train.hashes import RoundHashes, gather_hashes, rollout_hashes
 from plait.train.hostmem import retained_host_memory
 from plait.train.metrics import (
     across_processes,
@@ -62,7 +62,7 @@ class RoundResult:
     update: dict[str, float]  # policy_update's metrics
     prepass_forwards: float  # forward passes of the log-prob prepass, in whole batches
     rollout: dict[str, float]  # async generation: the producer's time and pushes (empty when synchronous)
-    hashes: dict[str, str | None]  # this process's, by stage (plait.train.hashes)
+    hashes: RoundHashes  # this process's, by stage (plait.train.hashes)
 
 
 def train(cfg: Config, console: str | None = None) -> TrainResult:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
 
 from plait import comm
-from plait.checkpoint import find_checkpoint, latest_checkpoint
+from plait.checkpoint import ROLLOUTS, find_checkpoint, latest_checkpoint
 from plait.config import ConfigError
 
 
@@ -37,6 +38,8 @@ def prepare_run_dir(cfg) -> tuple[Path, Path | None]:
     if comm.is_main():
         try:
             decided = _choose_run_dir(cfg)
+            if decided[1] is not None:
+                refuse_another_process_count(decided[1], comm.world_size())
         except ConfigError as err:
             decided = err.problems
     decided = comm.broadcast_object(decided)
@@ -65,3 +68,21 @@ def _choose_run_dir(cfg) -> tuple[Path, Path | None]:
 
 def restarted_by_torchrun() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+def refuse_another_process_count(checkpoint: Path, processes: int) -> None:
+    """An asynchronous run's checkpoint holds the rounds generated ahead, split per training
+    process: it resumes with the process count that wrote it, refused before the run directory
+    is touched."""
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    ahead = state.get("rollouts_ahead", [None] if (checkpoint / ROLLOUTS).is_file() else [])
+    wrote = state.get("world_size", 1)
+    if ahead and wrote != processes:
+        raise ConfigError(
+            [
+                f"{checkpoint} holds {len(ahead)} round(s) generated ahead for {wrote} training process(es), "
+                f"but {processes} were launched: resume it with {wrote}; to change the count, resume it with {wrote} "
+                f"and rollout.max_staleness=0 until its next checkpoint (a synchronous checkpoint holds no rounds "
+                f"ahead), then with {processes}"
+            ]
+        )

@@ -254,12 +254,8 @@ def resume(run: Run, checkpoint: Path) -> None:
     state = load_checkpoint(checkpoint, run.backend)
     run.start = state["step"]
     run.order.consumed = resume_position(state, comm.rank(), comm.world_size(), run.say)
+    # the process count matches the one that wrote the checkpoint (rundir.refuse_another_process_count)
     ahead = comm.broadcast_object(load_rollouts(checkpoint) if comm.is_main() else None)
-    if ahead and state.get("world_size", 1) != comm.world_size():
-        raise ValueError(
-            f"{checkpoint} holds {len(ahead)} round(s) generated ahead for {state['world_size']} training processes, "
-            f"but {comm.world_size()} were launched: resume an asynchronous run with the same number of processes"
-        )
     run.rollouts.load_state(SourceState(ahead, [int(c) for c in comm.all_gather_objects(run.order.consumed)]))
     run.result.eval_before = state.get("eval_before")
     run.say(f"resumed from {checkpoint} (round {run.start})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from test_train import final_weights, tiny_overrides
 from test_vllm import metrics_of, train_cmd
 
 from plait.config import load_config
+from plait.diff import hashes_by_round
 from plait.train.loop import train
 
 
@@ -64,6 +66,47 @@ def test_async_rounds_are_generated_k_versions_behind_and_runs_reproduce(tiny_mo
         assert not [p for p in psutil.Process().children(recursive=True) if "plait.rollout.server" in p.cmdline()]
     a, b = (final_weights(r) for r in runs)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_async_checkpoint_resumes_synchronously_and_refuses_another_process_count(
+    tiny_model_path, prompts_jsonl, tmp_path, helper_env
+):
+    """k=1, a checkpoint after round 2: it holds round 3, sampled ahead with the weights after
+    round 1. Resumed by 2 processes, it is refused before anything trains, naming both counts and
+    the fix, and nothing in the run directory changes. Resumed synchronously (max_staleness=0),
+    it trains the held round first: round 3's completions, rewards and advantages equal the
+    unbroken async run's bit for bit (hashes), and round 4 is sampled with the weights it trains
+    (staleness 0, the log-prob gap of synced weights); its checkpoint holds no rounds ahead."""
+    unbroken, resumed = tmp_path / "async", tmp_path / "resumed"
+    args = async_overrides(tiny_model_path, prompts_jsonl, unbroken, "checkpoint.save_steps=2")
+    train(load_config(None, args))
+    shutil.copytree(unbroken, resumed)
+    for done in (resumed / "final", resumed / "checkpoints" / "step_00000004"):
+        shutil.rmtree(done)
+    assert (resumed / "checkpoints" / "step_00000002" / "rollouts.pt").is_file()
+    before = {p: p.read_bytes() for p in resumed.rglob("*") if p.is_file()}
+
+    moved = [a.replace(str(unbroken), str(resumed)) for a in args]
+    proc = subprocess.run(
+        train_cmd(2, [*moved, "resume=auto"]), env=helper_env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode != 0
+    said = proc.stderr
+    assert "generated ahead for 1 training process(es), but 2 were launched: resume it with 1" in said, said[-3000:]
+    assert "rollout.max_staleness=0" in said
+    after = {p: p.read_bytes() for p in resumed.rglob("*") if p.is_file()}
+    assert sorted(str(p.relative_to(resumed)) for p in after if after[p] != before.get(p)) == []
+
+    result = train(load_config(None, [*moved, "rollout.max_staleness=0", "resume=auto"]))
+    m = result.history
+    assert [x["step"] for x in metrics_of(resumed)] == [1, 2, 3, 4] and len(m) == 2  # rounds 3 and 4 ran
+    assert m[0]["rollout/weight_staleness"] == 1  # the held round, sampled with the weights after round 1
+    assert m[1]["logprob_gap"] < SYNCED_GAP < m[0]["logprob_gap"]
+    a, b = hashes_by_round(unbroken)[3], hashes_by_round(resumed)[3]
+    for record in ("generation", "scoring", "advantages", "completions"):
+        assert a[record] == b[record], record
+    last = json.loads((resumed / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
+    assert last["rollouts_ahead"] == []  # so any process count may resume it
 
 
 def test_async_chaos_kills_at_every_moment_and_the_run_ends_bitwise_equal(tmp_path):
@@ -150,7 +193,7 @@ def test_async_with_dynamic_sampling_and_two_stage(tiny_model_path, prompts_json
 def test_async_under_torchrun_two_processes(tiny_model_path, prompts_jsonl, tmp_path, helper_env, backend):
     """2 processes with k=1: rank 0's producer makes both processes' shares (fsdp2: the weights
     it pushes are gathered from both shards). Rounds 1 and 2 are sampled from the initial
-    weights, so their completions and rewards equal a one-process async run's exactly. The same
+    weights, so their completions (token for token) and rewards equal a one-process async run's. The same
     2-process run, crashed in rank 0's seventh reward call, round 4's (its producer scores each
     process's share, ahead of the trainer), and resumed with resume=auto, ends with the unbroken
     run's weights and every round's hashes, bit for bit."""
@@ -164,6 +207,8 @@ def test_async_under_torchrun_two_processes(tiny_model_path, prompts_jsonl, tmp_
     assert [x["rollout/weight_staleness"] for x in m2] == [0, 1, 1, 1]
     key = "reward/total/mean"
     assert [x[key] for x in m2[:2]] == [x[key] for x in m1[:2]]
+    h1, h2 = hashes_by_round(one), hashes_by_round(two)
+    assert [h2[r]["completions"] for r in (1, 2)] == [h1[r]["completions"] for r in (1, 2)]  # token for token
 
     args = async_overrides(tiny_model_path, prompts_jsonl, crashed, f"train.backend={backend}", *crashing)
     env = {**helper_env, "PLAIT_TEST_CRASH_CALL": "7", "PLAIT_TEST_CRASH_RANK": "0"}

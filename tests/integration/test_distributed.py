@@ -3,8 +3,9 @@
 The same seed must give the same run as one process: each process samples its share of the
 prompts with per-group random streams, advantages see every process's rewards, and the loss
 is normalized over the whole step. Not bitwise (the gradient sum is reduced in another order
-than one process accumulates it), so weights are compared within WEIGHT_ATOL; the rewards
-of every step must agree (they only do if every completion is the same).
+than one process accumulates it), so weights are compared within WEIGHT_ATOL; every step's
+completions must be the same token for token (hashes.jsonl's `completions` record, which does
+not depend on the process count) and so must its rewards.
 """
 
 import json
@@ -18,6 +19,7 @@ from test_train import tiny_overrides
 
 from plait.comm import free_port
 from plait.config import load_config
+from plait.diff import hashes_by_round
 from plait.train.loop import train
 
 
@@ -75,9 +77,12 @@ def _metrics(run_dir):
 
 
 def assert_same_run(run, reference):
-    """Same rewards, losses and grad norms per step, and the same final weights."""
+    """The same completions (token ids), rewards, losses and grad norms per step, and the same
+    final weights."""
     got, want = _metrics(run), _metrics(reference)
     assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2, 3]
+    sampled = [[h[r]["completions"] for r in (1, 2, 3)] for h in (hashes_by_round(run), hashes_by_round(reference))]
+    assert sampled[0] == sampled[1]
     for g, w in zip(got, want):
         assert g["reward/total/mean"] == pytest.approx(w["reward/total/mean"], rel=1e-6), g["step"]
         assert g["loss"] == pytest.approx(w["loss"], abs=1e-6)

@@ -9,7 +9,7 @@ import torch
 
 from plait.diff import HASH_STAGES, first_hash_parting
 from plait.train.determinism import missing_pins, pinned_environment, pinned_lines
-from plait.train.hashes import STAGES, digest, gradient_hash, scoring_hash, weights_hash
+from plait.train.hashes import STAGES, completions_record, digest, gradient_hash, group_hash, scoring_hash, weights_hash
 from plait.types import Completion, Group, Prompt
 
 
@@ -48,6 +48,27 @@ def test_scoring_hash_sees_one_ulp_in_one_score():
     assert scoring_hash(a) != scoring_hash(b)
 
 
+def groups_of(*completions: list[list[int]]) -> list[Group]:
+    """One group per argument, prompt i with the given completions' token ids."""
+    return [
+        Group(Prompt(i, f"q{i}", [7, i]), [Completion(i, ids, "", [0.0] * len(ids), False, "eos") for ids in done])
+        for i, done in enumerate(completions)
+    ]
+
+
+def test_the_completions_record_does_not_depend_on_which_process_holds_a_group():
+    """1 process or 2 (any split), the same completions give the same record; one token, or two
+    completions of a group swapped, give another."""
+    groups = groups_of([[1, 2], [3]], [[4], [5, 6]], [[8], [9]])
+    one = completions_record([[group_hash(g) for g in groups]])
+    for split in ([groups[:1], groups[1:]], [groups[2:], groups[:2]], [[], groups]):
+        assert completions_record([[group_hash(g) for g in part] for part in split]) == one
+    token = groups_of([[1, 2], [3]], [[4], [5, 7]], [[8], [9]])
+    swapped = groups_of([[3], [1, 2]], [[4], [5, 6]], [[8], [9]])
+    for other in (token, swapped):
+        assert completions_record([[group_hash(g) for g in other]]) != one
+
+
 def test_diff_reads_the_stages_the_hashes_write():
     assert HASH_STAGES == STAGES
 
@@ -62,6 +83,18 @@ def test_first_hash_parting_names_the_earliest_stage_of_the_first_round():
     p = first_hash_parting(a, b)
     assert (p.round, p.stage, p.rounds_compared) == (2, "loss", 3)
     assert first_hash_parting(a, a).round is None
+
+
+def test_the_completions_record_is_compared_apart_from_the_stages():
+    """1 vs 2 processes: the generation stage differs from round 1 (it hashes each process's
+    padded rows), and the completions record still says where the sampled tokens part."""
+    a = {r: {**record(r), "completions": f"c{r}"} for r in (1, 2, 3)}
+    b = {r: {**record(r, generation=f"two-{r}"), "completions": "x" if r == 3 else f"c{r}"} for r in (1, 2, 3)}
+    p = first_hash_parting(a, b)
+    assert (p.round, p.stage) == (1, "generation")
+    assert (p.completion_rounds, p.completions_part) == (3, 3)
+    older = {r: record(r) for r in (1, 2, 3)}  # a run of a plait that did not record it
+    assert first_hash_parting(a, older).completion_rounds == 0
 
 
 def test_stages_one_run_did_not_hash_are_skipped():
