@@ -23,6 +23,8 @@ from safetensors.torch import load_file
 from test_train import final_weights, tiny_overrides
 from test_vllm import RolloutServer, metrics_of, train_cmd, vllm_overrides
 
+from plait.diff import hashes_by_round
+
 
 pytestmark = [
     pytest.mark.slow,
@@ -98,9 +100,10 @@ def wait_no_leftovers(timeout=30) -> list[str]:
 def test_ray_run_places_actors_as_planned_and_matches_torchrun(
     ray_cluster, vllm_model, prompts_jsonl, tmp_path, helper_env
 ):
-    """2 trainer actors + 1 generation replica actor give the losses (rel. 1e-6) and weights
-    (within 1e-6) of torchrun's 2 processes + `plait rollout-server` with the same seed; each actor ran on the
-    node the plan named; nothing is left running afterwards."""
+    """2 trainer actors + 1 generation replica actor give the completions (token for token),
+    losses (rel. 1e-6) and weights (within 1e-6) of torchrun's 2 processes + `plait rollout-server`
+    with the same seed; each actor ran on the node the plan named; nothing is left running
+    afterwards."""
     common = ["rollout.vllm.mode=server", "train.threads=1"]
     ray_out = tmp_path / "ray"
     res = ray_train(
@@ -135,6 +138,8 @@ def test_ray_run_places_actors_as_planned_and_matches_torchrun(
     assert [m["step"] for m in ours] == [1, 2, 3]
     for key in ("loss", "reward/total/mean", "grad_norm", "logprob_gap"):
         assert [m[key] for m in ours] == pytest.approx([m[key] for m in theirs], rel=1e-6, abs=1e-9), key
+    sampled = [[h[r]["completions"] for r in (1, 2, 3)] for h in map(hashes_by_round, (ray_out, tr_out))]
+    assert sampled[0] == sampled[1]  # the same completions, token for token
     a, b = (
         load_file(str(ray_out / "final" / "model.safetensors")),
         load_file(str(tr_out / "final" / "model.safetensors")),
@@ -190,6 +195,7 @@ def test_a_dead_trainer_is_reported_and_the_job_restarts_from_its_checkpoint(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for x, y in zip(metrics_of(straight), metrics_of(out)):
         assert (x["step"], x["loss"], x["reward/total/mean"]) == (y["step"], y["loss"], y["reward/total/mean"])
+    assert (straight / "hashes.jsonl").read_text() == (out / "hashes.jsonl").read_text()
     assert wait_no_leftovers() == []
 
 

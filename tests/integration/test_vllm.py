@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 import torch
-from test_train import tiny_overrides
+from test_train import final_weights, tiny_overrides
 
 from plait.comm import free_port
 from plait.rollout.auth import bearer, resolve_token
@@ -289,8 +289,10 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
     (refused connection) is up to the scheduler; either way the trainer stops with a message naming
     the replica and the resume advice, step 2's checkpoint stays valid, and the server exits with
     code 1. With the server back, resume=auto finishes and the restarted server (base weights) is
-    given the trainer's weights first. Then the replica hangs (SIGSTOP) mid-run: the run stops
-    after request_timeout_s with the same advice, its last round saved."""
+    given the trainer's weights first: the resumed run ends with the weights and every round's
+    hashes of the same run never stopped (on the restarted server), bit for bit. Then the replica
+    hangs (SIGSTOP) mid-run: the run stops after request_timeout_s with the same advice, its last
+    round saved."""
     out = tmp_path / "run"
     server = RolloutServer(vllm_model, dp=1, tp=2, env=helper_env)
     try:
@@ -322,6 +324,15 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
 
     server = RolloutServer(vllm_model, dp=1, tp=2, env=helper_env, port=server.port)  # back where it was
     try:
+        unbroken = tmp_path / "unbroken"  # the same run, never stopped (a new trainer always pushes first)
+        proc = subprocess.run(
+            train_cmd(1, [a.replace(str(out), str(unbroken)) for a in args]),
+            capture_output=True,
+            text=True,
+            env=helper_env,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
         proc = subprocess.run(
             train_cmd(1, [*args, "resume=auto"]), capture_output=True, text=True, env=helper_env, timeout=600
         )
@@ -330,6 +341,10 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
         assert [x["step"] for x in m] == [1, 2, 3]
         assert m[-1]["logprob_gap"] < SYNCED_GAP  # the new server samples from the resumed weights
         assert server.health()["version"] == 2
+        # rounds 1-2 sampled by the first server, round 3 by the restarted one: the unbroken run's bits
+        assert (out / "hashes.jsonl").read_text() == (unbroken / "hashes.jsonl").read_text()
+        a, b = final_weights(out), final_weights(unbroken)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
         # the replica stops answering (SIGSTOP to its session: alive and silent) while round 4 is
         # scored: round 4 trains and is saved, the next request gets no answer, and the run stops
@@ -495,8 +510,79 @@ def test_server_mode_generates_asynchronously(vllm_model, prompts_jsonl, tmp_pat
             model_bytes = sum(f.stat().st_size for f in vllm_model.glob("*.safetensors"))
             assert max(x["weight_sync/gb"] for x in pushed) * 1e9 < model_bytes / 10
             _an_adapter_push_makes_the_server_decode_as_the_adapted_model(vllm_model, server)
+        else:
+            _an_update_sent_mid_request_waits_for_it(server, out / "final")
     finally:
         server.stop()
+
+
+def _an_update_sent_mid_request_waits_for_it(server, final):
+    """No completion mixes two weight versions, on vLLM: a long greedy request runs, and its
+    engine core is paused (SIGSTOP) so that it surely still runs when the next version is pushed;
+    the push waits at the replica's gate (/health: updating, the old version, one request
+    running). Resumed, the request ends with the old weights' own tokens (the same request asked
+    before the push) and version, and the same request after the push decodes with the new
+    weights."""
+    from transformers import AutoModelForCausalLM
+
+    from plait.config import load_config
+    from plait.models import load_tokenizer
+    from plait.rollout import make_engine
+    from plait.rollout.vllm_engine import sampling_dict
+    from plait.types import Prompt, SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    tok = load_tokenizer(final)
+    sets = ["rollout.engine=vllm", "rollout.vllm.mode=server", f"rollout.vllm.servers=[{server.url}]"]
+    remote = make_engine(load_config(None, [*sets, "train.precision=fp32"]), model, tok)
+    prompt = Prompt(0, "", tok("Count the stars one by one:")["input_ids"])
+    body = {
+        "prompts": [
+            {
+                "token_ids": prompt.token_ids,
+                "sampling": sampling_dict(SamplingParams(max_tokens=200, temperature=0.0), 1, prompt),
+            }
+        ]
+    }
+
+    def ask(into: dict | None = None) -> dict:
+        answer = httpx.post(server.url + "/generate", json=body, headers=server.headers, timeout=600).json()
+        return answer if into is None else into.setdefault("answer", answer)
+
+    try:
+        remote.weights_for_step(10)  # joined and holding known weights before the pause
+        before = ask()
+        assert before["version"] == 10
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p), alpha=0.05)
+        during: dict = {}
+        asking = threading.Thread(target=ask, args=(during,))
+        pushing = threading.Thread(target=remote.weights_for_step, args=(11,))
+        core = server.engine_core_pid()
+        asking.start()
+        while server.health()["running"] == 0:
+            assert asking.is_alive(), during
+            time.sleep(0.02)
+        os.kill(core, signal.SIGSTOP)
+        try:
+            pushing.start()
+            while not server.health()["updating"]:  # the update has come and waits at the gate
+                assert pushing.is_alive()
+                time.sleep(0.02)
+            health = server.health()
+            assert health["version"] == 10 and health["running"] == 1
+        finally:
+            os.kill(core, signal.SIGCONT)
+        asking.join()
+        pushing.join()
+        assert during["answer"]["version"] == 10
+        assert during["answer"]["outputs"][0][0]["token_ids"] == before["outputs"][0][0]["token_ids"]
+        after = ask()
+        assert after["version"] == 11 and after["outputs"][0][0]["token_ids"] != before["outputs"][0][0]["token_ids"]
+    finally:
+        remote.close()
 
 
 def _an_adapter_push_makes_the_server_decode_as_the_adapted_model(vllm_model, server):
