@@ -396,6 +396,7 @@ def test_a_replica_whose_engine_dies_exits_whether_idle_or_mid_request(vllm_mode
             answer["r"] = httpx.post(server.url + "/generate", json=long, headers=server.headers, timeout=600)
 
         asking = threading.Thread(target=ask)
+        os.kill(core, signal.SIGSTOP)  # the request cannot end before the kill, however fast the engine
         asking.start()
         while server.health()["running"] == 0:
             assert asking.is_alive(), answer["r"].text  # the request is still on its way in
@@ -517,8 +518,8 @@ def test_server_mode_generates_asynchronously(vllm_model, prompts_jsonl, tmp_pat
 
 
 def _an_update_sent_mid_request_waits_for_it(server, final):
-    """No completion mixes two weight versions, on vLLM: a long greedy request runs, and its
-    engine core is paused (SIGSTOP) so that it surely still runs when the next version is pushed;
+    """No completion mixes two weight versions, on vLLM: a greedy request is sent while its
+    engine core is paused (SIGSTOP), so that it surely still runs when the next version is pushed;
     the push waits at the replica's gate (/health: updating, the old version, one request
     running). Resumed, the request ends with the old weights' own tokens (the same request asked
     before the push) and version, and the same request after the push decodes with the new
@@ -561,12 +562,12 @@ def _an_update_sent_mid_request_waits_for_it(server, final):
         asking = threading.Thread(target=ask, args=(during,))
         pushing = threading.Thread(target=remote.weights_for_step, args=(11,))
         core = server.engine_core_pid()
-        asking.start()
-        while server.health()["running"] == 0:
-            assert asking.is_alive(), during
-            time.sleep(0.02)
-        os.kill(core, signal.SIGSTOP)
+        os.kill(core, signal.SIGSTOP)  # first: the request then cannot end before the push comes
         try:
+            asking.start()
+            while server.health()["running"] == 0:  # taken in by the replica, waiting for its engine
+                assert asking.is_alive(), during
+                time.sleep(0.02)
             pushing.start()
             while not server.health()["updating"]:  # the update has come and waits at the gate
                 assert pushing.is_alive()
