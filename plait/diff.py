@@ -90,7 +90,7 @@ class HashParting:
     stage: str | None = None
     # the `completions` record (token ids whatever the process count): rounds both recorded, and
     # the first whose completions differ (None: all the same)
-    completion_rounds: int = 0
+    completions_compared: int = 0
     completions_part: int | None = None
 
 
@@ -139,7 +139,7 @@ def first_hash_parting(a: dict[int, dict], b: dict[int, dict]) -> HashParting:
     stages = [s for s in HASH_STAGES if any(a[r].get(s) is not None and b[r].get(s) is not None for r in shared)]
     out = HashParting(len(shared), stages)
     both = [r for r in shared if a[r].get("completions") is not None and b[r].get("completions") is not None]
-    out.completion_rounds = len(both)
+    out.completions_compared = len(both)
     out.completions_part = next((r for r in both if a[r]["completions"] != b[r]["completions"]), None)
     for r in shared:
         for stage in stages:
@@ -208,10 +208,10 @@ def describe(p: Parting, rtol: float = 0.0, shown: int = 8) -> str:
                 f"hashes: the runs part at round {h.round}, first in its {h.stage} stage "
                 f"({HASH_MEANING[h.stage]} differ; stages hashed by both: {', '.join(h.stages)})"
             )
-    if h is not None and h.completion_rounds:
+    if h is not None and h.completions_compared:
         what = "sampled completions (token ids, whatever the process count)"
         if h.completions_part is None:
-            lines.append(f"{what}: the same in all {h.completion_rounds} rounds both recorded")
+            lines.append(f"{what}: the same in all {h.completions_compared} rounds both recorded")
         else:
             lines.append(f"{what}: first differ at round {h.completions_part}")
     if p.weights:

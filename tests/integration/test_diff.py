@@ -57,7 +57,7 @@ def test_two_runs_of_one_config_agree_bit_for_bit(two_runs):
     parting = diff_runs(*two_runs)
     assert parting.rounds_compared == 3 and parting.round is None
     assert parting.weights == [(1, True), (2, True), (3, True)]
-    assert (parting.hashes.completion_rounds, parting.hashes.completions_part) == (3, None)
+    assert (parting.hashes.completions_compared, parting.hashes.completions_part) == (3, None)
     shown = plait_diff(*two_runs)
     assert shown.returncode == 0 and "agree on all 3 rounds" in shown.stdout, shown.stdout + shown.stderr
     assert "sampled completions (token ids, whatever the process count): the same in all 3 rounds" in shown.stdout

@@ -45,6 +45,13 @@ def final_weights(run_dir):
     return load_file(str(run_dir / "final" / "model.safetensors"))
 
 
+def sampled(run_dir, rounds) -> list[str]:
+    """The `completions` record of each round (hashes.jsonl): the token ids sampled, whatever
+    the process count."""
+    hashes = hashes_by_round(run_dir)
+    return [hashes[r]["completions"] for r in rounds]
+
+
 def test_cli_train_end_to_end(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
     out = tmp_path / "run"
     args = tiny_overrides(

@@ -92,9 +92,9 @@ def test_the_completions_record_is_compared_apart_from_the_stages():
     b = {r: {**record(r, generation=f"two-{r}"), "completions": "x" if r == 3 else f"c{r}"} for r in (1, 2, 3)}
     p = first_hash_parting(a, b)
     assert (p.round, p.stage) == (1, "generation")
-    assert (p.completion_rounds, p.completions_part) == (3, 3)
+    assert (p.completions_compared, p.completions_part) == (3, 3)
     older = {r: record(r) for r in (1, 2, 3)}  # a run of a plait that did not record it
-    assert first_hash_parting(a, older).completion_rounds == 0
+    assert first_hash_parting(a, older).completions_compared == 0
 
 
 def test_stages_one_run_did_not_hash_are_skipped():
