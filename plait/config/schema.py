@@ -832,14 +832,15 @@ class EnvironmentSpec(Section):
         "or \\boxed{...}.",
     )
 
-    examples: int = Field(
+    examples: int | list[Example] = Field(
         0,
-        ge=0,
-        le=8,
         description="reasoning_gym: worked examples shown before each of this environment's prompts as earlier turns "
-        "of the chat: problems of the same dataset drawn with a third seed (none a training or held-out problem), "
-        "each answered with its reference answer in the answer format. Small models learn the answer's form from "
-        "them at once (docs/environments.md); 0 = none.",
+        "of the chat. A number (at most 8): problems of the same dataset drawn with a third seed (none a training or "
+        "held-out problem), each answered with its bare reference answer in the answer format. A list "
+        "[{prompt, completion}]: your own, the question worded as the dataset words it (plait adds the answer "
+        "format's instruction, as to every prompt) and the answer written as the model should answer, working "
+        "shown (e.g. `12 + 7 = \\boxed{19}`). Small models learn the answer's form, and from shown working the "
+        "way to it, at once (docs/environments.md); 0 = none.",
     )
 
     @field_validator("type", mode="before")
@@ -881,6 +882,10 @@ class EnvironmentSpec(Section):
                     "a trl_env environment takes its rows from `data` (a row's `environment` column picks the "
                     "entry): drop `weight` and `config`"
                 )
+        if isinstance(self.examples, int) and not 0 <= self.examples <= 8:
+            raise ValueError(f"examples: {self.examples} worked examples asked; give 0 to 8, or a list of your own")
+        if isinstance(self.examples, list) and any(e.tool_output is not None for e in self.examples):
+            raise ValueError("a reasoning_gym environment's worked examples answer without tools: drop tool_output")
         if self.examples and self.type != "reasoning_gym":
             raise ValueError(
                 f"`examples` draws worked examples from a reasoning_gym dataset; a {self.type} environment's rows come "

@@ -279,6 +279,12 @@ def build_prompts(
         )
         if data_cfg.overlong_prompts == "error":
             raise DataError(msg + "; raise the limit or set data.overlong_prompts=drop")
+        lost = _environments_lost(rows, too_long)
+        if lost:
+            raise DataError(
+                f"{msg}: every prompt of environment(s) {', '.join(lost)} (worked examples and system prompt "
+                "included), so they would not train at all; raise data.max_prompt_length"
+            )
         log(f"dropped {msg}")
     if answered:
         log(
@@ -288,6 +294,16 @@ def build_prompts(
     if not prompts:
         raise DataError("no prompts left to train on")
     return prompts
+
+
+def _environments_lost(rows: list[dict], dropped: list[int]) -> list[str]:
+    """The environments of a mixture whose every row was dropped."""
+    labels = {r.get("environment") for r in rows} - {None}
+    if len(labels) < 2:  # one source: "no prompts left" says it
+        return []
+    gone = set(dropped)
+    kept = {r.get("environment") for i, r in enumerate(rows) if i not in gone}
+    return sorted(labels - kept)
 
 
 @dataclass

@@ -68,7 +68,9 @@ def environment_rows(specs, split: str, seed: int, system_prompt: str | None) ->
 def describe_shots(specs) -> list[str]:
     """The run header's lines on the environments' own worked examples."""
     return [
-        f"few-shot: {s.examples} worked example(s) before every '{label(s)}' prompt (the environment's examples)"
+        f"few-shot: {len(s.examples)} worked example(s) before every '{label(s)}' prompt (the config's own)"
+        if isinstance(s.examples, list)
+        else f"few-shot: {s.examples} worked example(s) before every '{label(s)}' prompt (the environment's examples)"
         for s in specs
         if s.examples
     ]

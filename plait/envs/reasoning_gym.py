@@ -57,12 +57,26 @@ def _questions(source: dict) -> set[str]:
     return {ds[i]["question"] for i in range(source["size"])}
 
 
+def _own_examples(spec) -> list[dict]:
+    """The config's own worked examples as turns: each question asked as the prompts ask it."""
+    turns = []
+    for e in spec.examples:
+        turns += [
+            {"role": "user", "content": _question({"question": e.prompt}, spec.answer_format)},
+            {"role": "assistant", "content": e.completion},
+        ]
+    return turns
+
+
 def worked_examples(spec, seed: int, train_size: int) -> list[dict]:
-    """`spec.examples` problems of the dataset drawn with a third seed, none a training or
-    held-out problem, as turns: the question asked as the prompts ask it, the reference answer
-    given in the answer format. Fewer when the problem space holds no more new ones."""
+    """The worked examples as turns: the config's own (a list), or `spec.examples` problems of
+    the dataset drawn with a third seed, none a training or held-out problem, the question
+    asked as the prompts ask it and the reference answer given in the answer format (fewer
+    when the problem space holds no more new ones)."""
     if not spec.examples:
         return []
+    if isinstance(spec.examples, list):
+        return _own_examples(spec)
     train = {"dataset": spec.dataset, "config": spec.config, "seed": seed, "size": train_size}
     held_out = {**train, "seed": train["seed"] + EVAL_SEED_OFFSET, "size": spec.eval_size}
     taken = _questions(train) | _questions(held_out)
@@ -80,6 +94,29 @@ def worked_examples(spec, seed: int, train_size: int) -> list[dict]:
             {"role": "assistant", "content": _answered(entry["answer"], spec.answer_format)},
         ]
     return turns
+
+
+def _example_problems(spec, label: str, seed: int, train_size: int) -> list[str]:
+    """The config's own worked examples: each states its answer in the answer format (the
+    model copies their form), and none is a training or held-out problem (its answer would be
+    in the prompt)."""
+    out = []
+    train = {"dataset": spec.dataset, "config": spec.config, "seed": seed, "size": train_size}
+    held_out = {**train, "seed": train["seed"] + EVAL_SEED_OFFSET, "size": spec.eval_size}
+    asked = {q.strip() for q in _questions(train) | _questions(held_out)}
+    where = "\\boxed{...}" if spec.answer_format == "boxed" else "<answer>...</answer>"
+    for n, e in enumerate(spec.examples):
+        if extract_answer(e.completion, spec.answer_format) is None:
+            out.append(
+                f"environments: '{label}': worked example {n}'s completion gives no answer in {where} "
+                f"(answer_format={spec.answer_format}); the model copies the examples' form, so end it with one"
+            )
+        if e.prompt.strip() in asked:
+            out.append(
+                f"environments: '{label}': worked example {n} is one of its own training or held-out problems, so "
+                "its answer would be in those prompts; pick another problem"
+            )
+    return out
 
 
 def rows(spec, label: str, split: str, seed: int, train_size: int) -> list[dict]:
@@ -161,12 +198,20 @@ def problems(spec, label: str, seed: int, train_size: int, evaluating: bool) -> 
             f"environments: '{label}': '{spec.dataset}' scores its own reference answer {full:g}, not 1, with "
             f"answer_format={spec.answer_format}; try the other answer_format"
         ]
+    if isinstance(spec.examples, list):
+        return _example_problems(spec, label, seed, train_size) + _held_out_problems(
+            spec, label, seed, train_size, evaluating
+        )
     shots = len(worked_examples(spec, seed, train_size)) // 2
     if shots < spec.examples:
         return [
             f"environments: '{label}': only {shots} of its {spec.examples} worked examples could be drawn that are "
             "neither training nor held-out problems (a small problem space); lower its examples or its size"
         ]
+    return _held_out_problems(spec, label, seed, train_size, evaluating)
+
+
+def _held_out_problems(spec, label: str, seed: int, train_size: int, evaluating: bool) -> list[str]:
     if evaluating and not rows(spec, label, "eval", seed, train_size):
         return [
             f"environments: '{label}': none of its {spec.eval_size} held-out problems is new: all are among its "

@@ -187,3 +187,67 @@ def test_an_environment_shows_its_own_worked_examples_before_each_of_its_prompts
     assert "only 0 of its 2 worked examples could be drawn" in text and "lower its examples" in text
     with pytest.raises(ConfigError, match="give worked examples there"):
         load_config(None, ["environments=[{type: trl_env, factory: 'm:E', examples: 1}]"])
+
+
+def test_an_environment_shows_the_configs_own_worked_examples_with_their_working():
+    from plait.envs import describe_shots
+
+    own = (
+        "[{prompt: 'Calculate 52 + 7.', completion: '52 + 7 = \\boxed{59}'}, "
+        "{prompt: 'Calculate 64 + 28.', completion: '64 + 28 = \\boxed{92}'}]"
+    )
+    cfg = config(ARITH + f", size: 20, eval_size: 10, answer_format: boxed, examples: {own}}}")
+    validate(cfg, world_size=1)
+    rows = load_rows(cfg.data, "train", 0, cfg.environments) + load_rows(cfg.data, "eval", 0, cfg.environments)
+    # asked as every prompt of the environment is asked (the format's instruction added), answered as written
+    assert rows[0]["_shots"] == [
+        {"role": "user", "content": "Calculate 52 + 7.\n\nPut the final answer in \\boxed{}."},
+        {"role": "assistant", "content": "52 + 7 = \\boxed{59}"},
+        {"role": "user", "content": "Calculate 64 + 28.\n\nPut the final answer in \\boxed{}."},
+        {"role": "assistant", "content": "64 + 28 = \\boxed{92}"},
+    ]
+    assert all(r["_shots"] == rows[0]["_shots"] for r in rows)
+    assert describe_shots(cfg.environments) == [
+        "few-shot: 2 worked example(s) before every 'basic_arithmetic' prompt (the config's own)"
+    ]
+    # an example without an answer in the format, or one that is a training problem, is refused
+    train = load_rows(cfg.data, "train", 0, cfg.environments)[0]["prompt"].split("\n\n")[0]
+    bad = (
+        f"[{{prompt: 'Calculate 52 + 7.', completion: '52 + 7 = 59'}}, "
+        f"{{prompt: '{train}', completion: '\\boxed{{1}}'}}]"
+    )
+    text = _problems(f"environments=[{ARITH}, size: 20, answer_format: boxed, examples: {bad}}}]")
+    assert "worked example 0's completion gives no answer in \\boxed{...}" in text
+    assert "worked example 1 is one of its own training or held-out problems" in text
+    with pytest.raises(ConfigError, match="drop tool_output"):
+        load_config(
+            None, [f"environments=[{ARITH}, examples: [{{prompt: q, completion: c, tool_output: o, answer: a}}]}}]"]
+        )
+    with pytest.raises(ConfigError, match="give 0 to 8"):
+        load_config(None, [f"environments=[{ARITH}, examples: 9}}]"])
+
+
+def test_an_environment_whose_every_prompt_is_too_long_stops_the_run_before_training(tiny_model_path):
+    from plait.data import DataError, build_prompts
+    from plait.models import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model_path))
+    long = "{type: reasoning_gym, dataset: leg_counting, config: {min_animals: 3, max_animals: 4}, size: 4}"
+    rows = load_rows(
+        config(ARITH + ", size: 4}", long).data, "train", 0, config(ARITH + ", size: 4}", long).environments
+    )
+    lengths = {}
+    for p in build_prompts(rows, tok, config(ARITH + ", size: 4}", long).data, log=None):
+        lengths.setdefault(p.columns["environment"], []).append(len(p.token_ids))
+    limit = max(lengths["basic_arithmetic"])
+    assert limit < min(lengths["leg_counting"])  # the short sums fit, no animal question does
+    cfg = config(ARITH + ", size: 4}", long, extra=[f"data.max_prompt_length={limit}"])
+    with pytest.raises(DataError) as err:
+        build_prompts(rows, tok, cfg.data, log=None)
+    assert "every prompt of environment(s) leg_counting (" in str(err.value)
+    assert "raise data.max_prompt_length" in str(err.value)
+    # when some of an environment's prompts fit, the rest are dropped as before, with a line saying so
+    said = []
+    cut = sorted(lengths["leg_counting"])[1]
+    cfg = config(ARITH + ", size: 4}", long, extra=[f"data.max_prompt_length={cut}"])
+    assert len(build_prompts(rows, tok, cfg.data, log=said.append)) < 8 and "prompts are longer than" in said[0]
