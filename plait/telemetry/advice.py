@@ -155,6 +155,16 @@ TRENDS = (
         ),
     ),
     (
+        "completion/truncated",
+        lambda first, last: last >= 0.5 and last >= first + 0.3,
+        lambda first, last, lr, history: (
+            f"the share of completions cut at rollout.max_completion_length climbed ({first:.0%} -> {last:.0%}, "
+            "first vs last third): read samples.jsonl. Text that repeats itself to the cap is a policy that "
+            f"degraded: try {lr}. Reasoning that grew longer needs a larger rollout.max_completion_length, "
+            "or algo.mask_truncated_completions=true, or the soft_overlong_punishment reward"
+        ),
+    ),
+    (
         "grad_norm",
         lambda first, last: first > 0 and last > 3 * first,
         lambda first, last, lr, history: (
@@ -168,7 +178,7 @@ TRENDS = (
 def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None = None) -> list[str]:
     """What the run's curves say about its learning, with what to try: a reward that fell far
     from its peak, an evaluation that ended below its best, entropy that collapsed, clip
-    fraction or gradient norm climbing. [] for a healthy (or too short) run."""
+    fraction, truncated share or gradient norm climbing. [] for a healthy (or too short) run."""
     notes = []
     lr = cfg.train.learning_rate if cfg is not None else None
     lower_lr = f"a lower train.learning_rate (now {lr:g})" if lr else "a lower learning rate"

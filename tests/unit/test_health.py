@@ -90,6 +90,24 @@ def test_a_recorded_format_takeover_is_named_with_its_knob():
     assert "of the groups in the last third of the run had all-equal rewards" in text
 
 
+def test_a_recorded_collapse_from_a_too_high_learning_rate_is_sent_to_a_lower_one():
+    """A real collapse: the demo at seed 0 with 10x its learning rate (3e-4; AMD EPYC Zen 5,
+    2026-11-27) peaked in round 2, then looped to the length cap (`88 + 88 = \\boxed{2822}},},},...`):
+    every completion cut at 32 tokens from round 10, greedy held-out accuracy 0.04 -> 0.00."""
+    import json
+
+    history = [json.loads(line) for line in (DATA / "high-lr-collapse-metrics.jsonl").read_text().splitlines()]
+    cfg = load_config(None, ["train.learning_rate=3e-4"])
+    evals = [{"step": 0, "boxed_accuracy": 0.04}, {"step": 20, "boxed_accuracy": 0.0}]
+    notes = health_notes(history, evals, cfg, "boxed_accuracy")
+    text = "\n".join(notes)
+    assert "the reward fell from its peak" in text and "a lower train.learning_rate (now 0.0003)" in text
+    assert "cut at rollout.max_completion_length climbed (1% -> 100%" in text and "degraded: try a lower" in text
+    # the demo's own rate on a healthy curve: nothing about truncation
+    fine = rounds(reward__total__mean=[0.1 * i for i in range(12)], completion__truncated=[0.05] * 6 + [0.0] * 6)
+    assert not any("cut at" in n for n in health_notes(fine, [], CFG, "accuracy"))
+
+
 def test_no_takeover_note_when_both_rewards_rise():
     cfg = load_config(None, ["rewards=[{name: accuracy, weight: 1.0}, {name: boxed_format, weight: 0.5}]"])
     history = rounds(
