@@ -9,6 +9,14 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE / "helpers"))  # reward functions importable as `plait_test_rewards:...`
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# On pytest-xdist workers, each worker's share of the cores: torch in the worker and in every
+# process a test starts (inheriting it) runs that many threads, not one per core. Two workers
+# that each ran two OpenMP threads on two cores kept their threads waiting at every parallel
+# region for one the other worker had preempted (docs/testing.md). A run's own train.threads and
+# rollout.generator_threads still set theirs.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
 
 # The numeric tests (losses, advantages, rewards, log-probs, the engines' sampling, resume
