@@ -67,13 +67,14 @@ def environment_rows(specs, split: str, seed: int, system_prompt: str | None) ->
 
 def describe_shots(specs) -> list[str]:
     """The run header's lines on the environments' own worked examples."""
-    return [
-        f"few-shot: {len(s.examples)} worked example(s) before every '{label(s)}' prompt (the config's own)"
-        if isinstance(s.examples, list)
-        else f"few-shot: {s.examples} worked example(s) before every '{label(s)}' prompt (the environment's examples)"
-        for s in specs
-        if s.examples
-    ]
+    lines = []
+    for s in specs:
+        if not s.examples:
+            continue
+        own = isinstance(s.examples, list)
+        n, whose = (len(s.examples), "the config's own") if own else (s.examples, "the environment's examples")
+        lines.append(f"few-shot: {n} worked example(s) before every '{label(s)}' prompt ({whose})")
+    return lines
 
 
 def environment_problems(specs, seed: int, evaluating: bool = False) -> list[str]:

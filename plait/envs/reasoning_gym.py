@@ -57,6 +57,12 @@ def _questions(source: dict) -> set[str]:
     return {ds[i]["question"] for i in range(source["size"])}
 
 
+def _asked(spec, seed: int, train_size: int) -> set[str]:
+    """The questions of the environment's training and held-out problems (as the dataset words them)."""
+    train = {"dataset": spec.dataset, "config": spec.config, "seed": seed, "size": train_size}
+    return _questions(train) | _questions({**train, "seed": seed + EVAL_SEED_OFFSET, "size": spec.eval_size})
+
+
 def _own_examples(spec) -> list[dict]:
     """The config's own worked examples as turns: each question asked as the prompts ask it."""
     turns = []
@@ -77,10 +83,9 @@ def worked_examples(spec, seed: int, train_size: int) -> list[dict]:
         return []
     if isinstance(spec.examples, list):
         return _own_examples(spec)
+    taken = _asked(spec, seed, train_size)
     train = {"dataset": spec.dataset, "config": spec.config, "seed": seed, "size": train_size}
-    held_out = {**train, "seed": train["seed"] + EVAL_SEED_OFFSET, "size": spec.eval_size}
-    taken = _questions(train) | _questions(held_out)
-    ds = dataset({**train, "seed": train["seed"] + EXAMPLE_SEED_OFFSET, "size": 8 * spec.examples + 32})
+    ds = dataset({**train, "seed": seed + EXAMPLE_SEED_OFFSET, "size": 8 * spec.examples + 32})
     turns = []
     for i in range(len(ds)):
         if len(turns) == 2 * spec.examples:
@@ -101,9 +106,7 @@ def _example_problems(spec, label: str, seed: int, train_size: int) -> list[str]
     model copies their form), and none is a training or held-out problem (its answer would be
     in the prompt)."""
     out = []
-    train = {"dataset": spec.dataset, "config": spec.config, "seed": seed, "size": train_size}
-    held_out = {**train, "seed": train["seed"] + EVAL_SEED_OFFSET, "size": spec.eval_size}
-    asked = {q.strip() for q in _questions(train) | _questions(held_out)}
+    asked = {q.strip() for q in _asked(spec, seed, train_size)}
     where = "\\boxed{...}" if spec.answer_format == "boxed" else "<answer>...</answer>"
     for n, e in enumerate(spec.examples):
         if extract_answer(e.completion, spec.answer_format) is None:

@@ -233,11 +233,10 @@ def test_an_environment_whose_every_prompt_is_too_long_stops_the_run_before_trai
 
     tok = load_tokenizer(str(tiny_model_path))
     long = "{type: reasoning_gym, dataset: leg_counting, config: {min_animals: 3, max_animals: 4}, size: 4}"
-    rows = load_rows(
-        config(ARITH + ", size: 4}", long).data, "train", 0, config(ARITH + ", size: 4}", long).environments
-    )
+    cfg = config(ARITH + ", size: 4}", long)
+    rows = load_rows(cfg.data, "train", 0, cfg.environments)
     lengths = {}
-    for p in build_prompts(rows, tok, config(ARITH + ", size: 4}", long).data, log=None):
+    for p in build_prompts(rows, tok, cfg.data, log=None):
         lengths.setdefault(p.columns["environment"], []).append(len(p.token_ids))
     limit = max(lengths["basic_arithmetic"])
     assert limit < min(lengths["leg_counting"])  # the short sums fit, no animal question does
