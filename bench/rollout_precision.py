@@ -5,16 +5,18 @@ have to carry).
     .venv/bin/python bench/rollout_precision.py [--model smollm2-135m-instruct] [--prompts 8]
                                                 [--generations 8] [--tokens 32]
 
-Each mode samples the same prompts (the demo's arithmetic questions) with the HF engine:
-`fp32 packed` (plait's default on CPU: oneDNN-packed weight copies), `fp32` (torch's matmul),
-`bf16` (the engine under bf16 autocast), `int8` (rollout.precision=int8: fbgemm's dynamic
-quantization, int8 weights with a scale per output row, activations quantized per tensor on each
-call, the output head kept fp32 packed; the weights are packed again on every generate call, as
-in a run, and that time is counted) and `int8 torch.ao` (torch.ao's quantize_dynamic: one scale per
-weight matrix, done once before timing). The trainer's log-probs of every sampled
-token are recomputed with the fp32 model, one completion at a time; the table gives the mean
-and largest |engine - trainer| log-prob over the sampled tokens and the KL of the trainer from
-the engine (k3 estimate over those tokens). Say which CPU ran it (`lscpu`).
+Each mode samples the same prompts (the demo's arithmetic questions) with the HF engine: `fp32
+packed` (plait's default on CPU: oneDNN-packed weight copies), `fp32` (torch's matmul), `bf16`
+(rollout.precision=bf16: oneDNN-packed bf16 copies of the linear weights, made on every generate
+call as in a run and timed with it, the rest of the model in fp32), `bf16 autocast` (the engine
+under torch's bf16 autocast, which casts the weights at every forward pass), `int8`
+(rollout.precision=int8: fbgemm's dynamic quantization, int8 weights with a scale per output row,
+activations quantized per tensor on each call, the output head kept fp32 packed; the weights are
+packed again on every generate call, as in a run, and that time is counted) and `int8 torch.ao`
+(torch.ao's quantize_dynamic: one scale per weight matrix, done once before timing). The trainer's
+log-probs of every sampled token are recomputed with the fp32 model, one completion at a time; the
+table gives the mean and largest |engine - trainer| log-prob over the sampled tokens and the KL of
+the trainer from the engine (k3 estimate over those tokens). Say which CPU ran it (`lscpu`).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def main() -> None:
         "fp32 packed": lambda: HFEngine(model, tok, batch_size=rows),
         "fp32": lambda: HFEngine(model, tok, batch_size=rows, packed_weights=False),
         "bf16": lambda: HFEngine(model, tok, batch_size=rows, precision="bf16"),
+        "bf16 autocast": lambda: HFEngine(model, tok, batch_size=rows, precision="bf16", packed_weights=False),
         "int8": lambda: HFEngine(model, tok, batch_size=rows, precision="int8"),
         "int8 torch.ao": lambda: HFEngine(int8_copy(model), tok, batch_size=rows),
     }

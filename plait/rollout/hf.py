@@ -13,7 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from plait.models import autocast, pad_id_of
-from plait.rollout.packed import grouped_attention, int8_linears, packed_linears
+from plait.rollout import prefix
+from plait.rollout.packed import (
+    GROUPED,
+    bf16_linears,
+    bf16_packing_available,
+    grouped_attention,
+    int8_linears,
+    packed_linears,
+)
 from plait.types import Completion, Prompt, SamplingParams
 
 
@@ -130,20 +138,31 @@ class HFEngine:
 
     @contextlib.contextmanager
     def _packed(self, model):
-        """On CPU: decode through packed weight copies (see rollout/packed.py), int8 ones for
-        precision int8 (the output head then takes the fp32 path)."""
+        """On CPU: decode through packed weight copies (see rollout/packed.py), bf16 ones for
+        precision bf16, int8 ones for int8 (the output head then takes the fp32 path). Yields the
+        precision to autocast the forward passes to: bf16's packed copies need none."""
         if self._device.type != "cpu":
             if self.precision == "int8":
                 raise ValueError("rollout.precision=int8 runs on CPU only: on a GPU use bf16, or vLLM's quantization")
-            yield
+            yield self.precision
             return
         with contextlib.ExitStack() as stack:
             stack.enter_context(grouped_attention(model))
             if self.precision == "int8":
                 stack.enter_context(int8_linears(model))
+            packed_bf16 = self.packed_weights and self.precision == "bf16" and bf16_packing_available()
+            if packed_bf16:
+                stack.enter_context(bf16_linears(model, self.batch_size))
             if self.packed_weights and self.precision in ("fp32", "int8"):
                 stack.enter_context(packed_linears(model, self.batch_size))
-            yield
+            yield "fp32" if packed_bf16 else self.precision
+
+    def _shares_prefix(self, model) -> bool:
+        """A group's completions decode over one copy of their prompt's keys and values
+        (rollout/prefix.py) where the grouped CPU attention runs and every layer attends to the
+        whole sequence."""
+        config = getattr(model, "config", None)
+        return getattr(config, "_attn_implementation", None) == GROUPED and prefix.full_attention_only(config)
 
     @property
     def _device(self) -> torch.device:
@@ -153,17 +172,17 @@ class HFEngine:
     def generate(self, prompts: list[Prompt], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
         per_call = max(1, self.batch_size // n)  # whole groups per call: their prompt is prefilled once
         done: list[Completion] = []
-        with self.view() as model, self._packed(model):
+        with self.view() as model, self._packed(model) as precision:
             was_training = model.training
             model.eval()
             try:
                 for start in range(0, len(prompts), per_call):
-                    done += self._decode(model, prompts[start : start + per_call], n, params)
+                    done += self._decode(model, prompts[start : start + per_call], n, params, precision)
             finally:
                 model.train(was_training)
         return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _decode(self, model, prompts: list[Prompt], n: int, params: SamplingParams) -> list[Completion]:
+    def _decode(self, model, prompts: list[Prompt], n: int, params: SamplingParams, precision: str) -> list[Completion]:
         """Prefill each distinct prompt once, copy its KV cache to its n rows, then decode,
         dropping rows from the batch as soon as they finish."""
         from transformers import DynamicCache
@@ -181,7 +200,7 @@ class HFEngine:
         active = torch.arange(rows, device=dev)  # original row of each row still decoding
         cache = DynamicCache()
         version = self.on_token() if self.on_token else None
-        with autocast(self._device, self.precision):
+        with autocast(self._device, precision), prefix.decoding(cache):
             out = model(
                 input_ids=ids,
                 attention_mask=mask,
@@ -191,7 +210,8 @@ class HFEngine:
                 logits_to_keep=1,
             )
             logits = out.logits[:, -1].repeat_interleave(n, 0)
-            if n > 1:
+            shared = n > 1 and self._shares_prefix(model) and prefix.share_prefix(cache, mask, n, params.max_tokens)
+            if n > 1 and not shared:
                 cache.batch_repeat_interleave(n)
             mask, last_pos = mask.repeat_interleave(n, 0), pos[:, -1:].repeat_interleave(n, 0)
             for t in range(params.max_tokens):
@@ -213,7 +233,7 @@ class HFEngine:
                     version = self.on_token()
                 out = model(
                     input_ids=token[:, None],
-                    attention_mask=mask,
+                    attention_mask=None if shared else mask,  # the shared prefix's attention masks its own
                     position_ids=last_pos,
                     past_key_values=cache,
                     use_cache=True,

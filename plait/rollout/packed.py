@@ -37,6 +37,7 @@ import warnings
 import torch
 
 from plait.models import cpu_flags
+from plait.rollout import prefix
 
 
 def packing_available() -> bool:
@@ -90,6 +91,23 @@ def _onednn_pack(rows: int, module: torch.nn.Linear):
     return torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
 
 
+def bf16_packing_available() -> bool:
+    """oneDNN can multiply bf16 here: natively with AVX512_BF16/AMX, emulated (slower than
+    fp32) on other AVX-512 CPUs; torch refuses it on AVX2-only ones."""
+    return packing_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _bf16_pack(rows: int, module: torch.nn.Linear):
+    return torch.ops.mkldnn._reorder_linear_weight(module.weight.detach().to(torch.bfloat16), rows)
+
+
+def _bf16_linear(module: torch.nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "").float()
+    return out if module.bias is None else out + module.bias.detach()
+
+
 @contextlib.contextmanager
 def _swapped(model: torch.nn.Module, pack, forward, skip=()):
     """Every packable nn.Linear of `model` not in `skip` and not swapped already (nested use)
@@ -114,6 +132,16 @@ def packed_linears(model: torch.nn.Module, rows: int = 64):
     if not packing_available():
         return contextlib.nullcontext(0)
     return _swapped(model, functools.partial(_onednn_pack, rows), _packed_linear)
+
+
+def bf16_linears(model: torch.nn.Module, rows: int = 64):
+    """While inside, every packable nn.Linear of `model` multiplies in bf16 (oneDNN-packed bf16
+    copies of the weights, each input rounded to bf16, fp32 sums) and hands fp32 on: norms,
+    attention, the residual stream and the sampling stay fp32. bf16 autocast instead casts every
+    weight again at each forward pass."""
+    if not bf16_packing_available():
+        raise RuntimeError("this CPU or torch build cannot pack bf16 weights: use bf16 autocast")
+    return _swapped(model, functools.partial(_bf16_pack, rows), _bf16_linear)
 
 
 def int8_linears(model: torch.nn.Module):
@@ -142,6 +170,9 @@ def grouped_attention_forward(module, query, key, value, attention_mask, dropout
     was a quarter of a demo generation call on CPU (aten::copy_). Prefill goes to sdpa as is."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    shared_prefix = prefix.attention(module, query, key, value, scaling, kwargs)
+    if shared_prefix is not None:
+        return shared_prefix, None
     b, heads, q_len, dim = query.shape
     shared = key.shape[1]
     if q_len != 1 or heads == shared or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from plait.rollout.hf import HFEngine, inverse_cdf, sample_next
-from plait.rollout.packed import int8_available, int8_linears, packed_linears, packing_available
+from plait.rollout.packed import (
+    bf16_linears,
+    bf16_packing_available,
+    int8_available,
+    int8_linears,
+    packed_linears,
+    packing_available,
+)
 from plait.train.hostmem import glibc
 from plait.types import Prompt, SamplingParams
 
@@ -118,13 +125,48 @@ def test_int8_linears_stay_near_fp32_keep_the_head_and_restore_the_model():
     assert model.body[0].weight.grad is not None
 
 
-@pytest.mark.skipif(not int8_available(), reason="this torch has no fbgemm int8 kernels")
-def test_engine_samples_in_int8_near_the_trainers_policy(tiny_model_path):
+@pytest.mark.skipif(not bf16_packing_available(), reason="this CPU or torch cannot pack bf16 weights")
+def test_bf16_linears_multiply_bf16_rounded_numbers_in_fp32_and_restore_the_model():
+    torch.manual_seed(0)
+    model = _HeadedModel()
+    x = torch.randn(5, 7, 64)
+
+    def rounded(layer, x):  # bf16 inputs and weights, fp32 sums, the product rounded to bf16, fp32 bias
+        w = layer.weight.detach().bfloat16().float()
+        out = torch.nn.functional.linear(x.bfloat16().float(), w).bfloat16().float()
+        return out if layer.bias is None else out + layer.bias
+
+    with torch.no_grad():
+        expected = model(x)
+        bf16 = rounded(model.head, rounded(model.body[2], torch.nn.functional.silu(rounded(model.body[0], x))))
+        with bf16_linears(model) as n:
+            assert n == 3  # the head too
+            got = model(x)
+    assert got.dtype == torch.float32 and torch.allclose(got, bf16, atol=1e-6, rtol=1e-2)  # one bf16 step
+    assert 1e-4 < float((got - expected).norm() / expected.norm()) < 0.02  # bf16 rounding, not fp32
+    assert not any("forward" in m.__dict__ for m in model.modules())  # restored
+    model(x).sum().backward()
+    assert model.body[0].weight.grad is not None
+
+
+_NATIVE = {"int8": int8_available(), "bf16": bf16_packing_available()}
+
+
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_engine_samples_at_low_precision_near_the_trainers_policy(tiny_model_path, precision, monkeypatch):
+    import plait.rollout.hf as hf
     from plait.models import load_model, load_tokenizer
 
+    if not _NATIVE[precision]:
+        pytest.skip(f"this CPU or torch has no packed {precision} kernels")
+    real = hf.autocast
+    monkeypatch.setattr(
+        hf, "autocast", lambda device, p: pytest.fail("bf16 autocast") if p == "bf16" else real(device, p)
+    )
     tok, model = load_tokenizer(str(tiny_model_path)), load_model(str(tiny_model_path))
     prompts = [Prompt(i, t, tok(t)["input_ids"]) for i, t in enumerate(["What is 2 + 2?", "Name a colour."])]
-    groups = HFEngine(model, tok, precision="int8").generate(prompts, SamplingParams(max_tokens=12, seed=3), n=3)
+    engine = HFEngine(model, tok, precision=precision)
+    groups = engine.generate(prompts, SamplingParams(max_tokens=12, seed=3), n=3)
     gaps = []
     with torch.no_grad():
         for prompt, group in zip(prompts, groups):
@@ -134,7 +176,7 @@ def test_engine_samples_in_int8_near_the_trainers_policy(tiny_model_path):
                 ours = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)[len(prompt.token_ids) - 1 :]
                 gaps.append((ours - torch.tensor(c.logprobs)).abs())
     gap = torch.cat(gaps)
-    assert len(gap) == 2 * 3 * 12 and 1e-5 < float(gap.mean()) < 0.05  # sampled in int8, near the fp32 policy
+    assert len(gap) == 2 * 3 * 12 and 1e-5 < float(gap.mean()) < 0.05  # sampled in low precision, near fp32
     assert not any("forward" in m.__dict__ for m in model.modules())  # the trainer's module is left as it was
 
 
@@ -172,6 +214,70 @@ def test_grouped_decoding_attention_equals_sdpa_and_samples_the_same(tiny_model_
         assert model.config._attn_implementation != "sdpa"
         raise RuntimeError
     assert model.config._attn_implementation == "sdpa"  # the trainer's attention is left as it was
+
+
+def _random_model(config):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def test_shared_prefix_decoding_equals_the_copying_cache(tiny_model_path, monkeypatch):
+    """A group's rows decode over one copy of their prompt's keys and values (rollout/prefix.py):
+    the same tokens and log-probs within 1e-4 as transformers' copying cache, for shared and
+    unshared key/value heads and biased projections, with prompts of several lengths and rows
+    finishing at different steps; sliding-window models keep the copying cache."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    import plait.rollout.prefix as prefix
+    from plait.models import load_model, load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model_path))
+    small = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16)
+    models = {
+        "llama, shared heads": load_model(str(tiny_model_path)),
+        "llama, one kv head per query head": _random_model(
+            LlamaConfig(**small, num_attention_heads=4, num_key_value_heads=4)
+        ),
+        "qwen2, biased qkv": _random_model(Qwen2Config(**small, num_attention_heads=4, num_key_value_heads=2)),
+    }
+    texts = ["What is 2 + 2?", "Name a colour, please, and say why you like it.", "Hi"]
+    prompts = [Prompt(i, t, tok(t)["input_ids"]) for i, t in enumerate(texts)]
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=5)
+    shared = []
+    share = prefix.share_prefix
+    monkeypatch.setattr(prefix, "share_prefix", lambda *a: shared.append(share(*a)) or shared[-1])
+    for name, model in models.items():
+        assert model.config.model_type in name
+        engine = HFEngine(model, tok)
+        engine.eos_ids = list(range(0, len(tok), 9))  # about one token in 9 ends a row: rows finish apart
+        ours = engine.generate(prompts, params, n=4)
+        assert shared.pop() is True, name
+        with monkeypatch.context() as m:
+            m.setattr(prefix, "share_prefix", lambda *a: False)
+            theirs = engine.generate(prompts, params, n=4)
+        assert [[c.token_ids for c in g] for g in ours] == [[c.token_ids for c in g] for g in theirs], name
+        lengths = {len(c.token_ids) for g in ours for c in g}
+        assert len(lengths) > 2, name  # rows left the batch at several steps
+        lp = [torch.tensor([x for g in gs for c in g for x in c.logprobs]) for gs in (ours, theirs)]
+        assert torch.allclose(*lp, atol=1e-4), name
+
+    sliding = [
+        MistralConfig(**small, num_attention_heads=4, num_key_value_heads=2, sliding_window=4),
+        Qwen2Config(
+            **small,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=4,
+            max_window_layers=0,
+        ),
+    ]
+    for config in sliding:
+        assert not prefix.full_attention_only(config)
+        HFEngine(_random_model(config), tok).generate(prompts[:1], params, n=2)
+        assert shared == [], config.model_type  # not even tried
 
 
 # PR_SET_THP_DISABLE: page faults counted in 4 KiB pages whatever the machine's transparent huge
