@@ -1,13 +1,17 @@
-"""One demo generation call with the HF engine, decoding attention through transformers' sdpa
-path (which copies every shared key/value head out to its query heads whenever a mask is given)
-and through plait's grouped attention (plait/rollout/packed.py::grouped_attention_forward).
+"""One demo generation call with the HF engine three ways: decoding attention through
+transformers' sdpa path (which copies every shared key/value head out to its query heads whenever
+a mask is given) with transformers' cache (each prompt's keys and values copied to its n rows,
+grown by concatenation at every step); through plait's grouped attention
+(plait/rollout/packed.py::grouped_attention_forward) with that cache; and grouped with plait's
+shared-prefix cache (plait/rollout/prefix.py: one copy of each prompt per group, each row's own
+tokens written in place), the engine's default on CPU.
 
     .venv/bin/python bench/decode_attention.py [--reps 4] [--prompts 8] [--generations 8] [--tokens 32]
 
 The prompts are the built-in demo's (its worked examples included), sampled at temperature 1
-with the demo's seed handling; both ways run alternately in one process under plait's retained
-host memory, as in a run. Prints the seconds of each call, whether both sampled the same tokens,
-and the largest log-prob difference. Say which CPU ran it (`lscpu`).
+with the demo's seed handling; the ways run alternately in one process under plait's retained
+host memory, as in a run. Prints the seconds of each call, the speed-up over the first way, and
+whether each sampled the first way's tokens, with the largest log-prob difference. Say which CPU ran it (`lscpu`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import statistics
 import time
 
 import plait.rollout.hf as hf
+import plait.rollout.prefix as prefix
 from plait.config import load_config
 from plait.data import build_prompts, load_rows
 from plait.models import load_model, load_tokenizer
@@ -39,26 +44,33 @@ def main() -> None:
     model = load_model(cfg.model.name_or_path)
     engine = hf.HFEngine(model, tok, batch_size=args.prompts * args.generations)
     params = SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=1)
-    ways = {"sdpa (repeat_kv)": lambda m: contextlib.nullcontext(), "grouped": hf.grouped_attention}
+    grouped, shared, copied = hf.grouped_attention, prefix.share_prefix, lambda *a: False
+    ways = {
+        "sdpa (repeat_kv)": (lambda m: contextlib.nullcontext(), copied),
+        "grouped": (grouped, copied),
+        "grouped, shared prefix": (grouped, shared),
+    }
     seconds: dict[str, list[float]] = {w: [] for w in ways}
     sampled = {}
     with retained_host_memory(True):
         engine.generate(prompts, params, n=args.generations)  # warm-up
         for _ in range(args.reps):
-            for way, context in ways.items():
-                hf.grouped_attention = context
+            for way, (attention, cache) in ways.items():
+                hf.grouped_attention, prefix.share_prefix = attention, cache
                 start = time.perf_counter()
                 groups = engine.generate(prompts, params, n=args.generations)
                 seconds[way].append(time.perf_counter() - start)
                 sampled[way] = [c for g in groups for c in g]
     print(f"{len(prompts)} prompts of {len(prompts[0].token_ids)} tokens x {args.generations} x {args.tokens} tokens")
+    base = statistics.median(seconds["sdpa (repeat_kv)"])
+    first = sampled["sdpa (repeat_kv)"]
     for way, s in seconds.items():
-        print(f"{way:18s} median {statistics.median(s):.2f} s  ({', '.join(f'{x:.2f}' for x in s)})")
-    a, b = sampled.values()
-    same = [x.token_ids for x in a] == [y.token_ids for y in b]
-    gap = max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.logprobs, y.logprobs)) if same else float("nan")
-    print(f"same tokens: {same}; largest log-prob difference {gap:.2g}")
-    print(f"speed-up {statistics.median(seconds['sdpa (repeat_kv)']) / statistics.median(seconds['grouped']):.2f}x")
+        same = [x.token_ids for x in first] == [y.token_ids for y in sampled[way]]
+        gap = max(abs(p - q) for x, y in zip(first, sampled[way]) for p, q in zip(x.logprobs, y.logprobs))
+        print(
+            f"{way:24s} median {statistics.median(s):.2f} s ({', '.join(f'{x:.2f}' for x in s)}), "
+            f"{base / statistics.median(s):.2f}x; same tokens as sdpa: {same}, log-probs within {gap:.2g}"
+        )
 
 
 if __name__ == "__main__":

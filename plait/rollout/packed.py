@@ -45,13 +45,14 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def packable(module: torch.nn.Module) -> bool:
-    """A plain fp32 CPU nn.Linear (not a sharded DTensor, not a quantized or offloaded layer)."""
+def packable(module: torch.nn.Module, dtypes=(torch.float32,)) -> bool:
+    """A plain CPU nn.Linear with weights of one of `dtypes` (not a sharded DTensor, not a
+    quantized or offloaded layer)."""
     w = getattr(module, "weight", None)
     return (
         type(module) is torch.nn.Linear
         and type(w) is torch.nn.Parameter
-        and w.dtype == torch.float32
+        and w.dtype in dtypes
         and w.device.type == "cpu"
         and w.dim() == 2
     )
@@ -102,21 +103,21 @@ def _bf16_pack(rows: int, module: torch.nn.Linear):
 
 
 def _bf16_linear(module: torch.nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    if x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
+    if x.dtype not in (torch.float32, torch.bfloat16) or torch.is_autocast_enabled("cpu"):
         return torch.nn.functional.linear(x, module.weight, module.bias)
-    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "").float()
+    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "").to(x.dtype)
     return out if module.bias is None else out + module.bias.detach()
 
 
 @contextlib.contextmanager
-def _swapped(model: torch.nn.Module, pack, forward, skip=()):
+def _swapped(model: torch.nn.Module, pack, forward, skip=(), dtypes=(torch.float32,)):
     """Every packable nn.Linear of `model` not in `skip` and not swapped already (nested use)
     runs `forward(module, pack(module))` while inside; restored on exit, also on error."""
     patched: list[torch.nn.Module] = []
     try:
         with torch.no_grad():
             for m in model.modules():
-                if packable(m) and "forward" not in m.__dict__ and not any(m is k for k in skip):
+                if packable(m, dtypes) and "forward" not in m.__dict__ and not any(m is k for k in skip):
                     m.forward = functools.partial(forward, m, pack(m))  # shadows the class's forward
                     patched.append(m)
         yield len(patched)
@@ -135,13 +136,14 @@ def packed_linears(model: torch.nn.Module, rows: int = 64):
 
 
 def bf16_linears(model: torch.nn.Module, rows: int = 64):
-    """While inside, every packable nn.Linear of `model` multiplies in bf16 (oneDNN-packed bf16
-    copies of the weights, each input rounded to bf16, fp32 sums) and hands fp32 on: norms,
-    attention, the residual stream and the sampling stay fp32. bf16 autocast instead casts every
-    weight again at each forward pass."""
+    """While inside, every packable fp32 or bf16 nn.Linear of `model` multiplies in bf16
+    (oneDNN-packed bf16 copies of the weights, each input rounded to bf16, fp32 sums, the product
+    rounded to bf16) and hands on the input's dtype: in an fp32 model, norms, attention, the
+    residual stream and the sampling stay fp32. bf16 autocast instead casts every weight again at
+    each forward pass."""
     if not bf16_packing_available():
         raise RuntimeError("this CPU or torch build cannot pack bf16 weights: use bf16 autocast")
-    return _swapped(model, functools.partial(_bf16_pack, rows), _bf16_linear)
+    return _swapped(model, functools.partial(_bf16_pack, rows), _bf16_linear, dtypes=(torch.float32, torch.bfloat16))
 
 
 def int8_linears(model: torch.nn.Module):

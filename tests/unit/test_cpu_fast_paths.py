@@ -1,7 +1,8 @@
 """The CPU fast paths behind plait's step time: the inverse-CDF sampler, oneDNN-packed decoding
-weights, int8 rollouts, grouped decoding attention, and retained host memory. Each must give what
-the slow path gives (int8: within its rounding)."""
+weights, int8 and bf16 rollouts, grouped decoding attention, shared-prefix decoding, and retained
+host memory. Each must give what the slow path gives (int8 and bf16: within their rounding)."""
 
+import copy
 import subprocess
 import sys
 import textwrap
@@ -147,6 +148,11 @@ def test_bf16_linears_multiply_bf16_rounded_numbers_in_fp32_and_restore_the_mode
     assert not any("forward" in m.__dict__ for m in model.modules())  # restored
     model(x).sum().backward()
     assert model.body[0].weight.grad is not None
+    half = copy.deepcopy(model).bfloat16()  # as the generation process loads it for bf16 rollouts
+    with torch.no_grad(), bf16_linears(half) as n:
+        assert n == 3
+        out = half(x.bfloat16())
+    assert out.dtype == torch.bfloat16 and float((out.float() - expected).norm() / expected.norm()) < 0.03
 
 
 _NATIVE = {"int8": int8_available(), "bf16": bf16_packing_available()}
