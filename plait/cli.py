@@ -481,6 +481,7 @@ def cmd_eval(args) -> int:
     from plait.models import load_model, load_tokenizer, model_path_problem
     from plait.rewards.runner import bind_metric
     from plait.rollout import make_engine
+    from plait.rollout.hf import decoding_in
     from plait.sandbox.box import Sandbox
     from plait.tools import Tools, tool_role
 
@@ -503,7 +504,7 @@ def cmd_eval(args) -> int:
     model = load_model(args.model, cfg.model.dtype).to(device)
     cfg.model.name_or_path = args.model  # a colocated vLLM engine loads the same weights
     engine = tools.wrap(make_engine(cfg, model, tok, device=device))
-    with engine.weights_for_step(0):  # rollout servers get this model's weights
+    with engine.weights_for_step(0), decoding_in(cfg.train.precision):  # rollout servers get this model's weights
         res = evaluate(
             engine,
             prompts,

@@ -8,6 +8,7 @@ It samples from the very module the trainer updates, so it needs no weight sync.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,20 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp(max=probs.shape[-1] - 1)  # rounding can't pick past the last token
 
 
+_PRECISION: contextvars.ContextVar[str | None] = contextvars.ContextVar("plait_decode_precision", default=None)
+
+
+@contextlib.contextmanager
+def decoding_in(precision: str):
+    """While inside, HF engines in this process decode in `precision` instead of their own:
+    evaluation measures the policy the trainer holds, whatever the rollouts sample in."""
+    token = _PRECISION.set(precision)
+    try:
+        yield
+    finally:
+        _PRECISION.reset(token)
+
+
 class HFEngine:
     """`model` gives the generation config and device; `view` (optional) is a context manager
     that yields the module to sample from: a sharded training backend gathers the full
@@ -137,25 +152,25 @@ class HFEngine:
         pass
 
     @contextlib.contextmanager
-    def _packed(self, model):
+    def _packed(self, model, precision: str):
         """On CPU: decode through packed weight copies (see rollout/packed.py), bf16 ones for
         precision bf16, int8 ones for int8 (the output head then takes the fp32 path). Yields the
         precision to autocast the forward passes to: bf16's packed copies need none."""
         if self._device.type != "cpu":
-            if self.precision == "int8":
+            if precision == "int8":
                 raise ValueError("rollout.precision=int8 runs on CPU only: on a GPU use bf16, or vLLM's quantization")
-            yield self.precision
+            yield precision
             return
         with contextlib.ExitStack() as stack:
             stack.enter_context(grouped_attention(model))
-            if self.precision == "int8":
+            if precision == "int8":
                 stack.enter_context(int8_linears(model))
-            packed_bf16 = self.packed_weights and self.precision == "bf16" and bf16_packing_available()
+            packed_bf16 = self.packed_weights and precision == "bf16" and bf16_packing_available()
             if packed_bf16:
                 stack.enter_context(bf16_linears(model, self.batch_size))
-            if self.packed_weights and self.precision in ("fp32", "int8"):
+            if self.packed_weights and precision in ("fp32", "int8"):
                 stack.enter_context(packed_linears(model, self.batch_size))
-            yield "fp32" if packed_bf16 else self.precision
+            yield "fp32" if packed_bf16 else precision
 
     def _shares_prefix(self, model) -> bool:
         """A group's completions decode over one copy of their prompt's keys and values
@@ -172,7 +187,7 @@ class HFEngine:
     def generate(self, prompts: list[Prompt], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
         per_call = max(1, self.batch_size // n)  # whole groups per call: their prompt is prefilled once
         done: list[Completion] = []
-        with self.view() as model, self._packed(model) as precision:
+        with self.view() as model, self._packed(model, _PRECISION.get() or self.precision) as precision:
             was_training = model.training
             model.eval()
             try:

@@ -18,18 +18,24 @@ def _generate(cfg) -> str:
     tips = []
     if r.engine == "hf":
         tips.append("rollout.engine=vllm (docs/vllm.md)")
+    if r.engine == "hf" and r.precision in ("auto", "fp32") and not _on_gpu(cfg) and native_bf16_cpu():
+        tips.append("rollout.precision=bf16 (this CPU multiplies bf16 natively; its gap to the trainer is corrected)")
     tips.append(f"a shorter rollout.max_completion_length (now {r.max_completion_length})")
     tips.append(f"fewer rollout.num_generations (now {r.num_generations})")
     return "consider " + ", ".join(tips)
 
 
+def _on_gpu(cfg) -> bool:
+    return cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+
+
 def _train(cfg) -> str:
     t = cfg.train
     tips = []
-    if t.precision == "fp32" and (t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())):
+    if t.precision == "fp32" and _on_gpu(cfg):
         tips.append("train.precision=bf16 on a GPU with bf16")
     elif t.precision == "fp32" and native_bf16_cpu():
-        tips.append("train.precision=bf16 (this CPU multiplies bf16 natively; rollouts stay fp32: docs/vs-trl.md)")
+        tips.append("train.precision=bf16 (this CPU multiplies bf16 natively: docs/vs-trl.md)")
     if cfg.model.gradient_checkpointing:
         tips.append("model.gradient_checkpointing=false if memory allows (it recomputes the forward)")
     tips.append(f"a larger train.micro_batch_size (now {t.micro_batch_size}) if memory allows")

@@ -27,6 +27,7 @@ from plait.data import data_problems
 from plait.envs import EnvironmentFailed, agent_error_problem, error_share_problem
 from plait.evaluate import evaluate
 from plait.rewards.runner import BoundReward, call_rewards, reward_inputs
+from plait.rollout.hf import decoding_in
 from plait.telemetry.advice import health_notes, suggestion
 from plait.train.backends import make_backend, resolve_device
 from plait.train.batch import collate
@@ -206,7 +207,7 @@ def run_eval(run: Run, tag: str, version: int) -> float:
     process decodes its share, the counts are summed."""
     cfg = run.cfg
     tokens = cfg.eval.max_completion_length or cfg.rollout.max_completion_length
-    with run.engine.weights_for_step(version):
+    with run.engine.weights_for_step(version), decoding_in(cfg.train.precision):
         res = evaluate(
             run.engine, run.eval_prompts[comm.rank() :: comm.world_size()], run.metric, tokens, cfg.rollout.stop
         )

@@ -137,12 +137,6 @@ def resolved_config(cfg: Config, plan: BatchPlan, backend: Backend, say) -> Conf
     cfg.train.micro_batch_size = plan.micro_batch_size
     cfg.train.gradient_accumulation_steps = plan.gradient_accumulation_steps
     a, r = cfg.algo, cfg.rollout
-    if r.precision == "auto" and rollout_precision(cfg, backend.device) == "bf16" != cfg.train.precision:
-        say(
-            "rollout.precision=auto -> bf16: this CPU multiplies bf16 natively, so rollouts sample through bf16 "
-            "weight copies (the demo's sampling 1.45x faster on a Zen 5); the trainer recomputes log-probs in "
-            f"{cfg.train.precision}. rollout.precision=fp32 samples the trainer's exact policy"
-        )
     r.precision = rollout_precision(cfg, backend.device)
     coarse_rollouts = coarser(r.precision, cfg.train.precision) != cfg.train.precision
     if a.engine_is_correction is None:

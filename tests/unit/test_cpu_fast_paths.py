@@ -184,6 +184,14 @@ def test_engine_samples_at_low_precision_near_the_trainers_policy(tiny_model_pat
     gap = torch.cat(gaps)
     assert len(gap) == 2 * 3 * 12 and 1e-5 < float(gap.mean()) < 0.05  # sampled in low precision, near fp32
     assert not any("forward" in m.__dict__ for m in model.modules())  # the trainer's module is left as it was
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    with hf.decoding_in("fp32"):  # how evaluation decodes: in the trainer's precision
+        evaluated = engine.generate(prompts, greedy, n=1)
+    fp32 = HFEngine(model, tok).generate(prompts, greedy, n=1)
+    assert [c.logprobs for g in evaluated for c in g] == [c.logprobs for g in fp32 for c in g]
+    assert [c.logprobs for g in engine.generate(prompts, greedy, n=1) for c in g] != [
+        c.logprobs for g in fp32 for c in g
+    ]
 
 
 def test_grouped_decoding_attention_equals_sdpa_and_samples_the_same(tiny_model_path, monkeypatch):

@@ -131,6 +131,9 @@ def test_suggestion_names_the_dominant_phase_and_the_settings(monkeypatch):
     for native in (True, False):  # bf16 is suggested on a CPU only where it multiplies bf16 natively
         monkeypatch.setattr(advice, "native_bf16_cpu", lambda: native)
         assert ("train.precision=bf16 (this CPU" in suggestion({"train": 0.6, "generate": 0.4}, fp32)) == native
+        assert ("rollout.precision=bf16 (this CPU" in suggestion({"train": 0.4, "generate": 0.6}, fp32)) == native
+    bf16 = load_config(None, ["rollout.precision=bf16", "train.device=cpu"])
+    assert "rollout.precision=bf16" not in suggestion({"train": 0.4, "generate": 0.6}, bf16)  # already
     assert suggestion({"train": 0.45, "generate": 0.45, "idle": 0.1}, cfg) is None  # nothing dominates
 
 
