@@ -198,8 +198,9 @@ class HFEngine:
         return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _decode(self, model, prompts: list[Prompt], n: int, params: SamplingParams, precision: str) -> list[Completion]:
-        """Prefill each distinct prompt once, copy its KV cache to its n rows, then decode,
-        dropping rows from the batch as soon as they finish."""
+        """Prefill each distinct prompt once, then decode its n rows over one copy of its keys
+        and values (rollout/prefix.py; where that does not apply, over n copies), dropping rows
+        from the batch as soon as they finish."""
         from transformers import DynamicCache
 
         dev = next(model.parameters()).device

@@ -170,8 +170,9 @@ def test_a_dead_generation_process_stops_the_run_with_the_fix(tiny_model_path, p
         ["algo.dynamic_sampling=true", "rewards=[{name: 'plait_test_rewards:sometimes_constant'}]"],
         ["rollout.two_stage={first_generations: 2}", "rollout.num_generations=4"],
         ["rollout.precision=int8"],
+        ["rollout.precision=bf16"],
     ],
-    ids=["dynamic-sampling", "two-stage", "int8-rollouts"],
+    ids=["dynamic-sampling", "two-stage", "int8-rollouts", "bf16-rollouts"],
 )
 def test_async_with_dynamic_sampling_and_two_stage(tiny_model_path, prompts_jsonl, tmp_path, extra):
     result = train(load_config(None, async_overrides(tiny_model_path, prompts_jsonl, tmp_path / "run", *extra)))
@@ -180,9 +181,10 @@ def test_async_with_dynamic_sampling_and_two_stage(tiny_model_path, prompts_json
     assert all(x["sampling/rounds"] >= 1 for x in m)
     if "algo.dynamic_sampling=true" in extra:
         assert any(x["sampling/rounds"] > 1 for x in m)  # refills happened inside the producer
-    elif "rollout.precision=int8" in extra:
-        # the generation process samples in int8 from the fp32 weights pushed to it; the first round
-        # (sampled with the weights it is trained from) shows int8's own gap, near the fp32 policy
+    elif "rollout.precision=int8" in extra or "rollout.precision=bf16" in extra:
+        # the generation process samples in int8 from the fp32 weights pushed to it (bf16: a bf16 model
+        # given bf16 weights, its linears packed); the first round (sampled with the weights it is
+        # trained from) shows the precision's own gap, near the fp32 policy
         assert 1e-4 < m[0]["logprob_gap"] < 0.05 and all(x["engine/kl"] > 0 for x in m)
     else:
         # every first-stage group was either completed (the round's 2 prompts) or skipped, and counted
