@@ -10,7 +10,8 @@ same text), the same reward functions and weights (plait's accuracy 1.0 + boxed_
 num_generations, completion length (no early stop: both sample up to max_completion_length or
 EOS), batch (prompts x generations per optimizer step, one optimizer step per generation),
 learning rate (constant, no warm-up), loss (DAPO token-level, beta 0, group-scaled
-advantages), precision and seed. TRL's gradient checkpointing (its default) is off, as
+advantages), precision (training and sampling: with --precision bf16 plait's rollouts sample
+in bf16, as TRL's generation does) and seed. TRL's gradient checkpointing (its default) is off, as
 plait's is, so both do the same arithmetic (--trl-gradient-checkpointing to compare with it on).
 
 Each run is its own process (clean peak RSS). The rounds alternate plait, TRL, plait, TRL ...;
@@ -77,6 +78,7 @@ def run_plait(
             "train.warmup_steps=0",
             "train.lr_scheduler=constant",
             f"train.precision={precision}",
+            f"rollout.precision={precision}",  # TRL samples in its training precision too
             f"train.device={device}",
             "algo.loss_type=dapo",
             "algo.beta=0",
