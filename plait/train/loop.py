@@ -99,6 +99,7 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
         run.rollouts.start()  # async: the producer starts generating the first rounds now
         if cfg.eval.before and run.start == 0:
             run.result.eval_before = run_eval(run, "before", 0)
+        run.timer.reset()  # the first round's time starts here: setup and the evaluation before are no round's
         last_save = time.monotonic()
         for round_ in range(run.start + 1, cfg.train.max_steps + 1):
             out = train_round(run, round_)
