@@ -304,7 +304,7 @@ class RolloutConfig(Section):
         description="What rollouts are sampled in; the trainer keeps train.precision and recomputes the old "
         "log-probs in it; evaluation decodes in train.precision. auto: fp32 for engine hf on a CPU (the trainer's "
         "exact policy, and one process samples what several do), else train.precision. bf16: on a CPU, packed bf16 "
-        "copies of the linear weights (faster with AVX512-BF16 or AMX: the demo's sampling 1.45x on a Zen 5; several "
+        "copies of the linear weights (faster with AVX512-BF16 or AMX: the demo's sampling 1.39x on a Zen 5; several "
         "times slower without), elsewhere bf16 autocast (vLLM: dtype bfloat16). int8: engine hf on a CPU, int8 "
         "weights and activations through fbgemm: faster "
         "sampling, but log-probs far from the trainer's (docs/vs-trl.md); algo.engine_is_correction defaults to "

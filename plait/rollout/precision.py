@@ -9,7 +9,8 @@ def rollout_precision(cfg, device=None) -> str:
     the HF engine on a CPU (device None: a CPU), else the trainer's precision.
 
     CPUs stay at fp32 even where bf16 is faster (rollout.precision=bf16: the demo's generation
-    call 1.43 s against 2.07 s on a Zen 5 with AVX512_BF16; several times slower without it):
+    call 1.52 s against 2.12 s on a Zen 5 with AVX512_BF16, bench/rollout_precision.py --demo;
+    several times slower without it):
     fp32 rollouts sample the trainer's own policy (log-probs within 1e-5), and bf16 products
     round differently with the number of rows a call multiplies, so a run split over two
     processes would no longer sample the tokens one process samples (27 tests of that and of
