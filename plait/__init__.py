@@ -14,7 +14,7 @@ it also refuses import cycles and imports of another module's `_private` names.
   4      rollout/                              engines, replicas, the rollout server
   3      rewards/  envs/  evaluate  _reward_worker   rewards (registry, runner, built-ins); environments
   2      sandbox/  checkpoint                  fail-closed execution; atomic save/load
-  1      algo/  models  plan  types  comm      pure functions, the data contract, collectives
+  1      algo/  models  plan  types  comm  imports   pure functions, the data contract, collectives, user code by name
 """
 
 __version__ = "0.1.0"

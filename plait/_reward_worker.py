@@ -18,7 +18,6 @@ starts in the time its reward's own imports take.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import os
 import pickle
@@ -31,7 +30,9 @@ import traceback
 def load_function(module: str, attr: str):
     """`module:attr`, instantiated when it is a class (a reward given as a class is called
     through an instance, as TRL calls reward classes)."""
-    fn = getattr(importlib.import_module(module), attr)
+    from plait.imports import import_module
+
+    fn = getattr(import_module(module), attr)
     return fn() if inspect.isclass(fn) else fn
 
 

@@ -381,7 +381,9 @@ class RolloutConfig(Section):
 
 
 class RewardSpec(Section):
-    name: str = Field(description="A built-in reward (see `plait rewards`) or 'module:function'.")
+    name: str = Field(
+        description="A built-in reward (see `plait rewards`), 'module:function' or 'path/to/file.py:function'."
+    )
     weight: float = Field(1.0, description="Weight in the summed reward.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the reward.")
     timeout_s: float = Field(
@@ -585,7 +587,12 @@ class TrainConfig(Section):
     )
     learning_rate: float = Field(3e-5, gt=0.0, description="Peak AdamW learning rate.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup.")
-    warmup_steps: int = Field(2, ge=0, description="Linear LR warmup, in applied optimizer updates (not rounds).")
+    warmup_steps: int = Field(
+        2,
+        ge=0,
+        description="Linear LR warmup, in applied optimizer updates (not rounds). Left unset, it is 2, or all the "
+        "run's updates when it has fewer (a one-round smoke test); set, it must fit the run.",
+    )
     min_lr_ratio: float = Field(
         0.0, ge=0.0, le=1.0, description="Linear and cosine decay end at this share of the peak LR (0 = decay to 0)."
     )
@@ -949,6 +956,15 @@ class Config(Section):
         if "eval" not in built:
             data["eval"] = {"metric": "environment", **(data.get("eval") or {})}
         return data
+
+    @model_validator(mode="after")
+    def _default_warmup_fits_the_run(self) -> Config:
+        """The default warmup shrinks to a run with fewer updates; one the config sets is kept,
+        and `plait check` refuses it when the run is shorter (check_warmup)."""
+        updates = self.train.max_steps * self.algo.num_iterations * self.algo.steps_per_generation
+        if "warmup_steps" not in self.train.model_fields_set and self.train.warmup_steps > updates:
+            self.train.warmup_steps = updates
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -13,12 +13,11 @@ function or class (`my_pkg.rewards:my_reward`), or a local reward-model folder.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import os
-import sys
 from typing import Callable
 
+from plait import imports
 from plait.envs import environment
 from plait.rewards.code import code_pass, code_tests_passed
 from plait.rewards.format import boxed_format, reasoning_steps, tag_count, think_format
@@ -62,20 +61,19 @@ def resolve_reward(name: str) -> RewardFn:
         near = difflib.get_close_matches(name, list(BUILTIN), n=1)
         hint = f" Did you mean '{near[0]}'?" if near else ""
         raise KeyError(
-            f"unknown reward '{name}'.{hint} Built-ins: {', '.join(sorted(BUILTIN))}; or give 'module:function'"
+            f"unknown reward '{name}'.{hint} Built-ins: {', '.join(sorted(BUILTIN))}; or give 'module:function' "
+            "or 'path/to/file.py:function'"
         )
     module, _, attr = name.partition(":")
-    # Like `python -m`, the current directory is searched too (after the installed packages),
-    # so a rewards.py next to the config works from the `plait` command.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
     try:
-        fn = getattr(importlib.import_module(module), attr)
+        fn = getattr(imports.import_module(module), attr)
     except (ImportError, AttributeError) as err:
-        raise KeyError(
-            f"reward '{name}' could not be imported: {err} (modules are found on PYTHONPATH and in the "
-            "current directory)"
-        ) from None
+        where = (
+            "a path to a .py file"
+            if imports.is_file(module)
+            else "modules are found on PYTHONPATH and in the current directory; or give a .py file's path"
+        )
+        raise KeyError(f"reward '{name}' could not be imported: {err} ({where})") from None
     if inspect.isclass(fn):
         try:
             fn = fn()

@@ -26,6 +26,7 @@ import asyncio
 import inspect
 import logging
 import math
+import os
 import time
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from plait import imports
 from plait.rewards.worker import RewardCallFailed, RewardProcess
 from plait.types import Group
 
@@ -147,6 +149,8 @@ def process_target(name: str, fn) -> tuple[str, str] | None:
     if name in BUILTIN:
         return fn.__module__, fn.__name__
     module, sep, attr = name.partition(":")
+    if imports.is_file(module):  # the worker may start elsewhere: name the file absolutely
+        module = os.path.realpath(os.path.expanduser(module))
     return (module, attr) if sep and "." not in attr else None
 
 

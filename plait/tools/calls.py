@@ -22,16 +22,15 @@ environment differs from what a live session would show.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
-import os
 import re
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from plait.imports import import_module
 
 
 PYTHON_STOP = "```\n"  # ends a turn at a closing fence; a call is a python block that ends the turn
@@ -190,20 +189,12 @@ def function_schema(fn: Callable) -> dict:
         ) from err
 
 
-def _import(module: str):
-    """Like `python -m` and reward functions: the current directory is searched too (after the
-    installed packages), so a module next to the config works from the `plait` command."""
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
-    return importlib.import_module(module)
-
-
 def resolve_function(spec: str) -> Callable:
     """'module:function' -> the function (ValueError/ImportError say what is wrong)."""
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
         raise ValueError(f"tool function {spec!r}: write it as 'module:function'")
-    fn = getattr(_import(module), attr, None)
+    fn = getattr(import_module(module), attr, None)
     if not callable(fn):
         raise ValueError(f"tool function {spec!r}: module '{module}' has no function '{attr}'")
     return fn
@@ -214,7 +205,7 @@ def resolve_factory(spec: str) -> Callable:
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr or "." in attr:
         raise ValueError(f"environment factory {spec!r}: write it as 'module:Name' (a class or a function)")
-    factory = getattr(_import(module), attr, None)
+    factory = getattr(import_module(module), attr, None)
     if not callable(factory):
         raise ValueError(f"environment factory {spec!r}: module '{module}' has no callable '{attr}'")
     return factory

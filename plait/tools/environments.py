@@ -30,7 +30,6 @@ doing: it sees the error, as a traceback.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import json
 import math
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from plait.envs import ROW_TYPES
+from plait.imports import import_module
 from plait.tools import openenv
 from plait.tools.calls import (
     Call,
@@ -111,7 +111,7 @@ class EnvKind:
     @functools.cached_property
     def source(self) -> str:
         """The factory module's source, read once: the sandbox runs it for every replayed call."""
-        return inspect.getsource(importlib.import_module(self.spec.partition(":")[0]))
+        return inspect.getsource(import_module(self.spec.partition(":")[0]))
 
     def observe(self, kwargs: dict) -> str | None:
         """What `reset(**row)` returns on a fresh instance (in this process: the row only, no model input)."""
@@ -361,7 +361,7 @@ def problems(spec, label: str) -> list[str]:
     if not kind.trusted:
         module = spec.factory.partition(":")[0]
         try:
-            inspect.getsource(importlib.import_module(module))
+            inspect.getsource(import_module(module))
         except (OSError, TypeError) as err:
             return [
                 f"{where}: trusted=false runs it in the sandbox from its module's source, which can't be read ({err})"

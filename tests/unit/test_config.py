@@ -224,6 +224,16 @@ def test_warmup_counts_every_optimizer_step():
     assert "train.warmup_steps=5 is longer than the run (4 optimizer steps)" in msg
 
 
+def test_the_default_warmup_shrinks_to_a_one_round_smoke_test_and_a_set_one_is_kept():
+    cfg = load_config(None, ["train.max_steps=1"])  # what a new user tries first
+    validate(cfg)
+    assert cfg.train.warmup_steps == 1
+    assert load_config(None, ["train.max_steps=1", "algo.num_iterations=2"]).train.warmup_steps == 2
+    assert load_config().train.warmup_steps == 2
+    (msg,) = problems_of(["train.max_steps=1", "train.warmup_steps=2"])  # the user's own value: refused, not changed
+    assert "train.warmup_steps=2 is longer than the run (1 optimizer steps)" in msg
+
+
 def test_backend_choices_are_checked_against_the_launch(monkeypatch):
     from plait.config import resolve_backend
 

@@ -115,6 +115,30 @@ def test_open_r1_math_reward_runs_unchanged_in_its_own_process(rewards_module):
         close_rewards(rewards)
 
 
+def test_a_reward_file_named_by_its_path_runs_in_its_process_and_in_the_trainer(tmp_path, monkeypatch):
+    """`path/to/file.py:function`, relative or absolute, not on sys.path: the worker process
+    loads the file by the same path; the file imports a module beside it, as a script would."""
+    folder = tmp_path / "my rewards"
+    folder.mkdir()
+    (folder / "rewards.py").write_text(textwrap.dedent(REWARDS) + "\nfrom helper_beside import HALF\n")
+    (folder / "helper_beside.py").write_text("HALF = 0.5\n")
+    monkeypatch.setenv("TEST_PID", str(os.getpid()))
+    monkeypatch.chdir(tmp_path)
+    absolute = f"{folder / 'rewards.py'}:where"
+    rewards = _bind({"name": "./my rewards/rewards.py:accuracy_reward"}, {"name": absolute})
+    (local,) = _bind({"name": absolute, "process": False})
+    try:
+        assert all(r.process is not None for r in rewards)
+        values, _ = call_rewards(rewards, _inputs([r"The answer is $\frac{1}{2}$", "$0.7$"]))
+        assert values["./my rewards/rewards.py:accuracy_reward"] == [1.0, 0.0]
+        assert values[absolute] == [1.0, 1.0]  # its own process's main thread
+        assert call_rewards([local], _inputs(["a"]))[0][absolute] == [0.0]  # a thread of this process
+    finally:
+        close_rewards(rewards)
+    with pytest.raises(KeyError, match=r"could not be imported: no file .*missing\.py \(a path to a \.py file\)"):
+        _bind({"name": "./missing.py:where"})
+
+
 def test_a_reward_class_is_instantiated_once_and_gets_trainer_state(rewards_module):
     (counter,) = _bind({"name": f"{rewards_module}:Counter"})
     try:

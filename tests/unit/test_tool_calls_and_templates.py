@@ -150,3 +150,24 @@ def test_config_checks_name_what_tools_need():
     assert "max_turns=1 leaves no turn after a tool call" in text
     assert "set rollout.tools.format=hermes" in text
     assert "needs type hints" in text and "No module named 'nope'" in text
+
+
+def test_tool_functions_and_environment_factories_load_from_a_file_path(tmp_path, monkeypatch):
+    """'path/to/file.py:name' as well as 'module:name' (tools, factories, rollout_func and agents
+    all resolve through these two), with the module's source readable for the sandbox."""
+    import inspect
+
+    from plait.tools.calls import resolve_factory, resolve_function
+
+    (tmp_path / "my_tools.py").write_text(
+        "def double(x: int) -> int:\n    return 2 * x\n\n\n"
+        "class Env:\n    def reset(self, **row):\n        return None\n"
+    )
+    monkeypatch.chdir(tmp_path.parent)
+    double = resolve_function(f"./{tmp_path.name}/my_tools.py:double")
+    assert double(4) == 8
+    assert "return 2 * x" in inspect.getsource(inspect.getmodule(double))
+    assert resolve_factory(f"{tmp_path}/my_tools.py:Env")().reset() is None
+    assert inspect.getmodule(resolve_factory(f"{tmp_path}/my_tools.py:Env")) is inspect.getmodule(double)  # loaded once
+    with pytest.raises(ImportError, match="no file"):
+        resolve_function(f"{tmp_path}/nope.py:double")
