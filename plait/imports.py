@@ -15,6 +15,11 @@ def is_file(module: str) -> bool:
     return module.endswith(".py")
 
 
+def file_path(module: str) -> str:
+    """The absolute, resolved path of a module given as a .py file."""
+    return os.path.realpath(os.path.expanduser(module))
+
+
 def import_module(module: str):
     """The module named `module` (a dotted name or a .py file's path); ImportError says what
     is missing."""
@@ -24,7 +29,7 @@ def import_module(module: str):
         if os.getcwd() not in sys.path and "" not in sys.path:
             sys.path.append(os.getcwd())
         return importlib.import_module(module)
-    path = os.path.realpath(os.path.expanduser(module))
+    path = file_path(module)
     if not os.path.isfile(path):
         raise ImportError(f"no file {path}")
     # one module per file, whatever path named it; the hash keeps two files called rewards.py apart

@@ -361,8 +361,7 @@ def check_clip_higher(cfg: Config, env: Env) -> list[str]:
 
 def check_warmup(cfg: Config, env: Env) -> list[str]:
     """Warmup counts optimizer updates: at most the run's rounds x updates per round."""
-    t, a = cfg.train, cfg.algo
-    updates = t.max_steps * a.num_iterations * a.steps_per_generation
+    t, updates = cfg.train, cfg.optimizer_updates
     if t.warmup_steps > updates:
         return [
             f"train.warmup_steps={t.warmup_steps} is longer than the run ({updates} optimizer steps); "

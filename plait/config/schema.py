@@ -957,13 +957,17 @@ class Config(Section):
             data["eval"] = {"metric": "environment", **(data.get("eval") or {})}
         return data
 
+    @property
+    def optimizer_updates(self) -> int:
+        """The run's optimizer updates: rounds x algo.num_iterations x algo.steps_per_generation."""
+        return self.train.max_steps * self.algo.num_iterations * self.algo.steps_per_generation
+
     @model_validator(mode="after")
     def _default_warmup_fits_the_run(self) -> Config:
         """The default warmup shrinks to a run with fewer updates; one the config sets is kept,
         and `plait check` refuses it when the run is shorter (check_warmup)."""
-        updates = self.train.max_steps * self.algo.num_iterations * self.algo.steps_per_generation
-        if "warmup_steps" not in self.train.model_fields_set and self.train.warmup_steps > updates:
-            self.train.warmup_steps = updates
+        if "warmup_steps" not in self.train.model_fields_set and self.train.warmup_steps > self.optimizer_updates:
+            self.train.warmup_steps = self.optimizer_updates
         return self
 
     def to_yaml(self) -> str:

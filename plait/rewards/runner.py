@@ -26,7 +26,6 @@ import asyncio
 import inspect
 import logging
 import math
-import os
 import time
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -150,7 +149,7 @@ def process_target(name: str, fn) -> tuple[str, str] | None:
         return fn.__module__, fn.__name__
     module, sep, attr = name.partition(":")
     if imports.is_file(module):  # the worker may start elsewhere: name the file absolutely
-        module = os.path.realpath(os.path.expanduser(module))
+        module = imports.file_path(module)
     return (module, attr) if sep and "." not in attr else None
 
 

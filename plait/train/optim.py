@@ -44,7 +44,7 @@ def make_optimizer(model, cfg, fused: bool = True) -> tuple[torch.optim.Optimize
         weight_decay=t.weight_decay,
         fused=True if fused and can_fuse(params) else None,
     )
-    total = t.max_steps * cfg.algo.num_iterations * cfg.algo.steps_per_generation
+    total = cfg.optimizer_updates
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, t.warmup_steps, total, t.lr_scheduler, t.min_lr_ratio)
     )
