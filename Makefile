@@ -82,8 +82,10 @@ test-fast: setup
 
 # The CUDA paths on a GPU machine (docs/gpu-tests.md): set TORCH_SPEC to a CUDA build of torch
 # (and VLLM_EXTRA=vllm for the vLLM test). PLAIT_TEST_DEVICE=cpu runs the same tests on a CPU.
-test-gpu: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m gpu tests/gpu
+# GPU_PYTHON=python3: a machine's own CUDA torch environment instead of the virtualenv (no setup).
+GPU_PYTHON ?= $(BIN)/python
+test-gpu: $(if $(filter $(BIN)/python,$(GPU_PYTHON)),setup)
+	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests/gpu
 
 # Style is checked, not argued about: ruff's linter (pyflakes, pycodestyle, import order) and
 # its formatter, both configured in pyproject.toml.

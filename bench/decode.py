@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/decode.py [--model smollm2-135m-instruct] [--rows 1,8,64] [--tokens 64]
                                      [--dtype float32|bfloat16] [--device cpu|cuda]
+                                     [--graphs on|off|both]
 
 For each batch size the engine samples `rows` completions of exactly --tokens tokens (EOS is
 ignored for the measurement, so every row decodes every step) and each step's time is taken
@@ -9,6 +10,8 @@ between two forward passes (the engine's per-token hook), sampling included. The
 step is max(bytes read / bandwidth, FLOPs / peak): every multiplied weight plus the KV cache
 at the step's context, over the measured read bandwidth on CPU or the datasheet's on GPU
 (plait/telemetry/bandwidth.py); FLOPs over the measured matmul peak on CPU or the datasheet's.
+On a GPU the engine decodes eagerly and through CUDA graphs (rollout/graphs.py), both printed
+by default; the first call of each row count captures its graph (timed, left out of the steps).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--graphs", choices=["on", "off", "both"], default="both", help="on a GPU: CUDA-graph decoding")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -59,8 +63,7 @@ def main() -> None:
     device = torch.device(args.device)
     tok = load_tokenizer(str(path))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    engine = HFEngine(model, tok, batch_size=max(int(r) for r in args.rows.split(",")))
-    engine.eos_ids = []  # every row decodes every step
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.graphs] if device.type == "cuda" else [False]
     cost = decode_cost(model)
     bandwidth, bw_source = device_bandwidth(device)
     peak, peak_source = device_peak(device, "bf16" if dtype == torch.bfloat16 else "fp32")
@@ -76,16 +79,23 @@ def main() -> None:
     print(
         f"bandwidth {bandwidth / 1e9:.1f} GB/s ({bw_source}); peak {(peak or 0) / 1e12:.2f} TFLOP/s ({peak_source})\n"
     )
-    print("| rows | ms per step | tokens/s | bound ms (kind) | x off the bound |\n|---|---|---|---|---|")
-    for rows in [int(r) for r in args.rows.split(",")]:
-        step_times(engine, [Prompt(0, "", prompt)], params, rows)  # warm-up
-        times = []
-        for _ in range(args.reps):
-            times += step_times(engine, [Prompt(0, "", prompt)], params, rows)
-        ms = statistics.median(times)
-        context = len(prompt) + args.tokens // 2  # the middle step's context
-        bound, kind = cost.bound(rows, context, bandwidth, peak)
-        print(f"| {rows} | {ms * 1e3:.1f} | {rows / ms:.0f} | {bound * 1e3:.1f} ({kind}) | {ms / bound:.2f}x |")
+    print("| decoding | rows | ms per step | tokens/s | bound ms (kind) | x off the bound |\n|---|---|---|---|---|---|")
+    for graphed in modes:
+        engine = HFEngine(model, tok, batch_size=max(int(r) for r in args.rows.split(",")), cuda_graphs=graphed)
+        engine.eos_ids = []  # every row decodes every step
+        name = "CUDA graphs" if graphed else "eager"
+        for rows in [int(r) for r in args.rows.split(",")]:
+            step_times(engine, [Prompt(0, "", prompt)], params, rows)  # warm-up (and the graph's capture)
+            captured = engine.stats().get("rollout/graph_capture_s")
+            times = []
+            for _ in range(args.reps):
+                times += step_times(engine, [Prompt(0, "", prompt)], params, rows)
+            ms = statistics.median(times)
+            context = len(prompt) + args.tokens // 2  # the middle step's context
+            bound, kind = cost.bound(rows, context, bandwidth, peak)
+            row = f"| {name} | {rows} | {ms * 1e3:.2f} | {rows / ms:.0f} | {bound * 1e3:.3f} ({kind})"
+            row += f" | {ms / bound:.2f}x |"
+            print(row + (f" capture {captured:.2f} s" if captured else ""))
 
 
 if __name__ == "__main__":

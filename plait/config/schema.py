@@ -299,6 +299,13 @@ class RolloutConfig(Section):
         "when a round's generation starts (faster decoding matmuls, for one extra copy of the weights while "
         "generating).",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="Engine hf on a CUDA GPU: each decoding step replays a captured CUDA graph over a static KV "
+        "cache (buckets of rows and length, captured once and again only when the weights' tensors are replaced; "
+        "the capture time is logged as rollout/graph_capture_s). false: eager steps. Models with sliding-window "
+        "layers decode eagerly.",
+    )
     precision: Literal["auto", "fp32", "bf16", "int8"] = Field(
         "auto",
         description="What rollouts are sampled in; the trainer keeps train.precision and recomputes the old "

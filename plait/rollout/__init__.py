@@ -38,6 +38,7 @@ def make_engine(cfg, model, tokenizer, view=None, device=None) -> RolloutEngine:
             precision=rollout_precision(cfg, device or next(model.parameters()).device),
             view=view,
             packed_weights=cfg.rollout.packed_weights,
+            cuda_graphs=cfg.rollout.cuda_graphs,
         )
     import torch
 

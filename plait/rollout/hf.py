@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 from plait.models import autocast, pad_id_of
-from plait.rollout import prefix
+from plait.rollout import graphs, prefix
+from plait.rollout.graphs import StaticDecoder
 from plait.rollout.packed import (
     GROUPED,
     bf16_linears,
@@ -120,12 +122,17 @@ class HFEngine:
         view=None,
         packed_weights: bool = True,
         on_token=None,
+        cuda_graphs: bool = True,
     ):
         self.model = model
         # called before every forward pass: may swap new weights in, returns their version
         # (the generation process with in-flight updates; completions then carry token_versions)
         self.on_token = on_token
         self.packed_weights = packed_weights
+        # on a CUDA GPU, decoding steps replay captured graphs (rollout/graphs.py); `static` is
+        # the decoder that keeps them (tests set one with capture=False to run its steps anywhere)
+        self.cuda_graphs = cuda_graphs
+        self.static: StaticDecoder | None = None
         self.view = view or (lambda: contextlib.nullcontext(self.model))
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -141,8 +148,9 @@ class HFEngine:
         return self.view()
 
     def stats(self) -> dict[str, float]:
-        """Nothing to report: it samples from the trainer's module, no weights are copied."""
-        return {}
+        """No weights are copied (it samples from the trainer's module); with CUDA graphs, the
+        time spent capturing them since the last call."""
+        return self.static.stats() if self.static is not None and self.static.capture else {}
 
     def health(self) -> dict:
         """In this process, on the trainer's own weights: alive whenever this process is."""
@@ -197,10 +205,16 @@ class HFEngine:
                 model.train(was_training)
         return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
+    def _static_decoder(self, dev: torch.device) -> StaticDecoder | None:
+        if self.static is None and self.cuda_graphs and dev.type == "cuda":
+            self.static = StaticDecoder(capture=True)
+        return self.static
+
     def _decode(self, model, prompts: list[Prompt], n: int, params: SamplingParams, precision: str) -> list[Completion]:
-        """Prefill each distinct prompt once, then decode its n rows over one copy of its keys
-        and values (rollout/prefix.py; where that does not apply, over n copies), dropping rows
-        from the batch as soon as they finish."""
+        """Prefill each distinct prompt once, then decode its n rows: on a GPU as replays of a
+        captured graph over static buffers (rollout/graphs.py), else eagerly over one copy of the
+        prompt's keys and values (rollout/prefix.py; where that does not apply, over n copies),
+        dropping rows from the batch as soon as they finish."""
         from transformers import DynamicCache
 
         dev = next(model.parameters()).device
@@ -226,10 +240,7 @@ class HFEngine:
                 logits_to_keep=1,
             )
             logits = out.logits[:, -1].repeat_interleave(n, 0)
-            shared = n > 1 and self._shares_prefix(model) and prefix.share_prefix(cache, mask, n, params.max_tokens)
-            if n > 1 and not shared:
-                cache.batch_repeat_interleave(n)
-            mask, last_pos = mask.repeat_interleave(n, 0), pos[:, -1:].repeat_interleave(n, 0)
+            steps = self._steps(model, cache, mask, pos[:, -1:], n, params.max_tokens, precision)
             for t in range(params.max_tokens):
                 token, logp = sample_next(logits, params, gens, active // n)
                 live = active.tolist()
@@ -241,25 +252,36 @@ class HFEngine:
                     break
                 if len(keep) < len(active):
                     idx = torch.tensor(keep, device=dev)
-                    cache.batch_select_indices(idx)
-                    active, token, mask, last_pos = active[idx], token[idx], mask[idx], last_pos[idx]
-                mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
-                last_pos = last_pos + 1
+                    steps.select(idx)
+                    active, token = active[idx], token[idx]
                 if self.on_token:
-                    version = self.on_token()
-                out = model(
-                    input_ids=token[:, None],
-                    attention_mask=None if shared else mask,  # the shared prefix's attention masks its own
-                    position_ids=last_pos,
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-                logits = out.logits[:, -1]
+                    version, before = self.on_token(), version
+                    if version != before:
+                        steps.weights_changed(model)
+                logits = steps.next(model, token, active)
         done = self._collect([p for p in prompts for _ in range(n)], tokens, logps, reason, params)
         for c, v in zip(done, versions or []):
             c.token_versions = v[: len(c.token_ids)]
             c.weight_version = min(c.token_versions, default=None)
         return done
+
+    def _steps(self, model, cache, mask, last_pos, n: int, max_new: int, precision: str):
+        """How the decoding steps after the prefill run: a static bucket (graphed on a GPU) where
+        it applies, else eagerly on the prefill's cache."""
+        static = self._static_decoder(mask.device)
+        if static is not None and graphs.applies(model, cache):
+            try:
+                bucket = static.prepare(model, cache, mask, last_pos, n, max_new, self.batch_size, precision)
+                return _StaticSteps(static, bucket)
+            except Exception as e:  # a forward that cannot be captured (a host sync, a sharding hook)
+                if not static.capture:
+                    raise
+                warnings.warn(f"CUDA graph capture failed ({e}); this engine decodes eagerly (rollout.cuda_graphs)")
+                self.static, self.cuda_graphs = None, False
+        shared = n > 1 and self._shares_prefix(model) and prefix.share_prefix(cache, mask, n, max_new)
+        if n > 1 and not shared:
+            cache.batch_repeat_interleave(n)
+        return _EagerSteps(cache, mask.repeat_interleave(n, 0), last_pos.repeat_interleave(n, 0), shared)
 
     def _record(self, active, toks, lps, tokens, logps, reason, stops) -> list[int]:
         """Append this step's token to each active row; return the positions still decoding."""
@@ -303,3 +325,46 @@ class HFEngine:
             if any(s in self.tokenizer.decode(row[:end]) for s in stops):
                 return end
         return len(row)
+
+
+class _EagerSteps:
+    """Decoding steps on a growing cache; finished rows leave the batch."""
+
+    def __init__(self, cache, mask: torch.Tensor, last_pos: torch.Tensor, shared: bool):
+        self.cache, self.mask, self.last_pos, self.shared = cache, mask, last_pos, shared
+
+    def weights_changed(self, model) -> None:
+        pass  # each step reads the module's tensors afresh
+
+    def select(self, idx: torch.Tensor) -> None:
+        self.cache.batch_select_indices(idx)
+        self.mask, self.last_pos = self.mask[idx], self.last_pos[idx]
+
+    def next(self, model, token: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(token), 1))], dim=1)
+        self.last_pos = self.last_pos + 1
+        out = model(
+            input_ids=token[:, None],
+            attention_mask=None if self.shared else self.mask,  # the shared prefix's attention masks its own
+            position_ids=self.last_pos,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1]
+
+
+class _StaticSteps:
+    """Decoding steps in a static bucket: finished rows keep their slot, their output unread;
+    weights that moved mid-call (an in-flight update replacing tensors) are captured again."""
+
+    def __init__(self, decoder: StaticDecoder, bucket):
+        self.decoder, self.bucket = decoder, bucket
+
+    def weights_changed(self, model) -> None:
+        self.decoder.refresh(self.bucket, model)
+
+    def select(self, idx: torch.Tensor) -> None:
+        pass
+
+    def next(self, model, token: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        return self.bucket.step(model, token, active)

