@@ -11,7 +11,9 @@ step is max(bytes read / bandwidth, FLOPs / peak): every multiplied weight plus 
 at the step's context, over the measured read bandwidth on CPU or the datasheet's on GPU
 (plait/telemetry/bandwidth.py); FLOPs over the measured matmul peak on CPU or the datasheet's.
 On a GPU the engine decodes eagerly and through CUDA graphs (rollout/graphs.py), both printed
-by default; the first call of each row count captures its graph (timed, left out of the steps).
+by default; the first call of each row count captures its graph (timed, left out of the steps),
+and the captured step's replay alone is timed with CUDA events (the rest of a step is sampling
+and Python).
 """
 
 from __future__ import annotations
@@ -43,6 +45,20 @@ def step_times(engine: HFEngine, prompts: list[Prompt], params: SamplingParams, 
     finally:
         engine.on_token = None
     return [b - a for a, b in zip(stamps[1:], stamps[2:])]  # stamps[0] precedes the prefill
+
+
+def replay_ms(engine: HFEngine, n: int = 50) -> float:
+    """GPU time of one replay of the newest bucket's captured step alone (no sampling, no Python
+    between steps): how much of a step the forward itself takes."""
+    bucket = next(reversed(engine.static.buckets.values()))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        bucket.graph.replay()  # rewrites one column: the bucket is reloaded by the next call
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
 
 
 def main() -> None:
@@ -95,7 +111,9 @@ def main() -> None:
             bound, kind = cost.bound(rows, context, bandwidth, peak)
             row = f"| {name} | {rows} | {ms * 1e3:.2f} | {rows / ms:.0f} | {bound * 1e3:.3f} ({kind})"
             row += f" | {ms / bound:.2f}x |"
-            print(row + (f" capture {captured:.2f} s" if captured else ""))
+            if graphed:
+                row += f" capture {captured:.2f} s, replay alone {replay_ms(engine):.2f} ms"
+            print(row)
 
 
 if __name__ == "__main__":

