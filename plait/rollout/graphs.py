@@ -38,7 +38,7 @@ from plait.rollout import prefix
 
 
 LENGTH_STEP = 128
-MAX_BUCKETS = 4  # each holds a KV cache of its own
+MAX_BUCKETS = 2  # each holds a KV cache of its own: a run's training rounds and its evaluation
 
 
 def _dynamic_layer():
@@ -169,7 +169,8 @@ class Bucket:
         torch.cuda.current_stream(self.ids.device).wait_stream(stream)
         self.column -= 1
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: another thread of this process (a weight receiver, say) may use the GPU meanwhile
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.logits = self._forward(model)
         self.graph = graph
         self.signature = signature(model)
@@ -203,7 +204,12 @@ class StaticDecoder:
         key = (rows, bucket_length(prompt_mask.shape[1] + max_new), like[0][0].dtype, precision)
         bucket = self.buckets.pop(key, None)
         if bucket is None or not bucket.fits(like):
-            bucket = Bucket(key[0], key[1], like, precision)
+            try:
+                bucket = Bucket(key[0], key[1], like, precision)
+            except torch.OutOfMemoryError:  # the other buckets' caches go first, then once more
+                self.buckets.clear()
+                torch.cuda.empty_cache()
+                bucket = Bucket(key[0], key[1], like, precision)
         self.buckets[key] = bucket  # most recently used last
         while len(self.buckets) > MAX_BUCKETS:
             self.buckets.popitem(last=False)
