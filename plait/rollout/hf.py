@@ -2,7 +2,10 @@
 return the sampling log-probs cheaply (one gathered value per token, never full-vocab
 score tensors) and stop each sequence at EOS or a stop string.
 
-It samples from the very module the trainer updates, so it needs no weight sync.
+It samples from the very module the trainer updates, so it needs no weight sync. On a CUDA GPU
+each decoding step replays a captured graph over a static KV cache (rollout/graphs.py); on a CPU
+the steps run eagerly through packed weight copies (rollout/packed.py) and, for a group's n
+completions, one copy of their prompt's keys and values (rollout/prefix.py).
 """
 
 from __future__ import annotations
