@@ -40,6 +40,7 @@ SIZES = {  # prompts per step, generations per prompt, completion tokens, micro-
     "large": (8, 8, 128, 16),
 }
 LR = 3e-5
+PHASES = ("time/generate", "time/score", "time/logprobs", "time/train", "time/optimizer")  # plait's telemetry
 REWARD_WEIGHTS = (1.0, 0.5)
 
 
@@ -99,6 +100,7 @@ def run_plait(
         "step_s": [m["time/step"] for m in result.history],
         "reward": [m["reward/total/mean"] for m in result.history],
         "completion_tokens": [m["tokens/generated"] for m in result.history],
+        "phases": {k[5:]: [m.get(k, 0.0) for m in result.history] for k in PHASES},
     }
 
 
@@ -324,6 +326,12 @@ def main() -> None:
             f"{who:<8}{s['step_s_median']:>16.2f}{s['tokens_per_s']:>18.1f}"
             f"{s['peak_rss_gb']:>14.2f}{s['reward_mean']:>13.3f}"
         )
+    phases = {
+        k: statistics.median(x for r in runs["plait"] for x in r["phases"][k][args.warmup :])
+        for k in runs["plait"][0]["phases"]
+    }
+    summary["plait"]["phase_s_median"] = phases
+    print("plait's step by phase (median s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     ratio = summary["plait"]["step_s_median"] / summary["trl"]["step_s_median"]
     a = [x for r in runs["plait"] for x in r["reward"]]
     b = [x for r in runs["trl"] for x in r["reward"]]

@@ -50,3 +50,6 @@ def test_vs_trl_runs_both_on_the_same_work(tiny_model_path, tmp_path):
     assert res["ratio"] == pytest.approx(res["plait"]["step_s_median"] / res["trl"]["step_s_median"])
     assert 0 < res["reward_p"] <= 1 and res["learning"] in ("indistinguishable", "plait better", "TRL better")
     assert "plait / TRL step time" in proc.stdout
+    phases = res["plait"]["phase_s_median"]  # where plait's step goes, from its own telemetry
+    assert {"generate", "train", "optimizer"} <= set(phases) and phases["generate"] > 0 and phases["train"] > 0
+    assert sum(phases.values()) <= max(res["plait"]["step_s"])  # two timed steps: each median is a mean
