@@ -1,7 +1,7 @@
 """Decode speed of the HF engine against the roofline: how far one decode step is from the bound.
 
     .venv/bin/python bench/decode.py [--model smollm2-135m-instruct] [--rows 1,8,64] [--tokens 64]
-                                     [--dtype float32|bfloat16] [--device cpu|cuda]
+                                     [--dtype float32|bfloat16] [--precision fp32|bf16] [--device cpu|cuda]
                                      [--graphs on|off|both]
 
 For each batch size the engine samples `rows` completions of exactly --tokens tokens (EOS is
@@ -66,7 +66,14 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--rows", default="1,8,64", help="batch sizes (rows decoding together), comma-separated")
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
+    ap.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="the engine's rollout precision: bf16 on float32 weights is what train.precision=bf16 samples with "
+        "(autocast on a GPU, packed bf16 copies on a CPU)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--graphs", choices=["on", "off", "both"], default="both", help="on a GPU: CUDA-graph decoding")
@@ -82,7 +89,7 @@ def main() -> None:
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.graphs] if device.type == "cuda" else [False]
     cost = decode_cost(model)
     bandwidth, bw_source = device_bandwidth(device)
-    peak, peak_source = device_peak(device, "bf16" if dtype == torch.bfloat16 else "fp32")
+    peak, peak_source = device_peak(device, "bf16" if dtype == torch.bfloat16 or args.precision == "bf16" else "fp32")
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
         add_generation_prompt=True,
@@ -91,13 +98,17 @@ def main() -> None:
     )
     params = SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=1)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{args.model} {args.dtype} on {where}: {cost.weight_bytes / 1e6:.0f} MB of weights read per step")
+    print(
+        f"{args.model} {args.dtype} weights, {args.precision} rollouts on {where}: "
+        f"{cost.weight_bytes / 1e6:.0f} MB of weights read per step"
+    )
     print(
         f"bandwidth {bandwidth / 1e9:.1f} GB/s ({bw_source}); peak {(peak or 0) / 1e12:.2f} TFLOP/s ({peak_source})\n"
     )
     print("| decoding | rows | ms per step | tokens/s | bound ms (kind) | x off the bound |\n|---|---|---|---|---|---|")
     for graphed in modes:
-        engine = HFEngine(model, tok, batch_size=max(int(r) for r in args.rows.split(",")), cuda_graphs=graphed)
+        rows_max = max(int(r) for r in args.rows.split(","))
+        engine = HFEngine(model, tok, batch_size=rows_max, precision=args.precision, cuda_graphs=graphed)
         engine.eos_ids = []  # every row decodes every step
         name = "CUDA graphs" if graphed else "eager"
         for rows in [int(r) for r in args.rows.split(",")]:

@@ -69,9 +69,9 @@ model() {  # the bundled model from its GGUF pieces, else a random one of its sh
   fi
 }
 
-decode() {
-  stage decode-fp32 80 $PY bench/decode.py --device cuda --rows 1,8,64 --tokens 64 --reps 3
-  stage decode-bf16 60 $PY bench/decode.py --device cuda --rows 1,8,64 --tokens 64 --reps 3 --dtype bfloat16
+decode() {  # fp32 weights; bf16 weights; fp32 weights sampled in bf16 (autocast: train.precision=bf16's rollouts)
+  local d="$PY bench/decode.py --device cuda --rows 1,8,64 --tokens 64 --reps 3"
+  stage decode 200 bash -c "$d && $d --dtype bfloat16 && $d --precision bf16"
 }
 
 trl() {
