@@ -41,12 +41,6 @@ LENGTH_STEP = 128
 MAX_BUCKETS = 2  # each holds a KV cache of its own: a run's training rounds and its evaluation
 
 
-def _dynamic_layer():
-    from transformers.cache_utils import DynamicLayer
-
-    return DynamicLayer
-
-
 def bucket_rows(rows: int, batch_size: int) -> int:
     """The next power of two at or above `rows`, at most max(batch_size, rows)."""
     return min(1 << max(rows - 1, 0).bit_length(), max(batch_size, rows))
@@ -63,7 +57,7 @@ def applies(model, prefill_cache) -> bool:
     return (
         prefix.full_attention_only(getattr(model, "config", None))
         and bool(layers)
-        and all(type(layer) is _dynamic_layer() for layer in layers)
+        and all(type(layer) is prefix.dynamic_layer() for layer in layers)
     )
 
 
@@ -72,7 +66,7 @@ def signature(model) -> tuple[int, ...]:
     return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
 
 
-class StaticLayer(_dynamic_layer()):
+class StaticLayer(prefix.dynamic_layer()):
     """One layer's keys and values for a bucket's rows, written in place at `column`."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor):
@@ -102,7 +96,7 @@ class Bucket:
         from transformers import DynamicCache
 
         dev = like[0][0].device
-        self.rows, self.length, self.precision = rows, length, precision
+        self.precision = precision
         self.ids = torch.zeros(rows, 1, dtype=torch.long, device=dev)
         self.position = torch.zeros(rows, 1, dtype=torch.long, device=dev)
         self.column = torch.zeros(1, dtype=torch.long, device=dev)

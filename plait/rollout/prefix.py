@@ -29,7 +29,8 @@ import torch
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("plait_shared_prefix", default=None)
 
 
-def _dynamic_layer():
+def dynamic_layer():
+    """transformers' DynamicLayer (imported when first needed)."""
     from transformers.cache_utils import DynamicLayer
 
     return DynamicLayer
@@ -45,7 +46,7 @@ def full_attention_only(config) -> bool:
     return all(getattr(config, k, None) is None for k in ("attn_logit_softcapping", "final_logit_softcapping"))
 
 
-class SharedPrefixLayer(_dynamic_layer()):
+class SharedPrefixLayer(dynamic_layer()):
     """One layer's cache: the prompt's keys/values once per group, [G, kv heads, P, d], and a
     buffer for each row's own new tokens, [rows, kv heads, max_new, d]. `update` returns the rows'
     own tokens; attend() adds the prompt."""
@@ -119,7 +120,7 @@ def share_prefix(cache, prompt_mask: torch.Tensor, n: int, max_new: int) -> bool
     completions per prompt, in place. False (cache untouched) where a layer is not a plain
     full-attention DynamicLayer."""
     layers = getattr(cache, "layers", None)
-    if not layers or any(type(layer) is not _dynamic_layer() for layer in layers):
+    if not layers or any(type(layer) is not dynamic_layer() for layer in layers):
         return False
     mask = prompt_mask.bool()
     cache.layers = [SharedPrefixLayer(layer.keys, layer.values, mask, n, max_new) for layer in layers]
