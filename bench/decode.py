@@ -106,12 +106,12 @@ def main() -> None:
         f"bandwidth {bandwidth / 1e9:.1f} GB/s ({bw_source}); peak {(peak or 0) / 1e12:.2f} TFLOP/s ({peak_source})\n"
     )
     print("| decoding | rows | ms per step | tokens/s | bound ms (kind) | x off the bound |\n|---|---|---|---|---|---|")
+    batches = [int(r) for r in args.rows.split(",")]
     for graphed in modes:
-        rows_max = max(int(r) for r in args.rows.split(","))
-        engine = HFEngine(model, tok, batch_size=rows_max, precision=args.precision, cuda_graphs=graphed)
+        engine = HFEngine(model, tok, batch_size=max(batches), precision=args.precision, cuda_graphs=graphed)
         engine.eos_ids = []  # every row decodes every step
         name = "CUDA graphs" if graphed else "eager"
-        for rows in [int(r) for r in args.rows.split(",")]:
+        for rows in batches:
             step_times(engine, [Prompt(0, "", prompt)], params, rows)  # warm-up (and the graph's capture)
             captured = engine.stats().get("rollout/graph_capture_s")
             times = []
