@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/decode.py [--model smollm2-135m-instruct] [--rows 1,8,64] [--tokens 64]
                                      [--dtype float32|bfloat16] [--precision fp32|bf16] [--device cpu|cuda]
-                                     [--graphs on|off|both]
+                                     [--graphs on|off|both] [--packed-weights on|off]
+                                     [--fused-norms on|off] [--profile]
 
 For each batch size the engine samples `rows` completions of exactly --tokens tokens (EOS is
 ignored for the measurement, so every row decodes every step) and each step's time is taken
@@ -13,7 +14,8 @@ at the step's context, over the measured read bandwidth on CPU or the datasheet'
 On a GPU the engine decodes eagerly and through CUDA graphs (rollout/graphs.py), both printed
 by default; the first call of each row count captures its graph (timed, left out of the steps),
 and the captured step's replay alone is timed with CUDA events (the rest of a step is sampling
-and Python).
+and Python). --profile then lists the kernels of one eager decoding step on a GPU (or the
+operators on a CPU) by count: what a captured step replays.
 """
 
 from __future__ import annotations
@@ -61,6 +63,39 @@ def replay_ms(engine: HFEngine, n: int = 50) -> float:
     return start.elapsed_time(end) / n
 
 
+def profile_step(engine: HFEngine, prompts: list[Prompt], params: SamplingParams, rows: int, top: int = 15) -> None:
+    """Kernels (GPU) or operators (CPU) of one eager decoding step, by count and time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.cuda_graphs, engine.static = False, None
+    short = SamplingParams(max_tokens=2, temperature=1.0, seed=1)
+    engine.generate(prompts, short, rows)  # warm-up
+    steps = 8
+    cuda = next(engine.model.parameters()).is_cuda
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        engine.generate(prompts, SamplingParams(max_tokens=1, temperature=1.0, seed=1), rows)  # prefill only
+    prefill = prof.events()
+    with profile(activities=activities) as prof:
+        engine.generate(prompts, SamplingParams(max_tokens=steps + 1, temperature=1.0, seed=1), rows)
+    kind = "kernels" if cuda else "operators"
+
+    def counted(events):
+        out: dict[str, list[float]] = {}
+        for e in events:
+            if (e.device_type.name == "CUDA") == cuda and (cuda or e.cpu_parent is None):
+                out.setdefault(e.name, []).append(e.device_time if cuda else e.cpu_time)
+        return out
+
+    every, first = counted(prof.events()), counted(prefill)
+    per_step = {k: (len(v) - len(first.get(k, [])), sum(v) - sum(first.get(k, []))) for k, v in every.items()}
+    total = sum(c for c, _ in per_step.values()) / steps
+    print(f"\none eager decoding step at {rows} rows: {total:.0f} {kind} (mean of {steps} steps); the most frequent:")
+    print(f"| {kind[:-1]} | per step | us per step |\n|---|---|---|")
+    for name, (count, us) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"| {name[:90]} | {count / steps:.0f} | {us / steps:.0f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -77,6 +112,16 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--graphs", choices=["on", "off", "both"], default="both", help="on a GPU: CUDA-graph decoding")
+    ap.add_argument(
+        "--packed-weights",
+        choices=["on", "off"],
+        default="on",
+        help="rollout.packed_weights: packed copies on a CPU, bf16 copies for bf16 on a GPU (off: autocast's casts)",
+    )
+    ap.add_argument(
+        "--fused-norms", choices=["on", "off"], default="on", help="torch's fused RMSNorm (rollout/fused.py)"
+    )
+    ap.add_argument("--profile", action="store_true", help="also list the kernels of one eager step at the most rows")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -99,7 +144,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=1)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(
-        f"{args.model} {args.dtype} weights, {args.precision} rollouts on {where}: "
+        f"{args.model} {args.dtype} weights, {args.precision} rollouts, packed weights {args.packed_weights}, "
+        f"fused norms {args.fused_norms}, {where}: "
         f"{cost.weight_bytes / 1e6:.0f} MB of weights read per step"
     )
     print(
@@ -108,7 +154,15 @@ def main() -> None:
     print("| decoding | rows | ms per step | tokens/s | bound ms (kind) | x off the bound |\n|---|---|---|---|---|---|")
     batches = [int(r) for r in args.rows.split(",")]
     for graphed in modes:
-        engine = HFEngine(model, tok, batch_size=max(batches), precision=args.precision, cuda_graphs=graphed)
+        engine = HFEngine(
+            model,
+            tok,
+            batch_size=max(batches),
+            precision=args.precision,
+            cuda_graphs=graphed,
+            packed_weights=args.packed_weights == "on",
+            fused_norms=args.fused_norms == "on",
+        )
         engine.eos_ids = []  # every row decodes every step
         name = "CUDA graphs" if graphed else "eager"
         for rows in batches:
@@ -125,6 +179,8 @@ def main() -> None:
             if graphed:
                 row += f" capture {captured:.2f} s, replay alone {replay_ms(engine):.2f} ms"
             print(row)
+    if args.profile:
+        profile_step(engine, [Prompt(0, "", prompt)], params, max(batches))
 
 
 if __name__ == "__main__":

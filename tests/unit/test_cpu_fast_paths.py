@@ -12,6 +12,7 @@ import torch
 
 from plait.rollout.hf import HFEngine, inverse_cdf, sample_next
 from plait.rollout.packed import (
+    Bf16Copies,
     bf16_linears,
     bf16_packing_available,
     int8_available,
@@ -93,6 +94,48 @@ def test_engine_samples_the_same_with_packed_weights(tiny_model_path):
                 assert torch.allclose(torch.tensor(cp.logprobs), torch.tensor(cq.logprobs), atol=1e-4)
 
 
+def test_fused_norms_swap_llama_form_norms_only_and_sample_the_same(tiny_model_path):
+    """rollout/fused.py: every Llama-form RMSNorm (2 per layer and the last) runs torch's fused
+    one, with the same logits to float rounding, in fp32 and bf16; a norm of another form
+    (Gemma's 1 + weight) is left alone; the engine samples the same tokens with it on or off."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from plait.models import load_model, load_tokenizer
+    from plait.rollout.fused import fused_norms
+
+    tok, model = load_tokenizer(str(tiny_model_path)), load_model(str(tiny_model_path))
+    ids = torch.tensor([tok("What is 2 + 2? Name a colour.")["input_ids"]])
+    layers = model.config.num_hidden_layers
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 0.1)):
+        m = copy.deepcopy(model).to(dtype)
+        with torch.no_grad():
+            expected = m(ids).logits
+            with fused_norms(m) as n:
+                assert n == 2 * layers + 1
+                got = m(ids).logits
+        assert got.dtype == dtype and torch.allclose(got.float(), expected.float(), atol=atol), (
+            (got - expected).abs().max()
+        )
+        assert not any("forward" in mod.__dict__ for mod in m.modules())  # restored
+    x = torch.randn(3, 16)
+    norms = torch.nn.ModuleList([LlamaRMSNorm(16), GemmaRMSNorm(16)])
+    with torch.no_grad():
+        torch.nn.init.normal_(norms[0].weight)
+        with fused_norms(norms) as n:
+            assert n == 1 and "forward" not in norms[1].__dict__
+            assert torch.allclose(norms[0](x), LlamaRMSNorm.forward(norms[0], x), atol=1e-6)
+
+    prompts = [Prompt(i, t, tok(t)["input_ids"]) for i, t in enumerate(["What is 2 + 2?", "Name a colour."])]
+    for params in (SamplingParams(max_tokens=12, temperature=0), SamplingParams(max_tokens=12, seed=3)):
+        plain = HFEngine(model, tok, fused_norms=False).generate(prompts, params, n=3)
+        fused = HFEngine(model, tok).generate(prompts, params, n=3)
+        assert [[c.token_ids for c in g] for g in plain] == [[c.token_ids for c in g] for g in fused]
+        lp = [torch.tensor(c.logprobs) for g in plain for c in g]
+        lq = [torch.tensor(c.logprobs) for g in fused for c in g]
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(lp, lq))
+
+
 class _HeadedModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -104,6 +147,42 @@ class _HeadedModel(torch.nn.Module):
 
     def forward(self, x):
         return self.head(self.body(x))
+
+
+def test_bf16_copies_give_autocasts_products_and_follow_the_weights_in_place():
+    """Bf16Copies (a GPU's bf16 rollouts, here on the CPU's autocast): the same numbers as
+    autocast rounding each weight itself, the copies at fixed addresses across calls and after
+    an in-place update, the modules restored on exit."""
+    torch.manual_seed(0)
+    model, copies = _HeadedModel(), Bf16Copies()
+    x = torch.randn(5, 7, 64)
+
+    def autocast():  # without its cache of casts, which would keep weights changed in place stale
+        return torch.autocast("cpu", torch.bfloat16, cache_enabled=False)
+
+    with torch.no_grad():
+        for _ in range(2):
+            with autocast():
+                expected = model(x)
+            with copies.linears(model) as n, autocast():
+                assert n == 3
+                got = model(x)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+            addresses = [c.data_ptr() for c in copies.copies.values()]
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))  # the optimizer's step: in place
+        with copies.linears(model), autocast():
+            for p in model.parameters():
+                p.mul_(-1.0)  # mid-call (an in-flight update): refresh() brings the copies along
+            copies.refresh()
+            got = model(x)
+        assert [c.data_ptr() for c in copies.copies.values()] == addresses
+        with autocast():
+            assert torch.equal(got, model(x))
+        assert not any("forward" in m.__dict__ for m in model.modules())  # restored
+        fp32 = model(x)
+        with copies.linears(model):
+            assert torch.equal(model(x), fp32)  # without autocast: the fp32 weights
 
 
 @pytest.mark.skipif(not int8_available(), reason="this torch has no fbgemm int8 kernels")
