@@ -115,11 +115,13 @@ def pad_id_of(tokenizer, eos_ids: list[int] | None = None) -> int:
     return min(eos_ids) if eos_ids else tokenizer.eos_token_id
 
 
-def autocast(device: torch.device, precision: str):
+def autocast(device: torch.device, precision: str, cache: bool = True):
     """The context forward passes run in: bf16 autocast on `device` for precision "bf16" (on CPU it
-    uses AMX where the CPU has it), else nothing (the weights' own dtype)."""
+    uses AMX where the CPU has it), else nothing (the weights' own dtype). `cache=False` where
+    weights may change in place inside it: autocast keeps its bf16 casts of fp32 weights until the
+    context ends, so it would go on multiplying the old ones."""
     if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache)
     return contextlib.nullcontext()
 
 

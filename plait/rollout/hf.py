@@ -245,7 +245,8 @@ class HFEngine:
         active = torch.arange(rows, device=dev)  # original row of each row still decoding
         cache = DynamicCache()
         version = self.on_token() if self.on_token else None
-        with autocast(self._device, precision), prefix.decoding(cache):
+        # weights that arrive between tokens (on_token) change in place: no casts kept from before
+        with autocast(self._device, precision, cache=self.on_token is None), prefix.decoding(cache):
             out = model(
                 input_ids=ids,
                 attention_mask=mask,

@@ -24,6 +24,54 @@ def test_staleness_counts_every_token_version():
     assert staleness([Group(Prompt(0, "", [1]), [c1, c2])], 4) == [1, 2, 1, 1]
 
 
+def test_inflight_weights_reach_bf16_autocast_decoding(tiny_model_path):
+    """bf16 rollouts under autocast over fp32 weights (a GPU without copies, a CPU without bf16
+    packing): weights changed in place between tokens are what the next tokens are sampled from,
+    as when the parameters are replaced by new tensors. autocast's cache of casts would otherwise
+    keep multiplying old weights until the call ends."""
+    from plait.models import load_model, load_tokenizer
+    from plait.rollout.hf import HFEngine
+
+    tok, model = load_tokenizer(str(tiny_model_path)), load_model(str(tiny_model_path))
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prompt = [Prompt(0, "", tok("What is 2 + 2?")["input_ids"])]
+    head = model.get_output_embeddings()  # tied to the input embeddings: a new tensor would untie it
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    old = [m.weight for m in linears]
+    gen = torch.Generator().manual_seed(0)
+    new = [torch.randn(w.shape, generator=gen) * 0.5 for w in old]
+
+    def run(swap_at: int | None, in_place: bool = True):
+        engine = HFEngine(model, tok, precision="bf16", packed_weights=False)
+        calls = {"n": 0}
+        kept = [w.detach().clone() for w in old]
+
+        def hook():  # the prefill's call, then one before each decoding step
+            calls["n"] += 1
+            if calls["n"] == swap_at:
+                with torch.no_grad():
+                    for m, w in zip(linears, new):
+                        if in_place:  # as a weight receiver writes
+                            m.weight.copy_(w)
+                        else:
+                            m.weight = torch.nn.Parameter(w.clone())
+            return int(swap_at is not None and calls["n"] >= swap_at)
+
+        engine.on_token = hook
+        try:
+            c = engine.generate(prompt, params)[0][0]
+            return c.token_ids, c.logprobs
+        finally:
+            with torch.no_grad():
+                for m, w, k in zip(linears, old, kept):
+                    w.copy_(k)
+                    m.weight = w
+
+    before, in_place, replaced = run(None), run(4), run(4, in_place=False)
+    assert in_place == replaced  # tokens and log-probs
+    assert in_place[0][:3] == before[0][:3] and in_place[0][3:] != before[0][3:]
+
+
 def test_inflight_weights_are_swapped_in_between_tokens(tiny_model_path):
     replica = HFReplica(
         dict(engine="hf", model=str(tiny_model_path), precision="fp32", batch_size=8, packed_weights=True)
