@@ -246,7 +246,7 @@ def test_engine_samples_at_low_precision_near_the_trainers_policy(tiny_model_pat
         pytest.skip(f"this CPU or torch has no packed {precision} kernels")
     real = hf.autocast
     monkeypatch.setattr(
-        hf, "autocast", lambda device, p: pytest.fail("bf16 autocast") if p == "bf16" else real(device, p)
+        hf, "autocast", lambda device, p, **kw: pytest.fail("bf16 autocast") if p == "bf16" else real(device, p, **kw)
     )
     tok, model = load_tokenizer(str(tiny_model_path)), load_model(str(tiny_model_path))
     prompts = [Prompt(i, t, tok(t)["input_ids"]) for i, t in enumerate(["What is 2 + 2?", "Name a colour."])]
