@@ -425,7 +425,7 @@ def cmd_plan(args) -> int:
 
 def cmd_check(args) -> int:
     from plait.config import ConfigError, validate
-    from plait.data import data_problems
+    from plait.data import data_problems, data_warnings
 
     cfg = _load(args)
     plan = validate(cfg, args.world_size)
@@ -438,7 +438,7 @@ def cmd_check(args) -> int:
         f"{plan.completions_per_process} per process = {plan.gradient_accumulation_steps} micro-batches "
         f"of {plan.micro_batch_size}"
     )
-    for note in plan.notes:
+    for note in [*plan.notes, *data_warnings(cfg.data)]:
         print(note)
     from plait.config import resolve_backend
 

@@ -23,6 +23,7 @@ __all__ = [
     "DataError",
     "source_problem",
     "data_problems",
+    "data_warnings",
 ]
 
 
@@ -146,7 +147,54 @@ def data_problems(data_cfg, limit: int = 1000) -> list[str]:
                     f"{name}: row {malformed[0]}'s '{key}' is not a list of {{role, content}} messages "
                     f"({len(malformed)} such rows)"
                 )
+        else:
+            bad_prompts = [(i, why) for i, r in enumerate(rows) if key in r and (why := prompt_problem(r[key], key))]
+            if bad_prompts:
+                i, why = bad_prompts[0]
+                out.append(f"{name}: row {i}'s {why} ({len(bad_prompts)} such rows)")
     return out
+
+
+def data_warnings(data_cfg, limit: int = 1000) -> list[str]:
+    """What `plait check` says of the data that does not stop a run: rows that lack the answer
+    field others have (rewards get answer=None for them), in the first `limit` rows of each file."""
+    if data_cfg.task is not None or not data_cfg.answer_field:
+        return []
+    out = []
+    for name, path in (("data.path", data_cfg.path), ("data.eval_path", data_cfg.eval_path)):
+        if path is None or source_problem(path, data_cfg.format):
+            continue
+        try:
+            rows = _scan_jsonl(Path(path), limit)[0] if _infer_format(Path(path), data_cfg.format) == "jsonl" else None
+            rows = read_file(path, data_cfg.format, data_cfg.split)[:limit] if rows is None else rows
+        except (DataError, OSError, ValueError):
+            continue  # data_problems names it
+        note = missing_answers(rows, data_cfg.answer_field)
+        if note:
+            out.append(f"{name}: {note}")
+    return out
+
+
+def prompt_problem(value, key: str) -> str | None:
+    """Why a prompt column's value is not a prompt's text (None: it is)."""
+    if isinstance(value, str):
+        return None if value.strip() else f"'{key}' is empty"
+    if _chat_messages(value):
+        return f"'{key}' holds chat messages, not text: set data.messages_field={key}"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return None  # a number reads as its text
+    return f"'{key}' is {type(value).__name__ if value is not None else 'null'}, not text"
+
+
+def missing_answers(rows: list[dict], field: str) -> str | None:
+    """A note when some rows hold `field` and others lack it or hold null (None: all or none do)."""
+    missing = [i for i, r in enumerate(rows) if r.get(field) is None]
+    if not missing or len(missing) == len(rows):
+        return None
+    return (
+        f"{len(missing)} of {len(rows)} rows have no '{field}' (first: row {missing[0]}): reward functions get "
+        f"answer=None for them and must handle it (return None for 'not applicable')"
+    )
 
 
 def _chat_messages(value) -> bool:
@@ -234,6 +282,8 @@ def build_prompts(
             )
         if data_cfg.messages_field:
             messages = [dict(m) for m in row[key]]
+        elif why := prompt_problem(row[key], key):
+            raise DataError(f"row {i}'s {why}")
         else:
             messages = [{"role": "user", "content": str(row[key])}]
         system = data_cfg.system_prompt or row.get(SYSTEM_COLUMN)  # an environment's own, when unset
@@ -291,6 +341,9 @@ def build_prompts(
             f"{len(answered)} of {len(rows)} prompts are also data.examples (first: row {answered[0]}): their answer "
             "is in the prompt"
         )
+    note = missing_answers(rows, data_cfg.answer_field) if data_cfg.answer_field else None
+    if note:
+        log(note)
     if not prompts:
         raise DataError("no prompts left to train on")
     return prompts

@@ -223,7 +223,8 @@ def _timed_call(reward: BoundReward, inputs: RewardInputs) -> tuple[list[float |
     """call_reward, and the seconds it took."""
     extra = {"sandbox": reward.sandbox} if reward.needs_sandbox and reward.sandbox is not None else {}
     texts = inputs.texts
-    where = f"(on a batch of {len(texts)} completions; the first was {_sample(texts, 0) if texts else '-'})"
+    first = _sample(texts, 0) if texts else "-"
+    where = f"(on a batch of {len(texts)} completions; the first was {first}{_null_columns(inputs)})"
     t0 = time.perf_counter()
     try:
         if reward.process is not None:
@@ -239,6 +240,22 @@ def _timed_call(reward: BoundReward, inputs: RewardInputs) -> tuple[list[float |
         raise RewardError(f"reward '{reward.name}' raised {type(err).__name__}: {err} {where}") from err
     seconds = time.perf_counter() - t0
     return _checked(reward, texts, values), seconds
+
+
+# columns plait fills in itself, where None is a value of its own (no environment reward, no error)
+_OWN_COLUMNS = ("env_reward", "env_error")
+
+
+def _null_columns(inputs: RewardInputs) -> str:
+    """The data columns that are None for some of the batch's completions (their rows lack the
+    field, or hold null): the usual cause of a reward raising on one batch and not another."""
+    n = len(inputs.texts)
+    found = [
+        f"{k} is None for {nulls} of them"
+        for k, v in inputs.kwargs.items()
+        if k not in _OWN_COLUMNS and isinstance(v, list) and len(v) == n and (nulls := sum(x is None for x in v))
+    ]
+    return f"; {', '.join(found)}: their rows lack the field or hold null" if found else ""
 
 
 def _failure(err: RewardCallFailed) -> str:

@@ -223,6 +223,42 @@ def test_check_reads_the_data_and_reports_every_problem_at_once(tmp_path, capsys
     assert data_problems(DataConfig()) == []  # the built-in task: no files to read
 
 
+def test_prompts_that_are_not_text_are_refused_and_missing_answers_are_told(tmp_path, capsys):
+    """A prompt column holding chat messages, a list, null or nothing stops `plait check` and the
+    run with the row named (str() of them would train on their repr); rows without the answer
+    that others have are told, not refused (a reward may return None for them)."""
+    from plait.cli import main
+
+    rows = [
+        {"q": "What is 2 + 3?", "answer": "5"},
+        {"q": [{"role": "user", "content": "hi"}], "answer": "1"},
+        {"q": "   ", "answer": "0"},
+        {"q": None},
+        {"q": 42},
+    ]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(task=None, path=str(train), prompt_field="q")
+    assert data_problems(cfg) == [
+        "data.path: row 1's 'q' holds chat messages, not text: set data.messages_field=q (3 such rows)"
+    ]
+    for i, message in [(1, "'q' holds chat messages"), (2, "'q' is empty"), (3, "'q' is null, not text")]:
+        with pytest.raises(DataError, match=f"row 0's {message}"):
+            build_prompts([rows[i]], FakeTokenizer(), cfg)
+    fine = [rows[0], rows[4], {"q": "What is 1 + 1?", "answer": None}]
+    prompts = build_prompts(fine, FakeTokenizer(), cfg, log=(said := []).append)
+    assert [p.answer for p in prompts] == ["5", None, None] and "<user> 42 <assistant>" in prompts[1].text
+    assert said == [
+        "2 of 3 rows have no 'answer' (first: row 1): reward functions get answer=None for them and must "
+        "handle it (return None for 'not applicable')"
+    ]
+    train.write_text("".join(json.dumps(r) + "\n" for r in fine))
+    args = ["check", "--set", f"data.path={train}", "--set", "data.prompt_field=q", "--set", "eval.before=false"]
+    assert main([*args, "--set", "eval.after=false"]) == 0
+    assert "data.path: 2 of 3 rows have no 'answer' (first: row 1)" in capsys.readouterr().out
+    assert build_prompts(fine[:1], FakeTokenizer(), cfg, log=(said := []).append) and said == []
+
+
 def test_rewards_get_trl_s_conventions_for_conversational_and_standard_data():
     """Open-R1's rewards read completion[0]["content"] and the `solution` column; with
     conversational data TRL passes prompts as message lists and completions as assistant

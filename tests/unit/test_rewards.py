@@ -133,6 +133,22 @@ def test_runner_names_function_and_sample(fn, message):
         score_groups(_groups(), [BoundReward("bad", fn)])
 
 
+def test_a_raising_reward_is_told_which_columns_were_none():
+    """A row without the answer field gives the reward answer=None; when the reward then raises,
+    the error says so, because that (not the completion) is the usual cause."""
+    p = Prompt(3, "What is 1 + 1?", [1, 2], None, {"level": None})
+    groups = [*_groups(), Group(p, [Completion(3, [3], "2", [0.0], False, "eos")])]
+
+    def strict(completions, answer, **_):
+        return [float(a in c) for c, a in zip(completions, answer)]
+
+    with pytest.raises(RewardError, match="answer is None for 1 of them, level is None for 1 of them: their rows"):
+        score_groups(groups, [BoundReward("strict", strict)])
+    with pytest.raises(RewardError) as err:  # every column filled in: no such note
+        score_groups(_groups(), [BoundReward("bad", lambda completions, **_: 1 / 0)])
+    assert "None" not in str(err.value)
+
+
 def test_resolve_reward():
     assert resolve_reward("accuracy") is accuracy
     assert resolve_reward("plait.rewards.math:boxed_accuracy") is boxed_accuracy
