@@ -381,7 +381,7 @@ def check_rewards(cfg: Config, env: Env) -> list[str]:
     """At least one reward, each once, not all weighted 0, each one that exists (and can run
     where `process` puts it)."""
     from plait.rewards import resolve_reward
-    from plait.rewards.runner import process_target
+    from plait.rewards.runner import process_target, untaken_keywords
 
     out = []
     if not cfg.rewards:
@@ -397,6 +397,12 @@ def check_rewards(cfg: Config, env: Env) -> list[str]:
         except KeyError as err:
             out.append(f"rewards: {err.args[0]}")
             continue
+        untaken = untaken_keywords(fn, spec.kwargs or {})
+        if untaken:
+            out.append(
+                f"rewards: '{spec.name}' takes no parameter {', '.join(map(repr, untaken))} (its kwargs in the "
+                "config): check the names, or give the function **kwargs"
+            )
         if spec.process and getattr(fn, "needs_sandbox", False):
             out.append(
                 f"rewards: '{spec.name}' runs model-written code in the run's sandbox, which stays in the "

@@ -214,6 +214,42 @@ def _sample(texts: list[str], i: int) -> str:
     return repr(t if len(t) <= 120 else t[:117] + "...")
 
 
+def keywords_for(fn, columns: dict, own: dict) -> dict:
+    """The keywords a reward is called with: the reward's `own` (its config kwargs, the sandbox)
+    always, and of the `columns` plait passes all (a function with **kwargs, TRL's convention)
+    or only those it names, so `def f(completions, answer)` works too. A parameter without a
+    default that nobody passes is named, with what plait does pass."""
+    passed = {**columns, **own}
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a C callable: no signature to read
+        return passed
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return passed
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    missing = [p.name for p in named if p.default is p.empty and p.name not in passed and p.name != "completions"]
+    if missing:
+        raise TypeError(
+            f"it takes {', '.join(map(repr, missing))}, which is not passed: plait passes completions, "
+            f"{', '.join(sorted(passed))} (each data column by its own name); rename the parameter, give it a "
+            "default, or add the column to the data"
+        )
+    names = {p.name for p in named}
+    return {**{k: v for k, v in columns.items() if k in names}, **own}
+
+
+def untaken_keywords(fn, names) -> list[str]:
+    """Of `names` (a reward's config kwargs), those `fn` takes no parameter for (none when it
+    has **kwargs, or no signature to read)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return []
+    return [n for n in names if n not in {p.name for p in params if p.kind is not p.VAR_POSITIONAL}]
+
+
 def call_reward(reward: BoundReward, inputs: RewardInputs) -> list[float | None]:
     """One reward over all completions, checked: len == len(texts), finite floats or None."""
     return _timed_call(reward, inputs)[0]
@@ -227,10 +263,11 @@ def _timed_call(reward: BoundReward, inputs: RewardInputs) -> tuple[list[float |
     where = f"(on a batch of {len(texts)} completions; the first was {first}{_null_columns(inputs)})"
     t0 = time.perf_counter()
     try:
-        if reward.process is not None:
-            values = reward.process.call(inputs.completions_for(reward), {**inputs.kwargs, **reward.kwargs})
+        kwargs = keywords_for(reward.fn, inputs.kwargs, {**reward.kwargs, **extra})
+        if reward.process is not None:  # (its worker's function is the same as reward.fn)
+            values = reward.process.call(inputs.completions_for(reward), kwargs)
         else:
-            values = reward.fn(completions=inputs.completions_for(reward), **inputs.kwargs, **reward.kwargs, **extra)
+            values = reward.fn(completions=inputs.completions_for(reward), **kwargs)
         if inspect.isawaitable(values):  # an async reward: run it to completion on this thread
             values = asyncio.run(_awaited(values))
     except RewardCallFailed as err:

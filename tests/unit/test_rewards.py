@@ -149,6 +149,38 @@ def test_a_raising_reward_is_told_which_columns_were_none():
     assert "None" not in str(err.value)
 
 
+def test_a_reward_without_kwargs_gets_the_columns_it_names_and_a_missing_one_is_named():
+    """TRL's rewards take **kwargs; a plain `def f(completions, answer)` works too (it is given
+    only what it names, its config kwargs always), and a parameter no column fills is named."""
+    seen = []
+
+    def named(completions, answer, scale=1.0):
+        seen.append((answer, scale))
+        return [scale * (a in c) for c, a in zip(completions, answer)]
+
+    groups = _groups()
+    score_groups(groups, [BoundReward("named", named, kwargs={"scale": 0.5})])
+    assert groups[0].rewards == {"named": [0.5, 0.0]} and seen == [(["2", "2"], 0.5)]
+
+    def wants_solution(completions, solution):
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardError, match=r"takes 'solution', which is not passed: plait passes completions, .*level"):
+        score_groups(_groups(), [BoundReward("wants", wants_solution)])
+
+
+def test_check_names_config_kwargs_a_reward_does_not_take(tmp_path, monkeypatch, capsys):
+    from plait.cli import main
+
+    source = "def f(completions, answer, scale=1.0):\n    return [scale] * len(completions)\n"
+    (tmp_path / "my_rewards.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    base = ["check", "--set", "eval.before=false"]
+    assert main([*base, "--set", "rewards=[{name: my_rewards:f, kwargs: {scale: 2.0}}]"]) == 0
+    assert main([*base, "--set", "rewards=[{name: my_rewards:f, kwargs: {scael: 2.0}}]"]) == 2
+    assert "'my_rewards:f' takes no parameter 'scael' (its kwargs in the config)" in capsys.readouterr().err
+
+
 def test_resolve_reward():
     assert resolve_reward("accuracy") is accuracy
     assert resolve_reward("plait.rewards.math:boxed_accuracy") is boxed_accuracy
