@@ -29,6 +29,7 @@ import os
 import random
 import shutil
 import threading
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -199,6 +200,32 @@ def find_checkpoint(path: Path) -> Path | None:
     """`path` itself when it is a complete checkpoint, else the newest one in run dir `path`."""
     path = Path(path)
     return path if (path / MARKER).is_file() else latest_checkpoint(path)
+
+
+def checkpoint_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The policy's weights in a complete checkpoint, on the CPU in one process, whichever
+    backend wrote it, named as the model's own state_dict (a LoRA checkpoint of the local and
+    DDP backends holds the adapters only)."""
+    path = Path(path)
+    if (path / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(path / "model.safetensors"))
+    if (path / "dcp").is_dir():  # FSDP2's shards, gathered: torch's own reader, no process group needed
+        import torch.distributed.checkpoint as dcp
+
+        reader = dcp.FileSystemReader(str(path / "dcp"))
+        meta = reader.read_metadata().state_dict_metadata
+        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith("model.")}
+        with warnings.catch_warnings():  # that it reads in one process is the point
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, no_dist=True)
+        return {k.removeprefix("model."): v for k, v in state.items()}
+    if (path / "deepspeed").is_dir():  # ZeRO partitions, merged by DeepSpeed's own zero_to_fp32
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(path / "deepspeed"), tag="state"))
+    raise FileNotFoundError(f"{path} holds no model weights plait knows (model.safetensors, dcp/ or deepspeed/)")
 
 
 def prune(root: Path, keep_last: int) -> None:

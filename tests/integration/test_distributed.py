@@ -17,8 +17,10 @@ import torch
 from safetensors.torch import load_file
 from test_train import sampled, tiny_overrides
 
+from plait.checkpoint import latest_checkpoint
 from plait.comm import free_port
 from plait.config import load_config
+from plait.models import resolve_model_path
 from plait.train.loop import train
 
 
@@ -116,7 +118,7 @@ def test_two_processes_match_one_and_resume_after_a_crash(
     3, torchrun stops the job, the committed checkpoints of steps 1-2 resume it, and the
     finished run equals the same backend's unbroken 2-process run bit for bit (the same hashes of
     every stage in every round, torch.equal weights) and the single-process one within
-    WEIGHT_ATOL."""
+    WEIGHT_ATOL. Its last checkpoint exports as a model folder with final/'s weights."""
     out = tmp_path / "run"
     opts = _options(
         tiny_model_path, prompts_jsonl, out, "checkpoint.save_steps=1", "checkpoint.keep_last=3", *BACKENDS[backend]
@@ -141,6 +143,9 @@ def test_two_processes_match_one_and_resume_after_a_crash(
     assert [[m[k] for k in same] for m in _metrics(out)] == [[m[k] for k in same] for m in _metrics(unbroken)]
     a, b = (load_file(str(d / "final" / "model.safetensors")) for d in (out, unbroken))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the last checkpoint, in this backend's own format, exports as a model folder holding final/'s weights
+    c = load_file(str(resolve_model_path(str(latest_checkpoint(out))) / "model.safetensors"))
+    assert c.keys() == a.keys() and all(torch.equal(c[k], a[k]) for k in a)
 
     for m in _metrics(out):  # the telemetry of two processes: collectives timed, FLOPs of both counted
         assert m["comm/seconds"] > 0 and 0 < m["mfu/train"] < 2, m["step"]

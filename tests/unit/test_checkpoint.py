@@ -53,3 +53,44 @@ def test_retention_keeps_the_newest(tmp_path):
     for step in (1, 2, 3, 4):
         save_checkpoint(tmp_path, step, backend, {}, keep_last=2)
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
+
+
+def test_a_checkpoint_of_each_format_exports_as_a_model_folder(tmp_path, tiny_model_path):
+    """`plait eval RUN/checkpoints/step_N` (and model.name_or_path: a checkpoint): the local/DDP
+    safetensors (adapters only under LoRA, merged on export) and FSDP2's DCP shards become a plain
+    HF folder beside them whose weights are the checkpoint's, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    from plait.config import Config
+    from plait.models import load_model, model_path_problem, resolve_model_path
+
+    for form, lora in [("safetensors", None), ("safetensors", {"r": 4, "alpha": 8}), ("dcp", None)]:
+        run = tmp_path / f"{form}-{lora is not None}"
+        cfg = Config.model_validate({"model": {"name_or_path": str(tiny_model_path), "lora": lora}})
+        run.mkdir()
+        (run / "config.yaml").write_text(cfg.to_yaml())
+        model = load_model(str(tiny_model_path), lora=cfg.model.lora)
+        torch.manual_seed(len(str(run)))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p) * 0.01)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        path = save_checkpoint(run, 3, LocalBackend.wrap(model, opt, sched), {})
+        if form == "dcp":  # what FSDP2 writes, from one process
+            (path / "model.safetensors").unlink()
+            dcp.save({"model": model.state_dict()}, checkpoint_id=str(path / "dcp"), no_dist=True)
+        assert model_path_problem(str(path)) is None
+        folder = resolve_model_path(str(path))
+        assert folder == path / "model" and resolve_model_path(str(path)) == folder  # exported once
+        expected = (model.merge_and_unload() if lora else model).state_dict()
+        got = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+        assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got), form
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    (unfinished / "config.yaml").write_text("{}")
+    assert "a run directory without final/ (the run did not finish): it saved no checkpoint" in model_path_problem(
+        str(unfinished)
+    )
