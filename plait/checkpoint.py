@@ -202,6 +202,13 @@ def find_checkpoint(path: Path) -> Path | None:
     return path if (path / MARKER).is_file() else latest_checkpoint(path)
 
 
+def checkpoint_run(path: Path) -> Path | None:
+    """The run directory of `path` when it is a complete checkpoint (RUN/checkpoints/step_N
+    with its marker, RUN/config.yaml beside), else None."""
+    run = Path(path).parent.parent
+    return run if (Path(path) / MARKER).is_file() and (run / "config.yaml").is_file() else None
+
+
 def checkpoint_model_weights(path: Path) -> dict[str, torch.Tensor]:
     """The policy's weights in a complete checkpoint, on the CPU in one process, whichever
     backend wrote it, named as the model's own state_dict (a LoRA checkpoint of the local and

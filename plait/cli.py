@@ -484,8 +484,10 @@ def cmd_eval(args) -> int:
     from plait.rollout.hf import decoding_in
     from plait.sandbox.box import Sandbox
     from plait.tools import Tools, tool_role
+    from plait.train.export import model_folder
 
     cfg = _load(args)
+    args.model = model_folder(args.model)  # a checkpoint: written out as a model folder first
     why = model_path_problem(args.model)
     if why:
         print(f"plait eval: {why.split(': ', 1)[-1]}", file=sys.stderr)

@@ -75,34 +75,9 @@ def resolve_model_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if (p / "final" / "config.json").is_file():  # a finished run directory
         return p / "final"
-    if (p / "model" / "config.json").is_file():  # a checkpoint folder, exported
+    if (p / "model" / "config.json").is_file():  # a checkpoint folder, exported (plait.train.export)
         return p / "model"
-    if checkpoint_run(p) is not None:
-        return export_checkpoint(p)
     return p
-
-
-def checkpoint_run(path: Path) -> Path | None:
-    """The run directory of `path` when it is a complete checkpoint (RUN/checkpoints/step_N
-    with its COMMITTED marker, RUN/config.yaml beside), else None."""
-    from plait.checkpoint import MARKER
-
-    run = path.parent.parent
-    return run if (path / MARKER).is_file() and (run / "config.yaml").is_file() else None
-
-
-def export_checkpoint(path: Path) -> Path:
-    """Write checkpoint `path`'s policy as a plain HF folder, `path`/model (once; LoRA merged),
-    from the run's base model and the checkpoint's weights, and return it: a checkpoint then
-    loads, evaluates and trains on as any model folder does."""
-    from plait.checkpoint import checkpoint_model_weights
-    from plait.config import load_config
-    from plait.train.backends.local import load_trainable
-
-    cfg = load_config(str(checkpoint_run(path) / "config.yaml"))
-    model = load_model(cfg.model.name_or_path, cfg.model.dtype, cfg.model.lora)
-    load_trainable(model, checkpoint_model_weights(path), path)
-    return save_model(model, load_tokenizer(cfg.model.name_or_path), path / "model")
 
 
 def model_path_problem(name_or_path: str) -> str | None:
@@ -117,12 +92,15 @@ def model_path_problem(name_or_path: str) -> str | None:
             f"model.name_or_path: '{name_or_path}' does not exist (plait loads local folders only; "
             f"use '{DEFAULT_MODEL}' for the bundled model)"
         )
-    if not any((q / "config.json").is_file() for q in (p, p / "final", p / "model")) and checkpoint_run(p) is None:
+    if not any((q / "config.json").is_file() for q in (p, p / "final", p / "model")):
+        if (p / "trainer_state.json").is_file():  # a checkpoint not exported yet
+            return (
+                f"model.name_or_path: '{name_or_path}' is a checkpoint (training state, not a model folder): "
+                f"`plait eval {name_or_path}` writes it out as '{p / 'model'}', a model folder to load"
+            )
         if (p / "config.yaml").is_file():  # a run directory that did not finish
-            from plait.checkpoint import latest_checkpoint
-
-            last = latest_checkpoint(p)
-            where = f"give its last checkpoint, '{last}'" if last else "it saved no checkpoint either"
+            saved = sorted(p.glob("checkpoints/step_*/trainer_state.json"))
+            where = f"`plait eval` its last checkpoint, '{saved[-1].parent}'" if saved else "it saved no checkpoint"
             unfinished = "a run directory without final/ (the run did not finish)"
             return f"model.name_or_path: '{name_or_path}' is {unfinished}: {where}"
         return f"model.name_or_path: '{name_or_path}' has no config.json (not a Hugging Face model folder)"

@@ -20,7 +20,7 @@ from test_train import sampled, tiny_overrides
 from plait.checkpoint import latest_checkpoint
 from plait.comm import free_port
 from plait.config import load_config
-from plait.models import resolve_model_path
+from plait.train.export import model_folder
 from plait.train.loop import train
 
 
@@ -144,7 +144,7 @@ def test_two_processes_match_one_and_resume_after_a_crash(
     a, b = (load_file(str(d / "final" / "model.safetensors")) for d in (out, unbroken))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # the last checkpoint, in this backend's own format, exports as a model folder holding final/'s weights
-    c = load_file(str(resolve_model_path(str(latest_checkpoint(out))) / "model.safetensors"))
+    c = load_file(f"{model_folder(str(latest_checkpoint(out)))}/model.safetensors")
     assert c.keys() == a.keys() and all(torch.equal(c[k], a[k]) for k in a)
 
     for m in _metrics(out):  # the telemetry of two processes: collectives timed, FLOPs of both counted

@@ -64,6 +64,7 @@ def test_a_checkpoint_of_each_format_exports_as_a_model_folder(tmp_path, tiny_mo
 
     from plait.config import Config
     from plait.models import load_model, model_path_problem, resolve_model_path
+    from plait.train.export import model_folder
 
     for form, lora in [("safetensors", None), ("safetensors", {"r": 4, "alpha": 8}), ("dcp", None)]:
         run = tmp_path / f"{form}-{lora is not None}"
@@ -82,9 +83,10 @@ def test_a_checkpoint_of_each_format_exports_as_a_model_folder(tmp_path, tiny_mo
         if form == "dcp":  # what FSDP2 writes, from one process
             (path / "model.safetensors").unlink()
             dcp.save({"model": model.state_dict()}, checkpoint_id=str(path / "dcp"), no_dist=True)
-        assert model_path_problem(str(path)) is None
-        folder = resolve_model_path(str(path))
-        assert folder == path / "model" and resolve_model_path(str(path)) == folder  # exported once
+        assert "is a checkpoint (training state, not a model folder): `plait eval" in model_path_problem(str(path))
+        folder = model_folder(str(path))
+        assert folder == str(path / "model") and model_folder(str(path)) == folder  # exported once
+        assert model_path_problem(str(path)) is None and resolve_model_path(str(path)) == path / "model"
         expected = (model.merge_and_unload() if lora else model).state_dict()
         got = AutoModelForCausalLM.from_pretrained(folder).state_dict()
         assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got), form
@@ -94,3 +96,4 @@ def test_a_checkpoint_of_each_format_exports_as_a_model_folder(tmp_path, tiny_mo
     assert "a run directory without final/ (the run did not finish): it saved no checkpoint" in model_path_problem(
         str(unfinished)
     )
+    assert f"`plait eval` its last checkpoint, '{path}'" in model_path_problem(str(path.parent.parent))
