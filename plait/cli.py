@@ -140,7 +140,9 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="greedy accuracy of a model (folder, run dir or checkpoint) on a task")
     e.add_argument("model", help="model folder, run directory, checkpoint, or 'smollm2-135m-instruct'")
-    e.add_argument("config", nargs="?", help="config whose data/eval settings to use (default: built-in)")
+    e.add_argument(
+        "config", nargs="?", help="config whose data/eval settings to use (default: a run's own, else built-in)"
+    )
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     e.add_argument("--show", type=int, default=3, help="print this many sample completions")
 
@@ -486,6 +488,8 @@ def cmd_eval(args) -> int:
     from plait.tools import Tools, tool_role
     from plait.train.export import model_folder
 
+    if args.config is None and getattr(args, "trl_config", None) is None:
+        args.config = _run_config(Path(args.model))
     cfg = _load(args)
     args.model = model_folder(args.model)  # a checkpoint: written out as a model folder first
     why = model_path_problem(args.model)
@@ -520,6 +524,16 @@ def cmd_eval(args) -> int:
     for label, (total, n) in sorted(res.by_environment.items()):
         print(f"  {label}: {total / max(1, n):.3f} on {n} prompts")
     return 0
+
+
+def _run_config(path: Path) -> str | None:
+    """The config a run directory (or one of its checkpoints) was trained with, said on stderr:
+    `plait eval` of a run then scores the run's own held-out data, not the built-in task's."""
+    run = path.parent.parent if (path / "trainer_state.json").is_file() else path  # a checkpoint's run
+    if not ((run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file()):
+        return None
+    print(f"plait eval: the run's own config, {run / 'config.yaml'} (give a config for other data)", file=sys.stderr)
+    return str(run / "config.yaml")
 
 
 def cmd_diff(args) -> int:

@@ -148,8 +148,9 @@ def _no_network_prefix() -> list[str]:
 
 
 def test_a_run_reaches_no_host_with_the_network_blocked(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
-    """With HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE unset, train, check and eval run and nothing
-    tried to go out. Two layers: every Python process of the run (the trainer and the rewards'
+    """With HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE unset, train, check and eval (of the run and of
+    its last checkpoint, exported first; both with the run's own config) run and nothing tried to
+    go out. Two layers: every Python process of the run (the trainer and the rewards'
     own processes) logs and refuses an outside connection or name lookup, which says what was
     tried; and, where the kernel allows it, the run is in a network namespace with loopback only,
     so a native library's connection cannot leave either (it would fail the run)."""
@@ -170,19 +171,31 @@ def test_a_run_reaches_no_host_with_the_network_blocked(tiny_model_path, prompts
     else:
         print("no network namespace here (unshare refused): the Python-level block alone is tested")
     out = tmp_path / "run"
-    sets = tiny_overrides(tiny_model_path, prompts_jsonl, out, "train.max_steps=2", "eval.after=true")
+    metric = "plait_test_rewards:vowel_share"  # not the default metric: eval must read it from the run's config
+    sets = tiny_overrides(
+        tiny_model_path, prompts_jsonl, out, "train.max_steps=2", "eval.after=true", f"eval.metric={metric}"
+    )
     flags = sum((["--set", s] for s in sets), [])
+    scores = []
+    # eval of the run and of its last checkpoint (exported first) take the run's own config and data
     for args in (
         ["check", *flags],
         ["train", *flags],
-        ["eval", str(out), "--set", f"data.eval_path={prompts_jsonl[1]}"],
+        ["eval", str(out)],
+        ["eval", str(out / "checkpoints" / "step_00000002")],
     ):
         res = subprocess.run(
             [*isolated, sys.executable, "-m", "plait", *args], env=env, capture_output=True, text=True, timeout=600
         )
         assert res.returncode == 0, (args[0], res.stderr[-3000:])
+        scores += [line for line in res.stdout.splitlines() if line.startswith(f"{metric}: ")]
     assert not log.exists(), log.read_text()
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    after = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
+    assert scores == [
+        f"{metric}: {after[metric]:.3f} on {after['n']} prompts ({where})"
+        for where in (out, out / "checkpoints" / "step_00000002" / "model")
+    ]
 
 
 @pytest.mark.skipif(not (default_model_dir() / "config.json").is_file(), reason="run `plait prepare-model` first")
