@@ -97,13 +97,6 @@ def _thirds(values: list[float]) -> tuple[float, float]:
     return sum(values[:n]) / n, sum(values[-n:]) / n
 
 
-def _start_and_end(values: list[float]) -> tuple[float, float]:
-    """The first tenth's mean (at least 2 rounds) and the last third's: a collapse within the
-    first third (entropy often falls in the first few rounds) hides in the first third's mean."""
-    k, n = max(2, len(values) // 10), max(1, len(values) // 3)
-    return sum(values[:k]) / k, sum(values[-n:]) / n
-
-
 def _entropy_knobs(history: list[dict], lower_lr: str) -> str:
     """Clip-higher lets low-probability tokens grow, but only where the ratio is clipped at all:
     a run whose every update starts on-policy (one update a round) never clips, and the knob
@@ -130,12 +123,12 @@ def converged(history: list[dict]) -> bool:
 def _entropy_note(first: float, last: float, lr: str, history: list[dict]) -> str:
     if converged(history):
         return (
-            f"entropy fell ({first:.3f} -> {last:.3f}, first rounds vs last third) as the reward rose to its best and "
+            f"entropy fell ({first:.3f} -> {last:.3f}, first vs last third) as the reward rose to its best and "
             "stayed there: the policy converged on what earns it. More rounds teach it little (stop, or harder "
             "data); if the held-out score did not rise with it, the reward pays for something else"
         )
     return (
-        f"entropy collapsed ({first:.3f} -> {last:.3f}, first rounds vs last third): the policy is "
+        f"entropy collapsed ({first:.3f} -> {last:.3f}, first vs last third): the policy is "
         f"settling on few answers. Try {_entropy_knobs(history, lr)}"
     )
 
@@ -155,8 +148,7 @@ def _all_equal_note(first: float, last: float, lr: str, history: list[dict]) -> 
     )
 
 
-# (metric, fires(first third's mean, last third's), the note(first, last, "a lower learning rate", history));
-# entropy's "first" is the run's start (_start_and_end), where the others compare thirds
+# (metric, fires(first third's mean, last third's), the note(first, last, "a lower learning rate", history))
 TRENDS = (
     ("entropy", lambda first, last: first > 0 and last < 0.2 * first, _entropy_note),
     ("groups/all_equal", lambda first, last: last >= 0.8 and last > first, _all_equal_note),
@@ -224,9 +216,8 @@ def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None
     notes += takeover_notes(history, cfg)
     for key, fires, note in TRENDS:
         values = [m[key] for m in history if m.get(key) is not None]
-        ends = (_start_and_end if key == "entropy" else _thirds)(values)
-        if len(values) >= MIN_ROUNDS and fires(*ends):
-            notes.append(note(*ends, lower_lr, history))
+        if len(values) >= MIN_ROUNDS and fires(*_thirds(values)):
+            notes.append(note(*_thirds(values), lower_lr, history))
     return notes
 
 

@@ -108,17 +108,19 @@ def test_a_recorded_collapse_from_a_too_high_learning_rate_is_sent_to_a_lower_on
     assert not any("cut at" in n for n in health_notes(fine, [], CFG, "accuracy"))
 
 
-def test_an_entropy_collapse_in_the_first_rounds_is_told():
-    """A real one: configs/reasoning-gym-sums.yaml at seed 2 with algo.scale_rewards=batch (AMD
-    EPYC Zen 4, 2026-11-28) fell from entropy 0.57 to 0.04 by round 7 and ended +18 points where
-    other seeds gained 46. Its first third's mean (0.16) already holds the collapse, so against
-    the last third (0.05) it looked mild; against the run's start it is the collapse it was."""
+def test_the_demo_that_learned_gets_no_learning_note():
+    """The demo at seed 0 (make demo from a fresh clone, AMD EPYC Zen 4, 2026-11-28): 0.04 -> 0.45
+    held-out, its entropy down from 0.6 to under 0.1 by round 4, as a policy that adds sums right
+    should be. A rule that measured entropy from the run's first rounds told it "entropy collapsed
+    ... try an entropy bonus"; the thirds' means do not. (reasoning-gym-sums at seed 2 with
+    scale_rewards=batch fell the same way and ended at +18: the entropy curve alone can't tell
+    the two apart, docs/environments.md.)"""
     import json
 
-    history = [json.loads(line) for line in (DATA / "early-entropy-collapse-metrics.jsonl").read_text().splitlines()]
-    text = "\n".join(health_notes(history, [], CFG, "accuracy"))
-    assert "entropy collapsed (0.335 -> 0.053, first rounds vs last third)" in text, text
-    assert "not clip-higher: no token was clipped" in text
+    history = [json.loads(line) for line in (DATA / "demo-seed0-zen4-metrics.jsonl").read_text().splitlines()]
+    cfg = load_config(None, [])
+    evals = [{"step": 0, "boxed_accuracy": 0.04}, {"step": 20, "boxed_accuracy": 0.45}]
+    assert health_notes(history, evals, cfg, "boxed_accuracy") == []
 
 
 def test_no_takeover_note_when_both_rewards_rise():
