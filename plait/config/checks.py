@@ -416,6 +416,40 @@ def check_rewards(cfg: Config, env: Env) -> list[str]:
     return out
 
 
+def reward_parameter_problems(cfg: Config) -> list[str]:
+    """Rewards (and the eval metric) with a parameter that no column of the data fills: found
+    from the training file's rows before the model loads, where they would fail at the first
+    scoring. Only for data read from a file, with no environments or user rollout loop (those
+    add columns of their own)."""
+    from plait.data import data_columns
+    from plait.rewards import resolve_reward
+    from plait.rewards.runner import PASSED_ALWAYS, unfilled_parameters
+
+    if cfg.environments or cfg.rollout.rollout_func or cfg.rollout.agent:
+        return []
+    columns = data_columns(cfg.data)
+    if columns is None:
+        return []
+    out = []
+    specs = [(s.name, s.kwargs or {}, "rewards") for s in cfg.rewards]
+    if cfg.eval.before or cfg.eval.after or cfg.eval.every_steps:
+        specs.append((cfg.eval.metric, {}, "eval.metric"))
+    for name, own, where in specs:
+        try:
+            fn = resolve_reward(name)
+        except KeyError:
+            continue  # check_rewards names it
+        passed = {*columns, *PASSED_ALWAYS, *own} - ({"trainer_state"} if where == "eval.metric" else set())
+        missing = unfilled_parameters(fn, passed)
+        if missing:
+            out.append(
+                f"{where}: '{name}' takes {', '.join(map(repr, missing))}, which no column of data.path has (its "
+                f"columns: {', '.join(sorted(columns)) or 'none'}; plait also passes completions, "
+                f"{', '.join(PASSED_ALWAYS)}): rename the parameter, give it a default, or add the column"
+            )
+    return out
+
+
 def _user_loop_problems(key: str, spec: str, beside: bool) -> list[str]:
     """`key` (rollout.rollout_func, rollout.agent.function): a function that imports, and no
     other loop `beside` it."""

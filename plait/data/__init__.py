@@ -24,6 +24,7 @@ __all__ = [
     "source_problem",
     "data_problems",
     "data_warnings",
+    "data_columns",
 ]
 
 
@@ -173,6 +174,24 @@ def data_warnings(data_cfg, limit: int = 1000) -> list[str]:
         if note:
             out.append(f"{name}: {note}")
     return out
+
+
+def data_columns(data_cfg, limit: int = 1000) -> set[str] | None:
+    """The columns rewards get from the training file's rows (every field but the prompt's, in
+    the first `limit` rows), or None where the rows are not a file plait can read here (a built-in
+    task; an unreadable file, which data_problems names)."""
+    path = data_cfg.path
+    if data_cfg.task is not None or path is None or source_problem(path, data_cfg.format):
+        return None
+    try:
+        if _infer_format(Path(path), data_cfg.format) == "jsonl":
+            rows = _scan_jsonl(Path(path), limit)[0]
+        else:
+            rows = read_file(path, data_cfg.format, data_cfg.split)[:limit]
+    except (DataError, OSError, ValueError):
+        return None
+    key = data_cfg.messages_field or data_cfg.prompt_field
+    return {k for r in rows for k in r} - {key, SYSTEM_COLUMN, SHOTS_COLUMN}
 
 
 def prompt_problem(value, key: str) -> str | None:

@@ -220,14 +220,10 @@ def keywords_for(fn, columns: dict, own: dict) -> dict:
     or only those it names, so `def f(completions, answer)` works too. A parameter without a
     default that nobody passes is named, with what plait does pass."""
     passed = {**columns, **own}
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # a C callable: no signature to read
+    named = _named_parameters(fn)
+    if named is None:  # **kwargs, or no signature to read: everything
         return passed
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return passed
-    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    missing = [p.name for p in named if p.default is p.empty and p.name not in passed and p.name != "completions"]
+    missing = unfilled_parameters(fn, passed)
     if missing:
         raise TypeError(
             f"it takes {', '.join(map(repr, missing))}, which is not passed: plait passes completions, "
@@ -236,6 +232,29 @@ def keywords_for(fn, columns: dict, own: dict) -> dict:
         )
     names = {p.name for p in named}
     return {**{k: v for k, v in columns.items() if k in names}, **own}
+
+
+def _named_parameters(fn) -> list[inspect.Parameter] | None:
+    """`fn`'s parameters that take a keyword; None when it has **kwargs (it takes any) or no
+    signature to read (a C callable)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def unfilled_parameters(fn, passed) -> list[str]:
+    """`fn`'s parameters without a default that none of the keywords `passed` (and
+    `completions`) fills."""
+    named = _named_parameters(fn) or []
+    return [p.name for p in named if p.default is p.empty and p.name not in passed and p.name != "completions"]
+
+
+# what every reward call passes beside the data's columns (the eval metric's has no trainer_state)
+PASSED_ALWAYS = ("prompts", "completion_ids", "answer", "trainer_state")
 
 
 def untaken_keywords(fn, names) -> list[str]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from plait import comm
 from plait.checkpoint import save_checkpoint, wait_for_saves
 from plait.config import Config, ConfigError, resolve_backend, validate
+from plait.config.checks import reward_parameter_problems
 from plait.data import data_problems
 from plait.envs import EnvironmentFailed, agent_error_problem, error_share_problem
 from plait.evaluate import evaluate
@@ -69,7 +70,7 @@ class RoundResult:
 def train(cfg: Config, console: str | None = None) -> TrainResult:
     """Run GRPO. Every training process (one, or N under torchrun or Ray) runs this same function."""
     plan = validate(cfg)  # every config problem, before anything heavy loads
-    problems = data_problems(cfg.data)  # and the data's, before a run directory exists
+    problems = data_problems(cfg.data) + reward_parameter_problems(cfg)  # the data's, before a run directory exists
     if problems:
         raise ConfigError(problems)
     backend = make_backend(resolve_backend(cfg, plan.training_processes), cfg, resolve_device(cfg.train.device))

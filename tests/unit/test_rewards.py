@@ -169,7 +169,7 @@ def test_a_reward_without_kwargs_gets_the_columns_it_names_and_a_missing_one_is_
         score_groups(_groups(), [BoundReward("wants", wants_solution)])
 
 
-def test_check_names_config_kwargs_a_reward_does_not_take(tmp_path, monkeypatch, capsys):
+def test_check_names_reward_parameters_and_kwargs_that_do_not_match(tmp_path, monkeypatch, capsys):
     from plait.cli import main
 
     source = "def f(completions, answer, scale=1.0):\n    return [scale] * len(completions)\n"
@@ -179,6 +179,15 @@ def test_check_names_config_kwargs_a_reward_does_not_take(tmp_path, monkeypatch,
     assert main([*base, "--set", "rewards=[{name: my_rewards:f, kwargs: {scale: 2.0}}]"]) == 0
     assert main([*base, "--set", "rewards=[{name: my_rewards:f, kwargs: {scael: 2.0}}]"]) == 2
     assert "'my_rewards:f' takes no parameter 'scael' (its kwargs in the config)" in capsys.readouterr().err
+
+    # a parameter no column of the data fills: named by `plait check`, before any model loads
+    (tmp_path / "more.py").write_text("def g(completions, solution):\n    return [0.0] * len(completions)\n")
+    (tmp_path / "train.jsonl").write_text('{"q": "What is 1 + 1?", "answer": "2", "level": 1}\n')
+    data = ["--set", "data.path=train.jsonl", "--set", "data.prompt_field=q", "--set", "eval.after=false"]
+    assert main([*base, *data, "--set", "rewards=[{name: more:g}]"]) == 2
+    err = capsys.readouterr().err
+    assert "rewards: 'more:g' takes 'solution', which no column of data.path has (its columns: answer, level;" in err
+    assert main([*base, *data, "--set", "rewards=[{name: more:g, kwargs: {solution: x}}]"]) == 0  # its own kwarg
 
 
 def test_resolve_reward():
