@@ -530,7 +530,9 @@ def cmd_eval(args) -> int:
 def _run_config(path: Path) -> str | None:
     """The config a run directory (or one of its checkpoints) was trained with, said on stderr:
     `plait eval` of a run then scores the run's own held-out data, not the built-in task's."""
-    run = path.parent.parent if (path / "trainer_state.json").is_file() else path  # a checkpoint's run
+    from plait.checkpoint import checkpoint_run
+
+    run = checkpoint_run(path) or path  # a checkpoint's run, or a run directory
     if not ((run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file()):
         return None
     print(f"plait eval: the run's own config, {run / 'config.yaml'} (give a config for other data)", file=sys.stderr)

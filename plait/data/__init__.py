@@ -110,6 +110,14 @@ def _scan_jsonl(path: Path, limit: int) -> tuple[list[dict], list[str]]:
     return rows, bad
 
 
+def _first_rows(path: str, data_cfg, limit: int) -> tuple[list[dict], list[str]]:
+    """The first `limit` rows of a data file and its bad lines among them (JSONL is scanned
+    line by line; other formats are read whole). Raises what read_file raises."""
+    if _infer_format(Path(path), data_cfg.format) == "jsonl":
+        return _scan_jsonl(Path(path), limit)
+    return read_file(path, data_cfg.format, data_cfg.split)[:limit], []
+
+
 def data_problems(data_cfg, limit: int = 1000) -> list[str]:
     """What `plait check` finds in the data files without loading a model: unreadable or empty
     files, bad lines, rows without the prompt (or messages) field, malformed chat messages, in
@@ -122,10 +130,7 @@ def data_problems(data_cfg, limit: int = 1000) -> list[str]:
         if path is None or source_problem(path, data_cfg.format):
             continue  # the config checks already said why
         try:
-            if _infer_format(Path(path), data_cfg.format) == "jsonl":
-                rows, bad = _scan_jsonl(Path(path), limit)
-            else:
-                rows, bad = read_file(path, data_cfg.format, data_cfg.split)[:limit], []
+            rows, bad = _first_rows(path, data_cfg, limit)
         except (DataError, OSError, ValueError) as err:
             out.append(f"{name}: {err}")
             continue
@@ -166,8 +171,7 @@ def data_warnings(data_cfg, limit: int = 1000) -> list[str]:
         if path is None or source_problem(path, data_cfg.format):
             continue
         try:
-            rows = _scan_jsonl(Path(path), limit)[0] if _infer_format(Path(path), data_cfg.format) == "jsonl" else None
-            rows = read_file(path, data_cfg.format, data_cfg.split)[:limit] if rows is None else rows
+            rows = _first_rows(path, data_cfg, limit)[0]
         except (DataError, OSError, ValueError):
             continue  # data_problems names it
         note = missing_answers(rows, data_cfg.answer_field)
@@ -184,10 +188,7 @@ def data_columns(data_cfg, limit: int = 1000) -> set[str] | None:
     if data_cfg.task is not None or path is None or source_problem(path, data_cfg.format):
         return None
     try:
-        if _infer_format(Path(path), data_cfg.format) == "jsonl":
-            rows = _scan_jsonl(Path(path), limit)[0]
-        else:
-            rows = read_file(path, data_cfg.format, data_cfg.split)[:limit]
+        rows = _first_rows(path, data_cfg, limit)[0]
     except (DataError, OSError, ValueError):
         return None
     key = data_cfg.messages_field or data_cfg.prompt_field

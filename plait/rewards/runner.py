@@ -223,7 +223,7 @@ def keywords_for(fn, columns: dict, own: dict) -> dict:
     named = _named_parameters(fn)
     if named is None:  # **kwargs, or no signature to read: everything
         return passed
-    missing = unfilled_parameters(fn, passed)
+    missing = _unfilled(named, passed)
     if missing:
         raise TypeError(
             f"it takes {', '.join(map(repr, missing))}, which is not passed: plait passes completions, "
@@ -249,7 +249,10 @@ def _named_parameters(fn) -> list[inspect.Parameter] | None:
 def unfilled_parameters(fn, passed) -> list[str]:
     """`fn`'s parameters without a default that none of the keywords `passed` (and
     `completions`) fills."""
-    named = _named_parameters(fn) or []
+    return _unfilled(_named_parameters(fn) or [], passed)
+
+
+def _unfilled(named: list[inspect.Parameter], passed) -> list[str]:
     return [p.name for p in named if p.default is p.empty and p.name not in passed and p.name != "completions"]
 
 
@@ -260,13 +263,10 @@ PASSED_ALWAYS = ("prompts", "completion_ids", "answer", "trainer_state")
 def untaken_keywords(fn, names) -> list[str]:
     """Of `names` (a reward's config kwargs), those `fn` takes no parameter for (none when it
     has **kwargs, or no signature to read)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
+    named = _named_parameters(fn)
+    if named is None:
         return []
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return []
-    return [n for n in names if n not in {p.name for p in params if p.kind is not p.VAR_POSITIONAL}]
+    return [n for n in names if n not in {p.name for p in named}]
 
 
 def call_reward(reward: BoundReward, inputs: RewardInputs) -> list[float | None]:
