@@ -9,7 +9,8 @@ Every row an environment makes carries two columns beside its prompt and answer:
 The built-in reward `environment` scores a completion with its environment's own verifier.
 An environment that fails while scoring (raises) is an infrastructure error, not a wrong
 answer: the completion's reward is None, so it is left out of the advantages' statistics and
-trains on nothing, and the round counts it under `env/<label>/errors`.
+trains on nothing, and the round counts it under `env/<label>/errors`. (A verifier that cannot
+read an answer but scores its own reference answer is the answer's fault: reasoning_gym.py.)
 """
 
 from __future__ import annotations

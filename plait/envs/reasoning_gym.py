@@ -161,9 +161,33 @@ def extract_answer(text: str, answer_format: str) -> str | None:
 
 def score_answer(source: dict, answer: str) -> float:
     """The dataset's own verdict on `answer` for the row's problem, rebuilt here. Raises when
-    the environment itself fails: that is an infrastructure error, not a score."""
+    the environment itself fails: that is an infrastructure error, not a score. The one
+    exception: a ValueError (what parsing a malformed value raises: prime_factorization's int()
+    of a factor that is not a number) from a verifier that scores the problem's own reference
+    answer: the answer could not be read as one, so it scores 0."""
     ds = dataset(source)
-    return float(ds.score_answer(answer=answer, entry=ds[source["index"]]))
+    entry = ds[source["index"]]
+    try:
+        return float(ds.score_answer(answer=answer, entry=entry))
+    except ValueError:
+        if not _scores_its_own_answer(json.dumps(source, sort_keys=True)):
+            raise
+        return 0.0
+
+
+@functools.lru_cache(maxsize=4096)
+def _scores_its_own_answer(source_json: str) -> bool:
+    """Whether the verifier scores the problem's reference answer, as the answer format carries
+    it, without raising."""
+    source = json.loads(source_json)
+    ds = dataset(source)
+    entry = ds[source["index"]]
+    fmt = source["answer_format"]
+    try:
+        ds.score_answer(answer=extract_answer(_answered(entry["answer"], fmt), fmt), entry=entry)
+    except Exception:
+        return False
+    return True
 
 
 def problems(spec, label: str, seed: int, train_size: int, evaluating: bool) -> list[str]:

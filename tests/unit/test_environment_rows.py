@@ -85,6 +85,21 @@ def test_a_failing_environment_is_an_infrastructure_error_not_a_score(caplog):
     assert (m["env/b/errors"], m["env/b/score_mean"]) == (0.0, 0.0)
 
 
+def test_an_answer_that_breaks_the_verifier_scores_zero_where_the_verifier_scores_its_own_answer():
+    """prime_factorization's verifier calls int() on each factor: an answer that is not a product
+    of numbers raises there. It scores the problem's reference answer, so the answer, not the
+    environment, is at fault: 0, not an infrastructure error."""
+    spec = "{type: reasoning_gym, dataset: prime_factorization, size: 2, answer_format: boxed}"
+    row = environment_rows(config(spec).environments, "train", 0, None)[0]
+    texts = [f"\\boxed{{{row['answer']}}}", "\\boxed{2 x 3}", "\\boxed{I don't know}", "no idea"]
+    from plait.envs.reasoning_gym import dataset
+
+    ds = dataset(row["env_source"])
+    with pytest.raises(ValueError):  # the verifier itself raises on such an answer
+        ds.score_answer(answer="I don't know", entry=ds[row["env_source"]["index"]])
+    assert environment(texts, [row["env_source"]] * 4, unformatted_credit=0.5) == [1.0, 0.0, 0.0, 0.0]
+
+
 def test_environments_replace_the_task_and_bring_their_reward_and_metric():
     cfg = config(ARITH + "}")
     assert cfg.data.task is None and [r.name for r in cfg.rewards] == ["environment"]
