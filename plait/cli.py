@@ -503,7 +503,9 @@ def cmd_eval(args) -> int:
     tok = load_tokenizer(args.model)
     tools = Tools.from_config(cfg, tok)  # evaluate the policy as it was trained: with its tools
     rows = load_rows(cfg.data, "eval", cfg.seed, cfg.environments)
-    prompts = build_prompts(rows, tok, cfg.data, tools=tools.schemas, envs=tools.envs, tool_role=tool_role(cfg))
+    prompts = build_prompts(
+        rows, tok, cfg.data, tools=tools.schemas, envs=tools.envs, tool_role=tool_role(cfg), split="eval"
+    )
     tools.check(prompts)
     from plait.train.backends import resolve_device
 

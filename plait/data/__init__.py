@@ -286,12 +286,14 @@ def build_prompts(
     tools: list[dict] | None = None,
     envs=None,
     tool_role: str = "tool",
+    split: str = "train",
 ) -> list[Prompt]:
     """Map fields, apply the chat template (describing `tools`, JSON schemas, to the model where
     the template can), and drop (or reject) prompts that are too long. With `envs` (trl_env
     entries, plait/tools/environments.py) each row's environment adds its reset observation to the
-    prompt and describes its own tools. `tool_role`: the role of a worked example's tool output."""
-    prompts, too_long, answered = [], [], []
+    prompt and describes its own tools. `tool_role`: the role of a worked example's tool output.
+    `split` ("train" or "eval") only words the messages."""
+    prompts, too_long, answered, longest = [], [], [], 0
     key = data_cfg.messages_field or data_cfg.prompt_field
     shots = example_turns(data_cfg, tool_role)
     asked = {t["content"] for t in shots if t["role"] == "user"}
@@ -338,24 +340,28 @@ def build_prompts(
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > data_cfg.max_prompt_length:
             too_long.append(i)
+            longest = max(longest, len(ids))
             continue
         answer = row.get(data_cfg.answer_field) if data_cfg.answer_field else None
         reference = None if answer is None else str(answer)
         prompts.append(Prompt(i, text, ids, reference, columns, source, messages if templated else None, observation))
+    which = "held-out " if split == "eval" else ""
+    fix = f"raise data.max_prompt_length (the longest is {longest} tokens)"
     if too_long:
         msg = (
-            f"{len(too_long)} of {len(rows)} prompts are longer than data.max_prompt_length="
+            f"{len(too_long)} of {len(rows)} {which}prompts are longer than data.max_prompt_length="
             f"{data_cfg.max_prompt_length} tokens (first: row {too_long[0]})"
         )
         if data_cfg.overlong_prompts == "error":
-            raise DataError(msg + "; raise the limit or set data.overlong_prompts=drop")
+            raise DataError(f"{msg}; {fix}, or set data.overlong_prompts=drop")
         lost = _environments_lost(rows, too_long)
         if lost:
+            doing = "be evaluated" if split == "eval" else "train"
             raise DataError(
                 f"{msg}: every prompt of environment(s) {', '.join(lost)} (worked examples and system prompt "
-                "included), so they would not train at all; raise data.max_prompt_length"
+                f"included), so they would not {doing} at all; {fix}"
             )
-        log(f"dropped {msg}")
+        log(f"dropped {msg}; to keep them, {fix}")
     if answered:
         log(
             f"{len(answered)} of {len(rows)} prompts are also data.examples (first: row {answered[0]}): their answer "
@@ -365,15 +371,14 @@ def build_prompts(
     if note:
         log(note)
     if not prompts:
-        raise DataError("no prompts left to train on")
+        left = "no held-out prompts left to evaluate on" if split == "eval" else "no prompts left to train on"
+        raise DataError(left + (f": all {len(rows)} were too long; {fix}" if too_long else ""))
     return prompts
 
 
 def _environments_lost(rows: list[dict], dropped: list[int]) -> list[str]:
-    """The environments of a mixture whose every row was dropped."""
+    """The environments whose every row was dropped."""
     labels = {r.get("environment") for r in rows} - {None}
-    if len(labels) < 2:  # one source: "no prompts left" says it
-        return []
     gone = set(dropped)
     kept = {r.get("environment") for i, r in enumerate(rows) if i not in gone}
     return sorted(labels - kept)

@@ -213,7 +213,14 @@ def build_run(
     def prompts_of(split: str):
         rows = load_rows(cfg.data, split, cfg.seed, cfg.environments)
         return build_prompts(
-            rows, tokenizer, cfg.data, log=say, tools=tools.schemas, envs=tools.envs, tool_role=tool_role(cfg)
+            rows,
+            tokenizer,
+            cfg.data,
+            log=say,
+            tools=tools.schemas,
+            envs=tools.envs,
+            tool_role=tool_role(cfg),
+            split=split,
         )
 
     prompts = prompts_of("train")

@@ -265,3 +265,14 @@ def test_an_environment_whose_every_prompt_is_too_long_stops_the_run_before_trai
     cut = sorted(lengths["leg_counting"])[1]
     cfg = config(ARITH + ", size: 4}", long, extra=[f"data.max_prompt_length={cut}"])
     assert len(build_prompts(rows, tok, cfg.data, log=said.append)) < 8 and "prompts are longer than" in said[0]
+    longest = max(lengths["leg_counting"])
+    assert f"to keep them, raise data.max_prompt_length (the longest is {longest} tokens)" in said[0]
+    # one environment alone: named too, with the length that fits; held-out prompts are called so
+    cfg = config(long, extra=[f"data.max_prompt_length={limit}"])
+    alone = load_rows(cfg.data, "train", 0, cfg.environments)
+    for split, doing in (("train", "train"), ("eval", "be evaluated")):
+        with pytest.raises(DataError) as err:
+            build_prompts(alone, tok, cfg.data, log=None, split=split)
+        assert "every prompt of environment(s) leg_counting (" in str(err.value)
+        assert f"would not {doing} at all" in str(err.value) and "the longest is " in str(err.value)
+        assert ("held-out prompts are longer" in str(err.value)) == (split == "eval")
