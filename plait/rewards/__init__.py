@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import traceback
 from typing import Callable
 
 from plait import imports
@@ -74,6 +75,8 @@ def resolve_reward(name: str) -> RewardFn:
             else "modules are found on PYTHONPATH and in the current directory; or give a .py file's path"
         )
         raise KeyError(f"reward '{name}' could not be imported: {err} ({where})") from None
+    except Exception as err:  # the file itself fails: a syntax error, or its top-level code raises
+        raise KeyError(f"reward '{name}': importing {module} failed: {_where_it_failed(err)}") from None
     if inspect.isclass(fn):
         try:
             fn = fn()
@@ -84,6 +87,16 @@ def resolve_reward(name: str) -> RewardFn:
     if not callable(fn):
         raise KeyError(f"reward '{name}' is not callable")
     return fn
+
+
+def _where_it_failed(err: Exception) -> str:
+    """The error with the user's file and line (a syntax error's own, else the innermost frame
+    outside plait), so the message points at what to fix."""
+    if isinstance(err, SyntaxError):
+        return f"{type(err).__name__}: {err.msg} ({err.filename}, line {err.lineno})"
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if "importlib" not in f.filename]
+    where = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+    return f"{type(err).__name__}: {err}{where}"
 
 
 def uses_sandbox(cfg) -> bool:

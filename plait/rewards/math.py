@@ -37,6 +37,7 @@ def _equal(gold: str | None, text: str) -> float:
     """
     if gold is None or not text.strip():
         return 0.0
+    gold = str(gold)  # a JSON file's number (19) is the answer "19"
     timeouts = {} if _in_main_thread() else {"parsing_timeout": None}
     try:
         # a bare gold answer ("81", "\\frac12") parses reliably once boxed

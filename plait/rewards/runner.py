@@ -23,13 +23,13 @@ threads of the trainer.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import logging
 import math
+import threading
 import time
 import types
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -220,9 +220,10 @@ def keywords_for(fn, columns: dict, own: dict) -> dict:
     or only those it names, so `def f(completions, answer)` works too. A parameter without a
     default that nobody passes is named, with what plait does pass."""
     passed = {**columns, **own}
-    named = _named_parameters(fn)
-    if named is None:  # **kwargs, or no signature to read: everything
+    signature = _parameters(fn)
+    if signature is None:  # no signature to read: everything
         return passed
+    named, takes_any = signature
     missing = _unfilled(named, passed)
     if missing:
         raise TypeError(
@@ -230,26 +231,35 @@ def keywords_for(fn, columns: dict, own: dict) -> dict:
             f"{', '.join(sorted(passed))} (each data column by its own name); rename the parameter, give it a "
             "default, or add the column to the data"
         )
+    if takes_any:  # **kwargs (TRL's convention): everything
+        return passed
     names = {p.name for p in named}
     return {**{k: v for k, v in columns.items() if k in names}, **own}
 
 
-def _named_parameters(fn) -> list[inspect.Parameter] | None:
-    """`fn`'s parameters that take a keyword; None when it has **kwargs (it takes any) or no
-    signature to read (a C callable)."""
+def _parameters(fn) -> tuple[list[inspect.Parameter], bool] | None:
+    """`fn`'s parameters that take a keyword, and whether it has **kwargs too; None when it has
+    no signature to read (a C callable)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return None
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return named, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _named_parameters(fn) -> list[inspect.Parameter] | None:
+    """`fn`'s parameters that take a keyword; None when it has **kwargs (it takes any) or no
+    signature to read."""
+    signature = _parameters(fn)
+    return None if signature is None or signature[1] else signature[0]
 
 
 def unfilled_parameters(fn, passed) -> list[str]:
     """`fn`'s parameters without a default that none of the keywords `passed` (and
-    `completions`) fills."""
-    return _unfilled(_named_parameters(fn) or [], passed)
+    `completions`) fills, whether or not it also takes **kwargs."""
+    signature = _parameters(fn)
+    return _unfilled(signature[0], passed) if signature else []
 
 
 def _unfilled(named: list[inspect.Parameter], passed) -> list[str]:
@@ -282,11 +292,13 @@ def _timed_call(reward: BoundReward, inputs: RewardInputs) -> tuple[list[float |
     where = f"(on a batch of {len(texts)} completions; the first was {first}{_null_columns(inputs)})"
     t0 = time.perf_counter()
     try:
-        kwargs = keywords_for(reward.fn, inputs.kwargs, {**reward.kwargs, **extra})
         if reward.process is not None:  # (its worker's function is the same as reward.fn)
+            kwargs = keywords_for(reward.fn, inputs.kwargs, {**reward.kwargs, **extra})
             values = reward.process.call(inputs.completions_for(reward), kwargs)
-        else:
-            values = reward.fn(completions=inputs.completions_for(reward), **kwargs)
+        else:  # its own copies: a reward that edits its inputs changes nothing the next one reads
+            columns = {k: copy.deepcopy(v) if isinstance(v, list) else v for k, v in inputs.kwargs.items()}
+            kwargs = keywords_for(reward.fn, columns, {**reward.kwargs, **extra})
+            values = reward.fn(completions=copy.deepcopy(inputs.completions_for(reward)), **kwargs)
         if inspect.isawaitable(values):  # an async reward: run it to completion on this thread
             values = asyncio.run(_awaited(values))
     except RewardCallFailed as err:
@@ -387,29 +399,49 @@ def _call_in_parallel(
     rewards: list[BoundReward], inputs: RewardInputs, report: RewardReport
 ) -> dict[str, list[float | None]]:
     texts = inputs.texts
-    pool = ThreadPoolExecutor(max_workers=len(rewards), thread_name_prefix="plait-reward")
-    try:
-        t0 = time.perf_counter()
-        futures = {r.name: pool.submit(_timed_call, r, inputs) for r in rewards}
-        out = {}
-        for r in rewards:
-            try:
-                out[r.name], report.seconds[r.name] = futures[r.name].result(timeout=r.timeout_s)
-            except FutureTimeout:
-                if r.process is not None:
-                    r.process.kill()  # its thread sees the end and returns; the next call restarts it
-                report.timeouts[r.name] = report.timeouts.get(r.name, 0) + 1
-                report.seconds[r.name] = time.perf_counter() - t0
-                log.warning(
-                    "reward '%s' took longer than %ss on %d completions: scored None (excluded) this step",
-                    r.name,
-                    r.timeout_s,
-                    len(texts),
-                )
-                out[r.name] = [None] * len(texts)
-        return out
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    t0 = time.perf_counter()
+    calls = {r.name: _OnThread(_timed_call, r, inputs) for r in rewards}
+    out = {}
+    for r in rewards:
+        try:
+            out[r.name], report.seconds[r.name] = calls[r.name].result(timeout=r.timeout_s)
+        except TimeoutError:
+            if r.process is not None:
+                r.process.kill()  # its thread sees the end and returns; the next call restarts it
+            report.timeouts[r.name] = report.timeouts.get(r.name, 0) + 1
+            report.seconds[r.name] = time.perf_counter() - t0
+            log.warning(
+                "reward '%s' took longer than %ss on %d completions: scored None (excluded) this step",
+                r.name,
+                r.timeout_s,
+                len(texts),
+            )
+            out[r.name] = [None] * len(texts)
+    return out
+
+
+class _OnThread:
+    """fn(*args) on a daemon thread of its own. Not a pool's: Python joins a pool's threads
+    when it exits, so a reward stuck past its timeout would keep the finished run from ending."""
+
+    def __init__(self, fn, *args):
+        self.value, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(fn, *args), name="plait-reward", daemon=True)
+        self.thread.start()
+
+    def _run(self, fn, *args) -> None:
+        try:
+            self.value = fn(*args)
+        except BaseException as err:  # handed to the caller, raised there
+            self.error = err
+
+    def result(self, timeout: float | None):
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise TimeoutError
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 def environment_failures(groups: list[Group], per_reward: dict[str, list], columns: dict) -> list[bool]:

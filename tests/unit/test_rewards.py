@@ -23,6 +23,12 @@ def test_accuracy_edge_cases():
     assert got == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
 
 
+def test_a_number_as_the_reference_answer_is_read_as_its_text():
+    """A JSON file's `"answer": 19` reaches the rewards as the int 19."""
+    assert accuracy(["\\boxed{19}", "19", "\\boxed{18}"], answer=[19, 19, 19]) == [1.0, 1.0, 0.0]
+    assert boxed_accuracy(["\\boxed{2.5}"], answer=[2.5]) == [1.0]
+
+
 def test_an_unevaluated_expression_is_not_a_numeric_answer():
     """Seen in a real run: the policy learned to answer 'What is 4 + 9?' with \\boxed{4 + 9},
     which math-verify evaluates to 13. A numeric reference needs a numeric answer."""
@@ -117,6 +123,46 @@ def test_runner_scores_weights_and_passes_columns():
     assert seen == {"prompts": ["What is 1 + 1?"] * 2, "answer": ["2", "2"], "level": [1, 1], "ids": [[3], [3]]}
 
 
+def test_a_reward_that_edits_its_inputs_changes_nothing_another_reward_reads():
+    def vandal(completions, answer, **_):
+        completions[0] = "\\boxed{2}"
+        completions.append("extra")
+        answer[:] = ["3"] * len(answer)
+        return [0.0] * 2
+
+    groups = _groups()
+    score_groups(groups, [BoundReward("vandal", vandal), BoundReward("accuracy", accuracy)])
+    assert groups[0].rewards["accuracy"] == [1.0, 0.0]  # the texts and answers as generated
+    assert [c.text for c in groups[0].completions] == ["\\boxed{2}", "3"]
+
+
+def test_a_reward_stuck_past_its_timeout_does_not_keep_the_process_from_exiting(tmp_path):
+    """A reward on a thread is left to finish when it times out; the process must still end
+    once its work is done (a pool's threads are joined at exit: the run printed its last line
+    and then hung)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import asyncio, threading
+        from plait.rewards.runner import BoundReward, call_rewards, RewardInputs
+
+        async def stuck(completions, **_):
+            await asyncio.sleep(10**6)
+
+        inputs = RewardInputs(texts=["a", "b"], kwargs={})
+        out, report = call_rewards([BoundReward("stuck", stuck, timeout_s=0.2)], inputs)
+        assert out == {"stuck": [None, None]} and report.timeouts == {"stuck": 1}, (out, report)
+        print("scored", flush=True)
+        """
+    )
+    # the bound is for the hang only: the script itself needs a second or two
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "scored" in done.stdout, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     "fn, message",
     [
@@ -188,6 +234,23 @@ def test_check_names_reward_parameters_and_kwargs_that_do_not_match(tmp_path, mo
     err = capsys.readouterr().err
     assert "rewards: 'more:g' takes 'solution', which no column of data.path has (its columns: answer, level;" in err
     assert main([*base, *data, "--set", "rewards=[{name: more:g, kwargs: {solution: x}}]"]) == 0  # its own kwarg
+    # with **kwargs too (TRL's shape) a parameter it names must still be filled
+    (tmp_path / "kw.py").write_text("def h(completions, solution, **kwargs):\n    return [0.0] * len(completions)\n")
+    assert main([*base, *data, "--set", "rewards=[{name: kw:h}]"]) == 2
+    assert "rewards: 'kw:h' takes 'solution', which no column of data.path has" in capsys.readouterr().err
+
+
+def test_a_reward_file_that_fails_to_import_is_named_with_its_line(tmp_path, monkeypatch, capsys):
+    from plait.cli import main
+
+    (tmp_path / "syntax.py").write_text("def f(completions, **kw)\n    return [0.0] * len(completions)\n")
+    (tmp_path / "raises.py").write_text("KEY = open('no_such_key.txt').read()\ndef f(completions, **kw): ...\n")
+    monkeypatch.chdir(tmp_path)
+    for name, said in [("syntax", "SyntaxError: expected ':'"), ("raises", "FileNotFoundError: [Errno 2]")]:
+        assert main(["check", "--set", f"rewards=[{{name: {tmp_path / name}.py:f}}]"]) == 2
+        err = capsys.readouterr().err
+        assert f"importing {tmp_path / name}.py failed: {said}" in err and f"{name}.py, line 1)" in err, err
+        assert "Traceback" not in err
 
 
 def test_resolve_reward():
