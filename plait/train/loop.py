@@ -27,7 +27,7 @@ from plait.config.checks import reward_parameter_problems
 from plait.data import data_problems
 from plait.envs import EnvironmentFailed, agent_error_problem, error_share_problem
 from plait.evaluate import evaluate
-from plait.rewards.runner import BoundReward, call_rewards, reward_inputs
+from plait.rewards.runner import BoundReward, RewardError, call_rewards, reward_inputs
 from plait.rollout.hf import decoding_in
 from plait.telemetry.advice import health_notes, suggestion
 from plait.train.backends import make_backend, resolve_device
@@ -44,7 +44,7 @@ from plait.train.metrics import (
     round_rollout_metrics,
     sample_record,
 )
-from plait.train.rollouts import staleness
+from plait.train.rollouts import SyncRollouts, staleness
 from plait.train.sampling import SamplingStats
 from plait.train.setup import Run, TrainResult, open_run, trainer_state
 from plait.train.update import advantages_first, logprob_prepass, policy_update, step_advantages
@@ -101,9 +101,14 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
         if cfg.eval.before and run.start == 0:
             run.result.eval_before = run_eval(run, "before", 0)
         run.timer.reset()  # the first round's time starts here: setup and the evaluation before are no round's
-        last_save = time.monotonic()
+        last_save, saved = time.monotonic(), run.start
         for round_ in range(run.start + 1, cfg.train.max_steps + 1):
-            out = train_round(run, round_)
+            consumed = run.order.consumed
+            try:
+                out = train_round(run, round_)
+            except RewardError:
+                keep_rounds_done(run, round_ - 1, saved, consumed)
+                raise
             stopping, due = _save_due(cfg, round_, stop, last_save)
             log_round(run, round_, out)
             evaluate = cfg.eval.every_steps and round_ % cfg.eval.every_steps == 0 and round_ < cfg.train.max_steps
@@ -113,7 +118,7 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
             if due:
                 with run.timer("checkpoint"):  # async: only the copy to CPU (and waiting for the previous save)
                     save(run, round_, blocking=stopping or not cfg.checkpoint.async_save)
-                last_save = time.monotonic()
+                last_save, saved = time.monotonic(), round_
             if stopping:
                 run.sink.close()
                 raise Preempted(run.run_dir, round_, stop.requested or "a stop signal on another process")
@@ -268,6 +273,19 @@ def save(run: Run, round_: int, blocking: bool = True) -> None:
         blocking=blocking,
         rollouts=source.ahead,
     )
+
+
+def keep_rounds_done(run: Run, done: int, saved: int, consumed: int) -> None:
+    """A reward failed in round done+1, before its update: checkpoint rounds saved+1..done, so
+    that fixing the reward and resume=auto loses none of them. The data position goes back to
+    the failed round's start (`consumed`), whose prompts the resumed run draws again. Only for
+    one process generating its own rounds: another process may be waiting in a collective this
+    one will not join, and an async producer has already drawn rounds ahead."""
+    if done <= saved or comm.world_size() > 1 or not isinstance(run.rollouts, SyncRollouts):
+        return
+    run.order.consumed = consumed
+    save(run, done)
+    run.say(f"rounds {saved + 1}-{done} kept in a checkpoint: fix the reward, then resume=auto continues from there")
 
 
 def _save_due(cfg: Config, round_: int, stop: StopSignal, last_save: float) -> tuple[bool, bool]:

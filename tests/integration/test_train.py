@@ -97,10 +97,11 @@ def test_cli_train_end_to_end(tiny_model_path, prompts_jsonl, tmp_path, helper_e
     assert "eval after" in proc.stdout and "boxed_accuracy:" in proc.stdout and "round    4" in proc.stdout
 
 
-def crash_then_resume(model, data, tmp_path, *extra, reward="vowel_share"):
+def crash_then_resume(model, data, tmp_path, *extra, reward="vowel_share", save_steps=2):
     """A run of 4 steps straight, and the same run crashed in step 3 (after the checkpoint of
     step 2) then resumed with resume=auto: (straight dir, crashed dir, the resumed run's result).
-    `reward`: a plait_test_rewards function with a `{reward}_crashing` twin."""
+    `reward`: a plait_test_rewards function with a `{reward}_crashing` twin. save_steps=0: no
+    checkpoint is due, the failing reward's own keeps steps 1-2."""
     extra = (*extra, f"rewards=[{{name: 'plait_test_rewards:{reward}'}}]")
     straight = tmp_path / "straight"
     train(load_config(None, tiny_overrides(model, data, straight, *extra)))
@@ -113,7 +114,7 @@ def crash_then_resume(model, data, tmp_path, *extra, reward="vowel_share"):
             data,
             crashed,
             *extra,
-            "checkpoint.save_steps=2",
+            f"checkpoint.save_steps={save_steps}",
             # on the trainer's thread, where the CALLS set below is seen
             f"rewards=[{{name: 'plait_test_rewards:{reward}_crashing', process: false}}]",
         ),
@@ -137,6 +138,16 @@ def assert_resumed_exactly(straight, crashed) -> None:
     hashes = [[json.loads(line) for line in (d / "hashes.jsonl").read_text().splitlines()] for d in (straight, crashed)]
     by_round = [{h["round"]: h["generation"] for h in hs} for hs in hashes]
     assert sorted(by_round[0]) == [1, 2, 3, 4] and by_round[0] == by_round[1]
+
+
+def test_a_failing_reward_keeps_the_rounds_before_it_and_the_resumed_run_is_exact(
+    tiny_model_path, prompts_jsonl, tmp_path
+):
+    """No checkpoint is due (save_steps=0), and the reward raises in round 3: rounds 1-2 are
+    checkpointed on the way out, and fixing it and resuming ends as the unbroken run, bit for bit."""
+    straight, crashed, result = crash_then_resume(tiny_model_path, prompts_jsonl, tmp_path, save_steps=0)
+    assert len(result.history) == 2  # rounds 3 and 4 only
+    assert_resumed_exactly(straight, crashed)
 
 
 def test_resume_after_a_crash_is_exact(tiny_model_path, prompts_jsonl, tmp_path):
