@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
 import json
 import re
 from typing import Any
@@ -134,15 +135,26 @@ def rows(spec, label: str, split: str, seed: int, train_size: int) -> list[dict]
         entry = ds[i]
         if entry["question"] in seen:
             continue
+        where = {"type": "reasoning_gym", **source, "index": i, "answer_format": spec.answer_format}
         out.append(
             {
                 "prompt": _question(entry, spec.answer_format),
                 "answer": None if entry["answer"] is None else str(entry["answer"]),
                 "environment": label,
-                "env_source": {"type": "reasoning_gym", **source, "index": i, "answer_format": spec.answer_format},
+                "env_source": {**where, "problem": _digest(entry)},
             }
         )
     return out
+
+
+class NotRebuilt(RuntimeError):
+    """The scoring process rebuilt another problem than the row's (an infrastructure error)."""
+
+
+def _digest(entry: dict) -> str:
+    """A short fingerprint of a problem (its question and answer): the scoring process checks it
+    rebuilt the problem that was asked."""
+    return hashlib.sha256(f"{entry['question']}\0{entry['answer']}".encode()).hexdigest()[:16]
 
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -167,6 +179,11 @@ def score_answer(source: dict, answer: str) -> float:
     answer: the answer could not be read as one, so it scores 0."""
     ds = dataset(source)
     entry = ds[source["index"]]
+    if source.get("problem", _digest(entry)) != _digest(entry):
+        raise NotRebuilt(
+            f"reasoning-gym's '{source['dataset']}' built another problem for entry {source['index']} than the one "
+            "asked (its generator does not repeat itself), so the answer cannot be scored; pick another dataset"
+        )
     try:
         return float(ds.score_answer(answer=answer, entry=entry))
     except ValueError:
@@ -215,16 +232,9 @@ def problems(spec, label: str, seed: int, train_size: int, evaluating: bool) -> 
             f"environments: '{label}': '{spec.dataset}' entries have no reference answer (answer is None), so "
             "plait can't check a completion's answer offline; pick another dataset"
         ]
-    source = first["env_source"]
-    try:
-        full = score_answer(source, extract_answer(_answered(first["answer"], spec.answer_format), spec.answer_format))
-    except Exception as err:
-        return [f"environments: '{label}': scoring its own answer raised {type(err).__name__}: {err}"]
-    if full < 1.0:
-        return [
-            f"environments: '{label}': '{spec.dataset}' scores its own reference answer {full:g}, not 1, with "
-            f"answer_format={spec.answer_format}; try the other answer_format"
-        ]
+    why = _reference_problems(spec, label, seed, train_size)
+    if why:
+        return [why]
     if isinstance(spec.examples, list):
         return _example_problems(spec, label, seed, train_size) + _held_out_problems(
             spec, label, seed, train_size, evaluating
@@ -236,6 +246,34 @@ def problems(spec, label: str, seed: int, train_size: int, evaluating: bool) -> 
             "neither training nor held-out problems (a small problem space); lower its examples or its size"
         ]
     return _held_out_problems(spec, label, seed, train_size, evaluating)
+
+
+# problems whose reference answers `plait check` scores (and rebuilds, to see they repeat)
+CHECKED_PROBLEMS = 8
+
+
+def _reference_problems(spec, label: str, seed: int, train_size: int) -> str | None:
+    """The first problems, each rebuilt as the scoring process rebuilds it, must be the problem
+    asked, and give their own reference answer, in the answer format, full marks."""
+    fmt = spec.answer_format
+    for row in rows(spec, label, "train", seed, min(CHECKED_PROBLEMS, train_size)):
+        answer = extract_answer(_answered(row["answer"], fmt), fmt)
+        try:
+            full = score_answer(row["env_source"], answer if answer is not None else "")
+        except NotRebuilt as err:
+            return f"environments: '{label}': {err}"
+        except Exception as err:
+            return f"environments: '{label}': scoring its own answer raised {type(err).__name__}: {err}"
+        if full < 1.0:
+            index = row["env_source"]["index"]
+            hint = "try the other answer_format" + (
+                " (answer_tag: a box cannot hold an answer whose braces do not pair)" if fmt == "boxed" else ""
+            )
+            return (
+                f"environments: '{label}': '{spec.dataset}' scores its own reference answer to problem {index} "
+                f"({row['answer'][:80]!r}) {full:g}, not 1, with answer_format={fmt}; {hint}"
+            )
+    return None
 
 
 def _held_out_problems(spec, label: str, seed: int, train_size: int, evaluating: bool) -> list[str]:

@@ -135,6 +135,19 @@ def test_plait_check_names_each_environment_problem_and_its_fix():
         load_config(None, ["environments=[{type: verifiers}]"])
 
 
+def test_plait_check_scores_the_first_problems_answers_and_sees_each_rebuilt_as_asked():
+    # codeio's problem 5 answers '{"s": "}[}}}{(]"}': no box holds it, an <answer> tag does
+    text = _problems("environments=[{type: reasoning_gym, dataset: codeio, size: 20, answer_format: boxed}]")
+    assert "scores its own reference answer to problem 5" in text and "answer_tag: a box cannot hold" in text
+    validate(load_config(None, ["environments=[{type: reasoning_gym, dataset: codeio, size: 20}]"]), world_size=1)
+    # list_functions draws a new problem each time an entry is read: it cannot be rebuilt to score
+    text = _problems("environments=[{type: reasoning_gym, dataset: list_functions, size: 20}]")
+    assert "'list_functions' built another problem for entry 0 than the one asked" in text
+    row = environment_rows(config(ARITH + ", size: 2}").environments, "train", 0, None)[0]
+    other = {**row["env_source"], "problem": "0" * 16}  # a fingerprint the rebuilt problem does not match
+    assert environment([f"<answer>{row['answer']}</answer>"], [other]) == [None]  # an infrastructure error
+
+
 def test_unformatted_credit_scores_an_answer_outside_the_asked_format():
     row = environment_rows(config(ARITH + ", size: 2, answer_format: boxed}").environments, "train", 0, None)[0]
     source, answer = row["env_source"], row["answer"]
@@ -184,6 +197,7 @@ def test_an_environment_shows_its_own_worked_examples_before_each_of_its_prompts
     from plait.envs.reasoning_gym import BOXED_INSTRUCTION, EXAMPLE_SEED_OFFSET, dataset
 
     source = {**arith[0]["env_source"], "seed": EXAMPLE_SEED_OFFSET, "size": 8 * 2 + 32}
+    del source["problem"]  # the first row's fingerprint: these are other problems
     drawn = dataset(source)
     index = {f"{drawn[i]['question'].rstrip()}\n\n{BOXED_INSTRUCTION}": i for i in range(len(drawn))}
     for question, answer in zip(asked, [t["content"] for t in shots if t["role"] == "assistant"]):
