@@ -61,7 +61,16 @@ def apply_override(raw: dict, dotted: str) -> None:
     if "=" not in dotted:
         raise ConfigError([f"override '{dotted}' must look like section.key=value"])
     path, _, text = dotted.partition("=")
-    value = yaml.safe_load(text) if text.strip() else None
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as err:
+        what = " ".join(x for x in (getattr(err, "context", None), getattr(err, "problem", None)) if x) or str(err)
+        raise ConfigError(
+            [
+                f"override '{dotted}': the value is read as YAML and is not valid YAML ({what}); quote it as a string "
+                f"(--set '{path}=\"...\"') or fix its brackets"
+            ]
+        ) from None
     keys = path.strip().split(".")
     node: Any = raw
     for i, key in enumerate(keys[:-1]):
@@ -89,6 +98,9 @@ def _format_validation_error(err: ValidationError) -> list[str]:
         loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("function-", "literal")))
         got = e.get("input")
         shown = "" if isinstance(got, dict) else f" (got {got!r})"
+        if e["type"] == "string_type" and isinstance(got, (dict, list)):  # "a: b" or "[x]" read as YAML
+            kind = "a mapping" if isinstance(got, dict) else "a list"
+            shown = f" (the text was read as YAML, which made it {kind}: put it in quotes)"
         out.append(f"{loc}: {e['msg']}{shown}")
     return out
 
