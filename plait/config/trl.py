@@ -206,13 +206,16 @@ def convert_recipe(
         base.update(TRL_DEFAULTS["rloo"])
     out = Conversion()
     used: set[str] = set()
+    read: list[str] = []  # the keys in the order read: the last one names a value that does not convert
 
     def get(key: str, default: Any = None) -> Any:
         used.add(key)
+        read.append(key)
         return recipe.get(key, base.get(key, default))
 
     def given(key: str) -> bool:
         used.add(key)
+        read.append(key)
         return key in recipe and recipe[key] is not None
 
     def unmapped(key: str, why: str) -> None:
@@ -220,13 +223,23 @@ def convert_recipe(
         if key in recipe:
             out.unmapped.append((key, recipe[key], why))
 
-    _model(recipe, get, given, unmapped, out)
-    _data(recipe, get, given, unmapped, out)
-    rounds_per_epoch = _batch(recipe, get, given, unmapped, out, processes, dataset_rows)
-    _optimizer(recipe, get, given, unmapped, out, rounds_per_epoch)
-    (_rloo_algorithm if trainer == "rloo" else _algorithm)(recipe, get, given, unmapped, out)
-    _sampling(recipe, get, given, unmapped, out)
-    _rewards(recipe, get, given, unmapped, out)
+    try:
+        _model(recipe, get, given, unmapped, out)
+        _data(recipe, get, given, unmapped, out)
+        rounds_per_epoch = _batch(recipe, get, given, unmapped, out, processes, dataset_rows)
+        _optimizer(recipe, get, given, unmapped, out, rounds_per_epoch)
+        (_rloo_algorithm if trainer == "rloo" else _algorithm)(recipe, get, given, unmapped, out)
+        _sampling(recipe, get, given, unmapped, out)
+        _rewards(recipe, get, given, unmapped, out)
+    except (TypeError, ValueError) as err:  # a value of the wrong kind: "abc" for learning_rate
+        from plait.config.schema import ConfigError
+
+        if isinstance(err, ConfigError):
+            raise
+        key = read[-1] if read else "?"
+        raise ConfigError(
+            [f"TRL recipe: {key}: {recipe.get(key)!r} could not be read ({err}); give it as TRL's config types it"]
+        ) from None
     for key, why in NO_EFFECT.items():
         used.add(key)
         if key in recipe:

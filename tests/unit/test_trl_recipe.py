@@ -350,3 +350,15 @@ def test_each_trl_importance_sampling_mode_converts_to_the_same_weights(keys):
 def test_trl_018_had_no_engine_correction():
     conv = convert_recipe({"use_vllm": True, "max_steps": 1}, defaults="0.18")
     assert conv.config["algo"]["engine_is_correction"] is False
+
+
+def test_a_recipe_value_of_the_wrong_kind_is_named_with_its_key():
+    from plait.config import ConfigError
+
+    for recipe, said in [
+        ({"learning_rate": "abc"}, "TRL recipe: learning_rate: 'abc' could not be read"),
+        ({"max_steps": "two"}, "TRL recipe: max_steps: 'two' could not be read"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            convert_recipe(recipe)
+        assert said in str(err.value)
