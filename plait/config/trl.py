@@ -352,7 +352,9 @@ def _batch(recipe, get, given, unmapped, out: Conversion, processes: int, rows: 
     out.set("train.gradient_accumulation_steps", accum)
     out.notes.append(
         f"batch: {per_device} completions x {processes} process(es) x {accum} accumulation = {per_update} "
-        f"completions per optimizer step = {prompts} prompts x {n} generations (rollout.prompts_per_step)"
+        f"completions per optimizer step"
+        + (" = " if prompts * n == per_update else f", {prompts * n} in whole groups = ")
+        + f"{prompts} prompts x {n} generations (rollout.prompts_per_step)"
     )
     iters = int(get("num_iterations"))
     if iters != 1:

@@ -362,3 +362,9 @@ def test_a_recipe_value_of_the_wrong_kind_is_named_with_its_key():
         with pytest.raises(ConfigError) as err:
             convert_recipe(recipe)
         assert said in str(err.value)
+
+
+def test_the_batch_note_adds_up_when_the_batch_is_not_whole_groups():
+    notes = convert_recipe({"num_generations": 3, "per_device_train_batch_size": 4}).notes
+    batch = next(n for n in notes if n.startswith("batch:"))
+    assert "= 4 completions per optimizer step, 3 in whole groups = 1 prompts x 3 generations" in batch, batch
