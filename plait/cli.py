@@ -292,8 +292,17 @@ def cmd_train(args) -> int:
         overrides.append(f"output_dir={args.output_dir}")
     if args.resume is not None:
         if args.resume:  # resume RUN_DIR: reuse that run's resolved config unless one is given
-            if config is None and os.path.isfile(os.path.join(args.resume, "config.yaml")):
-                config = os.path.join(args.resume, "config.yaml")
+            run_config = os.path.join(args.resume, "config.yaml")
+            if not os.path.isfile(run_config):  # a typo must not start a fresh (demo) run there
+                what = "has no config.yaml" if os.path.isdir(args.resume) else "does not exist"
+                print(
+                    f"plait: --resume {args.resume}: that directory {what}, so it holds no run to continue; "
+                    f"check the path (a run directory holds config.yaml and checkpoints/), or start a new run "
+                    f"there with --output-dir {args.resume}",
+                    file=sys.stderr,
+                )
+                return 2
+            config = config or run_config
             overrides += [f"output_dir={args.resume}", "resume=auto"]
         else:
             overrides.append("resume=auto")

@@ -652,6 +652,39 @@ def check_model(cfg: Config, env: Env) -> list[str]:
     return out
 
 
+def check_lora_targets(cfg: Config, env: Env) -> list[str]:
+    """Each model.lora.target_modules entry names modules of the model (PEFT would refuse one that
+    matches nothing only after the weights load). The model is built on the meta device: its
+    module names, no weights."""
+    from plait.models import model_path_problem
+
+    lora = cfg.model.lora
+    if lora is None or lora.target_modules == "all-linear" or model_path_problem(cfg.model.name_or_path):
+        return []
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from plait.models import DEFAULT_MODEL, default_model_dir, resolve_model_path
+
+    folder = (
+        default_model_dir() if cfg.model.name_or_path == DEFAULT_MODEL else resolve_model_path(cfg.model.name_or_path)
+    )
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    except Exception:  # a model transformers can't build here: its loading will say why
+        return []
+    names = [n for n, _ in model.named_modules()]
+    bad = [t for t in lora.target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if not bad:
+        return []
+    linear = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    return [
+        f"model.lora.target_modules: {bad} match no module of {cfg.model.name_or_path}; its linear layers are "
+        f"{linear} (or use target_modules: all-linear)"
+    ]
+
+
 def _model_max_positions(name_or_path: str) -> int | None:
     """max_position_embeddings from config.json, read without loading anything heavy."""
     from plait.models import DEFAULT_MODEL, default_model_dir
@@ -714,6 +747,21 @@ def check_backend(cfg: Config, env: Env) -> list[str]:
     return out
 
 
+def check_output_dir(cfg: Config, env: Env) -> list[str]:
+    """output_dir is a directory, or can be made: no file stands where it goes."""
+    if cfg.output_dir is None:
+        return []
+    path = Path(cfg.output_dir)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None or existing.is_dir():
+        return []
+    where = "is a file" if existing == path else f"lies under '{existing}', which is a file"
+    return [
+        f"output_dir '{cfg.output_dir}' {where}, so no run directory can be made there; "
+        "set output_dir (or --output-dir) to a directory"
+    ]
+
+
 def check_resume(cfg: Config, env: Env) -> list[str]:
     """The checkpoint to resume exists and is in a format this backend and launch read."""
     from plait.checkpoint import find_checkpoint
@@ -746,7 +794,35 @@ def check_resume(cfg: Config, env: Env) -> list[str]:
             f"resume: {ckpt.name} holds DeepSpeed shards for {written_ws} processes, but {env.training} were "
             f"launched; relaunch with {written_ws}"
         ]
-    return []
+    return _changes_the_checkpoint_overrides(cfg, ckpt)
+
+
+# The optimizer state a checkpoint restores holds these (AdamW's param groups, the schedule's
+# base LR): resumed, the run's values win, so a changed one would be ignored, yet logged as used.
+KEPT_BY_CHECKPOINT = ("learning_rate", "adam_beta1", "adam_beta2", "weight_decay")
+
+
+def _changes_the_checkpoint_overrides(cfg: Config, ckpt: Path) -> list[str]:
+    import yaml
+
+    run_dir = ckpt.parent.parent
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]
+        was = {k: float(saved[k]) for k in KEPT_BY_CHECKPOINT if k in saved}
+    except (OSError, yaml.YAMLError, TypeError, KeyError, ValueError):  # no readable run config: nothing to compare
+        return []
+    changed = [
+        f"train.{k}={getattr(cfg.train, k)} (the run's: {v})" for k, v in was.items() if getattr(cfg.train, k) != v
+    ]
+    if not changed:
+        return []
+    final = run_dir / "final"
+    weights = f"{final}" if final.is_dir() else f"{ckpt / 'model'} (`plait eval {ckpt}` writes it)"
+    return [
+        f"resume: {', '.join(changed)}: the checkpoint's optimizer state keeps the run's values, so these would "
+        f"not take effect; resume with the run's values, or train with the new ones as a new run (--output-dir) "
+        f"from its weights: model.name_or_path={weights}"
+    ]
 
 
 # ---------------------------------------------------------------- all of them
@@ -781,8 +857,10 @@ CHECKS: tuple[Check, ...] = (
     check_data_files,
     check_device,
     check_model,
+    check_lora_targets,
     check_launch,
     check_backend,
+    check_output_dir,
     check_resume,
 )
 

@@ -42,7 +42,9 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: an inf learning rate or a NaN reward weight would train (or crash) far
+    # from the typo; no option means anything by inf (unbounded limits are null)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class LoraConfig(Section):

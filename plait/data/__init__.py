@@ -158,6 +158,13 @@ def data_problems(data_cfg, limit: int = 1000) -> list[str]:
             if bad_prompts:
                 i, why = bad_prompts[0]
                 out.append(f"{name}: row {i}'s {why} ({len(bad_prompts)} such rows)")
+        # a column named on purpose that no row has is a typo; the default one may be absent
+        # from data without answers (data_warnings says so)
+        answer = data_cfg.answer_field
+        if rows and answer not in (None, type(data_cfg).model_fields["answer_field"].default):
+            note = missing_answers(rows, answer)
+            if note and note.startswith("no row"):
+                out.append(f"{name}: {note}")
     return out
 
 
@@ -207,10 +214,19 @@ def prompt_problem(value, key: str) -> str | None:
 
 
 def missing_answers(rows: list[dict], field: str) -> str | None:
-    """A note when some rows hold `field` and others lack it or hold null (None: all or none do)."""
+    """A note when rows lack `field` or hold null there (None: every row holds it). Environments'
+    rows may have no answers (their own scoring): only a file's rows are told that none has one."""
     missing = [i for i, r in enumerate(rows) if r.get(field) is None]
-    if not missing or len(missing) == len(rows):
+    if not missing:
         return None
+    if len(missing) == len(rows):
+        if any(r.get("environment") for r in rows):
+            return None
+        return (
+            f"no row has an answer in '{field}' (row 0 has {sorted(rows[0])}): reward functions get answer=None "
+            f"and accuracy scores 0; set data.answer_field to the column with the reference answers, or "
+            f"data.answer_field=null for data without answers"
+        )
     return (
         f"{len(missing)} of {len(rows)} rows have no '{field}' (first: row {missing[0]}): reward functions get "
         f"answer=None for them and must handle it (return None for 'not applicable')"

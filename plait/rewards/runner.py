@@ -455,6 +455,24 @@ def environment_failures(groups: list[Group], per_reward: dict[str, list], colum
     return failed
 
 
+_SAID_ALL_NONE: set[str] = set()  # rewards already warned about, once per process
+
+
+def _warn_if_all_none(users: list[BoundReward], per_reward: dict[str, list], report: RewardReport) -> None:
+    """A user's reward that scored none of a round's completions (not a timeout) teaches nothing:
+    say so once, since None reads as 'not applicable' and the round's log shows a plain 0. (The
+    built-ins' None is an infrastructure error or a missing reference, reported where it arises.)"""
+    for name, values in ((r.name, per_reward[r.name]) for r in users):
+        if values and all(v is None for v in values) and not report.timeouts.get(name) and name not in _SAID_ALL_NONE:
+            _SAID_ALL_NONE.add(name)
+            log.warning(
+                "reward '%s' returned None for all %d completions of a round: None means 'not applicable' and adds "
+                "nothing, so it gives no signal; return 0.0 for a wrong answer",
+                name,
+                len(values),
+            )
+
+
 def score_groups(
     groups: list[Group],
     rewards: list[BoundReward],
@@ -471,6 +489,7 @@ def score_groups(
     """
     inputs = reward_inputs(groups, step, max_steps)
     per_reward, report = call_rewards(rewards, inputs, sandbox)
+    _warn_if_all_none([r for r in rewards if not r.builtin], per_reward, report)
     failed = environment_failures(groups, per_reward, inputs.kwargs)
     if any(failed):
         per_reward = {name: [None if f else v for v, f in zip(vals, failed)] for name, vals in per_reward.items()}

@@ -103,6 +103,15 @@ def test_type_and_choice_errors_name_the_field():
     assert "train.learning_rate" in msg
 
 
+def test_infinite_and_nan_numbers_are_refused_by_field():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.learning_rate=.inf", "train.max_grad_norm=-.inf", "rewards.0.weight=.nan"])
+    problems = err.value.problems
+    assert any(p.startswith("train.learning_rate: Input should be a finite number") for p in problems)
+    assert any(p.startswith("train.max_grad_norm: Input should be a finite number") for p in problems)
+    assert any(p.startswith("rewards.0.weight: Input should be a finite number") for p in problems)
+
+
 def test_contradictions_are_all_reported_at_once():
     probs = problems_of(
         [
@@ -142,6 +151,16 @@ def test_yaml_file_and_overrides(tmp_path):
     # the resolved config round-trips
     again = Config.model_validate(yaml.safe_load(cfg.to_yaml()))
     assert again == cfg
+
+
+def test_an_override_that_is_not_the_yaml_it_meant_says_to_quote_it():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.max_steps=[1"])
+    assert "override 'train.max_steps=[1': the value is read as YAML and is not valid YAML" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.system_prompt=Answer: {x}"])
+    assert "read as YAML, which made it a mapping: put it in quotes" in str(err.value)
+    assert load_config(None, ["data.system_prompt='Answer: {x}'"]).data.system_prompt == "Answer: {x}"
 
 
 def test_every_option_is_described():
@@ -277,6 +296,60 @@ def test_resume_refuses_a_checkpoint_of_another_backend(tmp_path):
     # local and ddp share a format
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "backend": "local", "world_size": 1}))
     validate(load_config(None, [f"output_dir={tmp_path}", "resume=auto", "train.backend=ddp"]), world_size=2)
+
+
+def test_resume_of_a_directory_that_holds_no_run_is_refused(tmp_path, capsys):
+    from plait.cli import main
+
+    (tmp_path / "empty").mkdir()
+    for folder, why in [(tmp_path / "nope", "does not exist"), (tmp_path / "empty", "has no config.yaml")]:
+        assert main(["train", "--resume", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert f"--resume {folder}: that directory {why}" in err and f"--output-dir {folder}" in err
+    assert not (tmp_path / "nope").exists() and list((tmp_path / "empty").iterdir()) == []
+
+
+def test_resume_refuses_optimizer_settings_the_checkpoint_would_override(tmp_path, tiny_model_path, capsys):
+    import json
+
+    from plait.cli import main
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_00000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "COMMITTED").write_text("ok")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "backend": "local", "world_size": 1}))
+    saved = load_config(None, [f"model.name_or_path={tiny_model_path}", f"output_dir={run}"]).to_yaml()
+    (run / "config.yaml").write_text(saved)
+    assert main(["train", "--resume", str(run), "--set", "train.learning_rate=1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert "train.learning_rate=0.001 (the run's: 3e-05)" in err and "would not take effect" in err
+    assert (run / "config.yaml").read_text() == saved  # refused before the run directory is touched
+    # what the checkpoint does not hold may change: a longer run
+    validate(load_config(run / "config.yaml", ["resume=auto", "train.max_steps=50"]))
+
+
+def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    assert (
+        f"output_dir '{taken}' is a file, so no run directory can be made there"
+        in problems_of([f"output_dir={taken}"])[0]
+    )
+    found = problems_of([f"output_dir={taken}/run"])
+    assert any(f"lies under '{taken}', which is a file" in p for p in found)
+    validate(load_config(None, [f"output_dir={tmp_path}/new/run"]))
+
+
+def test_lora_target_modules_that_match_no_module_are_named_before_the_model_loads(tiny_model_path):
+    base = [f"model.name_or_path={tiny_model_path}"]
+    found = problems_of([*base, "model.lora.target_modules=[q_proj, qkv_proj]"])
+    assert found == [
+        f"model.lora.target_modules: ['qkv_proj'] match no module of {tiny_model_path}; its linear layers are "
+        "['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj'] "
+        "(or use target_modules: all-linear)"
+    ]
+    validate(load_config(None, [*base, "model.lora.target_modules=[q_proj, v_proj]"]))
 
 
 def test_deepspeed_json_follows_the_batch_arithmetic_and_merges_extra():

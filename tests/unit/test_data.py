@@ -3,7 +3,7 @@ import json
 import pytest
 
 from plait.config import DataConfig
-from plait.data import DataError, PromptOrder, build_prompts, data_problems, read_file
+from plait.data import DataError, PromptOrder, build_prompts, data_problems, data_warnings, read_file
 from plait.data.tasks import arithmetic
 
 
@@ -257,6 +257,27 @@ def test_prompts_that_are_not_text_are_refused_and_missing_answers_are_told(tmp_
     assert main([*args, "--set", "eval.after=false"]) == 0
     assert "data.path: 2 of 3 rows have no 'answer' (first: row 1)" in capsys.readouterr().out
     assert build_prompts(fine[:1], FakeTokenizer(), cfg, log=(said := []).append) and said == []
+
+
+def test_an_answer_field_no_row_has_is_refused_and_the_default_one_is_told(tmp_path):
+    """A column named on purpose that no row holds is refused by name with the row's fields; the
+    default 'answer' may be absent from data without answers: told, in check and the run header."""
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"q": f"What is {i} + 1?", "solution": str(i + 1)}) + "\n" for i in range(3)))
+    named = DataConfig(task=None, path=str(train), prompt_field="q", answer_field="answr")
+    assert data_problems(named) == [
+        "data.path: no row has an answer in 'answr' (row 0 has ['q', 'solution']): reward functions get "
+        "answer=None and accuracy scores 0; set data.answer_field to the column with the reference answers, or "
+        "data.answer_field=null for data without answers"
+    ]
+    default = DataConfig(task=None, path=str(train), prompt_field="q")
+    assert data_problems(default) == []
+    assert data_warnings(default)[0].startswith("data.path: no row has an answer in 'answer' (row 0 has ['q',")
+    rows = read_file(str(train))
+    build_prompts(rows, FakeTokenizer(), default, log=(said := []).append)
+    assert said[0].startswith("no row has an answer in 'answer'")
+    assert data_problems(DataConfig(task=None, path=str(train), prompt_field="q", answer_field="solution")) == []
+    assert data_warnings(DataConfig(task=None, path=str(train), prompt_field="q", answer_field=None)) == []
 
 
 def test_rewards_get_trl_s_conventions_for_conversational_and_standard_data():

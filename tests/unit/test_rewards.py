@@ -136,6 +136,17 @@ def test_a_reward_that_edits_its_inputs_changes_nothing_another_reward_reads():
     assert [c.text for c in groups[0].completions] == ["\\boxed{2}", "3"]
 
 
+def test_a_reward_that_scores_nothing_is_warned_about_once(caplog):
+    def nothing(completions, **_):
+        return [None] * len(completions)
+
+    for _ in range(2):
+        score_groups(_groups(), [BoundReward("nothing", nothing), BoundReward("accuracy", accuracy)])
+    said = [r.getMessage() for r in caplog.records if "'nothing' returned None for all 2 completions" in r.getMessage()]
+    assert len(said) == 1 and "return 0.0 for a wrong answer" in said[0]
+    assert not [r for r in caplog.records if "'accuracy'" in r.getMessage()]
+
+
 def test_a_reward_stuck_past_its_timeout_does_not_keep_the_process_from_exiting(tmp_path):
     """A reward on a thread is left to finish when it times out; the process must still end
     once its work is done (a pool's threads are joined at exit: the run printed its last line
