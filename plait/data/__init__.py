@@ -64,7 +64,7 @@ def read_file(path: str, fmt: str = "auto", split: str = "train") -> list[dict]:
     kind = _infer_format(p, fmt)
     if kind == "jsonl":
         rows = []
-        for n, line in enumerate(p.read_text().splitlines(), 1):
+        for n, line in _text_lines(p):
             if not line.strip():
                 continue
             try:
@@ -92,22 +92,35 @@ def read_file(path: str, fmt: str = "auto", split: str = "train") -> list[dict]:
 def _scan_jsonl(path: Path, limit: int) -> tuple[list[dict], list[str]]:
     """The first `limit` rows of a JSONL file, and every bad line among them."""
     rows, bad = [], []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if len(rows) + len(bad) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                bad.append(f"{path}:{n}: not valid JSON ({err.msg}); each line must be one JSON object")
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-            else:
-                bad.append(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+    for n, line in _text_lines(path):
+        if len(rows) + len(bad) >= limit:
+            break
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            bad.append(f"{path}:{n}: not valid JSON ({err.msg}); each line must be one JSON object")
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            bad.append(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
     return rows, bad
+
+
+def _text_lines(path: Path):
+    """(line number, text) of a UTF-8 file (a byte-order mark allowed), read line by line; a
+    line that is not UTF-8 is named with its number and column."""
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                yield n, raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{path}:{n}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}); "
+                    "save the file as UTF-8"
+                ) from None
 
 
 def _first_rows(path: str, data_cfg, limit: int) -> tuple[list[dict], list[str]]:

@@ -45,6 +45,14 @@ def test_bad_jsonl_line_is_named(tmp_path):
     f.write_text('{"prompt": "a"}\n{"prompt": oops}\n')
     with pytest.raises(DataError, match="bad.jsonl:2: not valid JSON"):
         read_file(str(f))
+    # a line that is not UTF-8 (Latin-1's é), named with its number by the read and by `plait check`
+    f.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    said = "bad.jsonl:2: not UTF-8 text (byte 0xe9 at column 16); save the file as UTF-8"
+    with pytest.raises(DataError, match=said.replace("(", r"\(").replace(")", r"\)")):
+        read_file(str(f))
+    assert any(said in p for p in data_problems(DataConfig(path=str(f))))
+    f.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n')  # a byte-order mark is fine
+    assert read_file(str(f)) == [{"prompt": "a"}]
 
 
 def test_field_mapping_chat_template_and_columns():
