@@ -590,6 +590,10 @@ def _rewards(recipe, get, given, unmapped, out: Conversion) -> None:
             specs.append(spec)
             if name in REWARD_NOTES:
                 out.notes.append(f"reward {name}: {REWARD_NOTES[name]}")
+        elif "." in name:  # TRL's script imports "package.module.function"
+            module, _, function = name.rpartition(".")
+            specs.append({"name": f"{module}:{function}", "weight": float(weight)})
+            out.notes.append(f"reward {name}: imported as {module}:{function}, as TRL's script imports it")
         else:
             why = UNSUPPORTED_REWARDS.get(name, "no reward of that name in Open-R1's registry or plait")
             out.unmapped.append((f"reward_funcs: {name}", weight, why))

@@ -368,3 +368,9 @@ def test_the_batch_note_adds_up_when_the_batch_is_not_whole_groups():
     notes = convert_recipe({"num_generations": 3, "per_device_train_batch_size": 4}).notes
     batch = next(n for n in notes if n.startswith("batch:"))
     assert "= 4 completions per optimizer step, 3 in whole groups = 1 prompts x 3 generations" in batch, batch
+
+
+def test_a_reward_given_as_trls_import_path_is_imported():
+    out = convert_recipe({"reward_funcs": ["format", "my_pkg.judges.score"], "reward_weights": [1.0, 0.5]})
+    assert {"name": "my_pkg.judges:score", "weight": 0.5} in out.config["rewards"]
+    assert any("imported as my_pkg.judges:score" in n for n in out.notes)
