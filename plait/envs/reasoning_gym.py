@@ -54,6 +54,14 @@ def _answered(answer, answer_format: str) -> str:
 
 
 def _questions(source: dict) -> set[str]:
+    return _questions_of(json.dumps(source, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _questions_of(source_json: str) -> set[str]:
+    """The split's questions, made once per process: `plait check` and the run's rows both need
+    them, and some datasets take seconds per thousand problems."""
+    source = json.loads(source_json)
     ds = dataset(source)
     return {ds[i]["question"] for i in range(source["size"])}
 
@@ -222,6 +230,11 @@ def problems(spec, label: str, seed: int, train_size: int, evaluating: bool) -> 
             f"environments: '{label}': reasoning-gym has no dataset '{spec.dataset}'."
             + (f" Did you mean '{near[0]}'?" if near else "")
             + ' (`python -c "import reasoning_gym.factory as f; print(sorted(f.DATASETS))"` lists them)'
+        ]
+    if spec.dataset == "composite":  # it takes DatasetSpec objects, which YAML cannot give
+        return [
+            f"environments: '{label}': reasoning-gym's 'composite' is configured with its own Python objects; list "
+            "its datasets as entries of `environments` instead: they are a weighted mixture (`weight:` per entry)"
         ]
     try:
         first = rows(spec, label, "train", seed, 1)[0]

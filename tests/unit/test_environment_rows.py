@@ -129,6 +129,8 @@ def test_plait_check_names_each_environment_problem_and_its_fix():
     assert "environments and data.task ('arithmetic') both give prompts" in text
     text = _problems("rewards=[{name: environment}]")
     assert "but neither is configured" in text
+    text = _problems("environments=[{type: reasoning_gym, dataset: composite, config: {datasets: []}}]")
+    assert "'composite' is configured with its own Python objects; list its datasets as entries" in text
     with pytest.raises(ConfigError, match="reasoning_gym"):
         load_config(None, ["environments=[{type: gymnasium, dataset: x}]"])
     with pytest.raises(ConfigError, match="no verifiers release installs beside plait's dependencies"):
