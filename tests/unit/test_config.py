@@ -153,6 +153,17 @@ def test_yaml_file_and_overrides(tmp_path):
     assert again == cfg
 
 
+def test_a_key_given_twice_in_a_config_file_is_named_with_its_line(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  max_steps: 3\nrollout:\n  num_generations: 4\ntrain:\n  learning_rate: 1.0e-5\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(f)
+    assert f"{f}:5:1: not valid YAML: 'train' is given twice" in str(err.value)
+    f.write_text("train:\n  max_steps: 3\n  max_steps: 4\n")  # inside a section too
+    with pytest.raises(ConfigError, match="'max_steps' is given twice"):
+        load_config(f)
+
+
 def test_an_override_that_is_not_the_yaml_it_meant_says_to_quote_it():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["train.max_steps=[1"])
