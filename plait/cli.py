@@ -437,11 +437,12 @@ def cmd_plan(args) -> int:
 def cmd_check(args) -> int:
     from plait.config import ConfigError, validate
     from plait.config.checks import reward_parameter_problems
-    from plait.data import data_problems, data_warnings
+    from plait.data import data_problems, data_warnings, environment_prompt_problems
 
     cfg = _load(args)
     plan = validate(cfg, args.world_size)
     problems = data_problems(cfg.data) + reward_parameter_problems(cfg)  # the data too (no model loads)
+    problems += environment_prompt_problems(cfg)  # the tokenizer only
     if problems:
         raise ConfigError(problems)
     print(

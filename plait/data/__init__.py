@@ -405,6 +405,31 @@ def build_prompts(
     return prompts
 
 
+def environment_prompt_problems(cfg) -> list[str]:
+    """`plait check`: environments whose every prompt (worked examples and system prompt
+    included) is longer than data.max_prompt_length, found with the model's tokenizer where it
+    is on disk, as the run would find them when it starts. Only for environments that make their
+    own problems and no tools (whose descriptions lengthen prompts): the run checks the rest."""
+    from plait.models import DEFAULT_MODEL, default_model_dir, load_tokenizer, model_path_problem
+
+    envs = cfg.environments or []
+    if not envs or cfg.rollout.tools is not None or any(s.type in ROW_TYPES for s in envs):
+        return []
+    name = cfg.model.name_or_path
+    if model_path_problem(name) or (name == DEFAULT_MODEL and not (default_model_dir() / "config.json").is_file()):
+        return []  # the run names the model's problem, or converts the bundled model first
+    tokenizer = load_tokenizer(name)
+    evaluating = cfg.eval.before or cfg.eval.after or cfg.eval.every_steps
+    out = []
+    for split in ["train", "eval"] if evaluating else ["train"]:
+        try:
+            rows = load_rows(cfg.data, split, cfg.seed, envs)
+            build_prompts(rows, tokenizer, cfg.data, log=lambda *_: None, split=split)
+        except DataError as err:
+            out.append(str(err))
+    return out
+
+
 def _environments_lost(rows: list[dict], dropped: list[int]) -> list[str]:
     """The environments whose every row was dropped."""
     labels = {r.get("environment") for r in rows} - {None}

@@ -258,7 +258,7 @@ def test_an_environment_shows_the_configs_own_worked_examples_with_their_working
         load_config(None, [f"environments=[{ARITH}, examples: 9}}]"])
 
 
-def test_an_environment_whose_every_prompt_is_too_long_stops_the_run_before_training(tiny_model_path):
+def test_an_environment_whose_every_prompt_is_too_long_stops_the_run_before_training(tiny_model_path, capsys):
     from plait.data import DataError, build_prompts
     from plait.models import load_tokenizer
 
@@ -276,6 +276,13 @@ def test_an_environment_whose_every_prompt_is_too_long_stops_the_run_before_trai
         build_prompts(rows, tok, cfg.data, log=None)
     assert "every prompt of environment(s) leg_counting (" in str(err.value)
     assert "raise data.max_prompt_length" in str(err.value)
+    # `plait check` finds it too, with the model's tokenizer (no model loads)
+    from plait.cli import main
+
+    over = [f"model.name_or_path={tiny_model_path}", f"data.max_prompt_length={limit}", "eval.before=false"]
+    envs = "environments=[" + ARITH + ", size: 4}, " + long + "]"
+    assert main(["check", *sum((["--set", o] for o in [envs, *over]), [])]) == 2
+    assert "every prompt of environment(s) leg_counting (" in capsys.readouterr().err
     # when some of an environment's prompts fit, the rest are dropped as before, with a line saying so
     said = []
     cut = sorted(lengths["leg_counting"])[1]
