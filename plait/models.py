@@ -80,6 +80,18 @@ def resolve_model_path(name_or_path: str) -> Path:
     return p
 
 
+def local_model_folder(name_or_path: str) -> Path | None:
+    """The folder with `name_or_path`'s config.json (and tokenizer), found without converting or
+    loading anything: None when it is not on disk yet (the bundled model before its first run, a
+    checkpoint not exported, a path that does not exist)."""
+    if name_or_path == DEFAULT_MODEL:
+        candidates = [default_model_dir()]
+    else:
+        p = Path(name_or_path)
+        candidates = [p, p / "final", p / "model"]  # a model folder, a run directory, an exported checkpoint
+    return next((c for c in candidates if (c / "config.json").is_file()), None)
+
+
 def model_path_problem(name_or_path: str) -> str | None:
     """Why `name_or_path` can't be loaded, or None. Cheap: touches no weights."""
     if name_or_path == DEFAULT_MODEL:

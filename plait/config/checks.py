@@ -656,29 +656,25 @@ def check_lora_targets(cfg: Config, env: Env) -> list[str]:
     """Each model.lora.target_modules entry names modules of the model (PEFT would refuse one that
     matches nothing only after the weights load). The model is built on the meta device: its
     module names, no weights."""
-    from plait.models import model_path_problem
+    from plait.models import local_model_folder
 
     lora = cfg.model.lora
-    if lora is None or lora.target_modules == "all-linear" or model_path_problem(cfg.model.name_or_path):
+    folder = local_model_folder(cfg.model.name_or_path)
+    if lora is None or lora.target_modules == "all-linear" or folder is None:
         return []
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from plait.models import DEFAULT_MODEL, default_model_dir, resolve_model_path
-
-    folder = (
-        default_model_dir() if cfg.model.name_or_path == DEFAULT_MODEL else resolve_model_path(cfg.model.name_or_path)
-    )
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
     except Exception:  # a model transformers can't build here: its loading will say why
         return []
-    names = [n for n, _ in model.named_modules()]
-    bad = [t for t in lora.target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]
+    modules = dict(model.named_modules())
+    bad = [t for t in lora.target_modules if not any(n == t or n.endswith(f".{t}") for n in modules)]
     if not bad:
         return []
-    linear = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    linear = sorted({n.rpartition(".")[2] for n, m in modules.items() if isinstance(m, torch.nn.Linear)})
     return [
         f"model.lora.target_modules: {bad} match no module of {cfg.model.name_or_path}; its linear layers are "
         f"{linear} (or use target_modules: all-linear)"
@@ -687,17 +683,15 @@ def check_lora_targets(cfg: Config, env: Env) -> list[str]:
 
 def _model_max_positions(name_or_path: str) -> int | None:
     """max_position_embeddings from config.json, read without loading anything heavy."""
-    from plait.models import DEFAULT_MODEL, default_model_dir
+    from plait.models import local_model_folder
 
-    folder = default_model_dir() if name_or_path == DEFAULT_MODEL else Path(name_or_path)
-    for cand in (folder, folder / "final", folder / "model"):
-        f = cand / "config.json"
-        if f.is_file():
-            try:
-                return json.loads(f.read_text()).get("max_position_embeddings")
-            except (OSError, ValueError):
-                return None
-    return None
+    folder = local_model_folder(name_or_path)
+    if folder is None:
+        return None
+    try:
+        return json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
 
 
 # ---------------------------------------------------------------- backend and resume

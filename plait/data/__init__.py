@@ -4,6 +4,7 @@ apply the chat template, enforce the prompt-length limit, and serve them in a se
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,17 +64,9 @@ def read_file(path: str, fmt: str = "auto", split: str = "train") -> list[dict]:
     p = Path(path)
     kind = _infer_format(p, fmt)
     if kind == "jsonl":
-        rows = []
-        for n, line in _text_lines(p):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{n}: not valid JSON ({err.msg}); each line must be one JSON object") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+        rows, bad = _scan_jsonl(p, math.inf)
+        if bad:
+            raise DataError(bad[0])
         return rows
     if kind == "parquet":
         import pyarrow.parquet as pq
@@ -89,8 +82,8 @@ def read_file(path: str, fmt: str = "auto", split: str = "train") -> list[dict]:
     return ds.to_list()
 
 
-def _scan_jsonl(path: Path, limit: int) -> tuple[list[dict], list[str]]:
-    """The first `limit` rows of a JSONL file, and every bad line among them."""
+def _scan_jsonl(path: Path, limit: float) -> tuple[list[dict], list[str]]:
+    """The first `limit` rows of a JSONL file (math.inf: all), and every bad line among them."""
     rows, bad = [], []
     for n, line in _text_lines(path):
         if len(rows) + len(bad) >= limit:
@@ -174,10 +167,9 @@ def data_problems(data_cfg, limit: int = 1000) -> list[str]:
         # a column named on purpose that no row has is a typo; the default one may be absent
         # from data without answers (data_warnings says so)
         answer = data_cfg.answer_field
-        if rows and answer not in (None, type(data_cfg).model_fields["answer_field"].default):
-            note = missing_answers(rows, answer)
-            if note and note.startswith("no row"):
-                out.append(f"{name}: {note}")
+        named = answer not in (None, type(data_cfg).model_fields["answer_field"].default)
+        if rows and named and all(r.get(answer) is None for r in rows):
+            out.append(f"{name}: {missing_answers(rows, answer)}")
     return out
 
 
@@ -410,15 +402,13 @@ def environment_prompt_problems(cfg) -> list[str]:
     included) is longer than data.max_prompt_length, found with the model's tokenizer where it
     is on disk, as the run would find them when it starts. Only for environments that make their
     own problems and no tools (whose descriptions lengthen prompts): the run checks the rest."""
-    from plait.models import DEFAULT_MODEL, default_model_dir, load_tokenizer, model_path_problem
+    from plait.models import load_tokenizer, local_model_folder
 
     envs = cfg.environments or []
-    if not envs or cfg.rollout.tools is not None or any(s.type in ROW_TYPES for s in envs):
+    folder = local_model_folder(cfg.model.name_or_path)  # None: the run names the problem, or converts it first
+    if not envs or folder is None or cfg.rollout.tools is not None or any(s.type in ROW_TYPES for s in envs):
         return []
-    name = cfg.model.name_or_path
-    if model_path_problem(name) or (name == DEFAULT_MODEL and not (default_model_dir() / "config.json").is_file()):
-        return []  # the run names the model's problem, or converts the bundled model first
-    tokenizer = load_tokenizer(name)
+    tokenizer = load_tokenizer(str(folder))
     evaluating = cfg.eval.before or cfg.eval.after or cfg.eval.every_steps
     out = []
     for split in ["train", "eval"] if evaluating else ["train"]:

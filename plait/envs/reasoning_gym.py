@@ -53,23 +53,23 @@ def _answered(answer, answer_format: str) -> str:
     return f"\\boxed{{{answer}}}" if answer_format == "boxed" else f"<answer>{answer}</answer>"
 
 
-def _questions(source: dict) -> set[str]:
+def _questions(source: dict) -> frozenset[str]:
     return _questions_of(json.dumps(source, sort_keys=True))
 
 
 @functools.lru_cache(maxsize=16)
-def _questions_of(source_json: str) -> set[str]:
+def _questions_of(source_json: str) -> frozenset[str]:
     """The split's questions, made once per process: `plait check` and the run's rows both need
     them, and some datasets take seconds per thousand problems."""
     source = json.loads(source_json)
     ds = dataset(source)
-    return {ds[i]["question"] for i in range(source["size"])}
+    return frozenset(ds[i]["question"] for i in range(source["size"]))
 
 
 def _asked(spec, seed: int, train_size: int) -> set[str]:
     """The questions of the environment's training and held-out problems (as the dataset words them)."""
     train = {"dataset": spec.dataset, "config": spec.config, "seed": seed, "size": train_size}
-    return _questions(train) | _questions({**train, "seed": seed + EVAL_SEED_OFFSET, "size": spec.eval_size})
+    return {*_questions(train), *_questions({**train, "seed": seed + EVAL_SEED_OFFSET, "size": spec.eval_size})}
 
 
 def _own_examples(spec) -> list[dict]:
