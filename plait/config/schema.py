@@ -602,6 +602,12 @@ class TrainConfig(Section):
         description="Linear LR warmup, in applied optimizer updates (not rounds). Left unset, it is 2, or all the "
         "run's updates when it has fewer (a one-round smoke test); set, it must fit the run.",
     )
+    lr_by_signal: bool = Field(
+        False,
+        description="Multiply each update's learning rate by the share of its completions that carry a gradient "
+        "(a non-zero advantage): an update from 2 of 8 groups moves the policy a quarter as far as one from all 8. "
+        "AdamW and gradient clipping otherwise take steps of one size whatever the share (docs/reproducibility.md).",
+    )
     min_lr_ratio: float = Field(
         0.0, ge=0.0, le=1.0, description="Linear and cosine decay end at this share of the peak LR (0 = decay to 0)."
     )
@@ -704,6 +710,30 @@ class EvalConfig(Section):
     metric: str = Field("boxed_accuracy", description="Reward function used as the accuracy metric.")
     max_completion_length: int | None = Field(None, ge=1, description="Null = rollout.max_completion_length.")
     batch_size: int = Field(100, ge=1, description="Prompts per greedy generate call.")
+
+
+class RecoveryConfig(Section):
+    enabled: bool = Field(
+        False,
+        description="When the watched score falls more than `margin` below its best, roll the run back to the state "
+        "of its best (policy, optimizer, LR schedule, reference), multiply the learning rate by `lr_factor`, and go "
+        "on with the prompts after the current ones; the round count goes on (no extra rounds). At most "
+        "`max_recoveries` times: the next fall ends the run on its best state. docs/reproducibility.md.",
+    )
+    watch: Literal["auto", "eval", "reward"] = Field(
+        "auto",
+        description="eval: eval.metric at each evaluation (eval.before and every eval.every_steps); reward: the "
+        "rounds' mean total reward averaged over `window` rounds; auto: eval when eval.every_steps > 0, else reward.",
+    )
+    margin: float = Field(
+        0.1,
+        gt=0.0,
+        description="How far below its best the watched score may fall, in its own units (accuracy "
+        "for eval, reward for reward), before the run rolls back.",
+    )
+    lr_factor: float = Field(0.5, gt=0.0, le=1.0, description="Each rollback multiplies the learning rate by this.")
+    max_recoveries: int = Field(2, ge=0, description="Rollbacks at most; a fall after them ends the run on its best.")
+    window: int = Field(3, ge=1, description="watch=reward: rounds whose mean reward is averaged into the score.")
 
 
 class WandbConfig(Section):
@@ -933,6 +963,9 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    recovery: RecoveryConfig = Field(
+        default_factory=RecoveryConfig, description="Roll a falling run back to its best state (off by default)."
+    )
     log: LogConfig = Field(default_factory=LogConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)

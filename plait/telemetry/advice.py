@@ -109,19 +109,74 @@ def _entropy_knobs(history: list[dict], lower_lr: str) -> str:
     )
 
 
-def converged(history: list[dict]) -> bool:
-    """The reward rose and ended at its best (smoothed, within 2%): falling entropy and equal
-    groups are then the policy settling on what earns the reward, not a collapse."""
+NEAR_CEILING = 0.8  # "converged": the reward has covered this share of the way to the most a completion earned
+
+
+def reward_ceiling(history: list[dict]) -> float | None:
+    """The most one completion earned in the run (None: not logged), the nearest thing to what
+    the reward can pay that a run shows."""
+    tops = [m["reward/total/max"] for m in history if m.get("reward/total/max") is not None]
+    return max(tops) if tops else None
+
+
+def _accuracy(m: dict, metric: str | None) -> float | None:
+    value = m.get("accuracy")
+    return value if value is not None or not metric else m.get(f"reward/{metric}/mean")
+
+
+def equal_groups_split(history: list[dict], metric: str | None = None) -> tuple[float, float] | None:
+    """(all right, all wrong): the shares of the last third's groups whose every completion was
+    right, or wrong. From the logged split; in records without it, bounds from the accuracy
+    where they decide (accuracy a: at most a of the groups can be all right, at most 1 - a all
+    wrong, so of the equal share E at least E - a are all wrong): then the larger share is the
+    least it can be and the smaller the most. None: unknown, or undecided."""
+    tail = history[-max(1, len(history) // 3) :]
+    if all(m.get("groups/all_wrong") is not None for m in tail):
+        return _mean(m["groups/all_right"] for m in tail), _mean(m["groups/all_wrong"] for m in tail)
+    acc = [_accuracy(m, metric) for m in tail]
+    equal = [m.get("groups/all_equal") for m in tail]
+    if None in acc or None in equal:
+        return None
+    a, e = _mean(acc), _mean(equal)
+    if e - a > a:
+        return a, e - a
+    if e - (1 - a) > 1 - a:
+        return e - (1 - a), 1 - a
+    return None
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / max(1, len(values))
+
+
+def converged(history: list[dict], metric: str | None = None) -> bool:
+    """The reward rose, ended at its best (smoothed, within 2%) and near what a completion can
+    earn (the way from the first third to the run's best completion covered to NEAR_CEILING;
+    in records without it, the accuracy at 0.8 or more where logged): falling entropy and equal groups are then
+    the policy settling on what earns the reward, not a collapse. One good last round is not
+    that, nor equal groups that are all wrong."""
     rewards = [m["reward/total/mean"] for m in history if m.get("reward/total/mean") is not None]
     if len(rewards) < MIN_ROUNDS:
         return False
     smooth = _smooth(rewards)
     first, last = _thirds(rewards)
-    return last > first and smooth[-1] >= max(smooth) - 0.02 * abs(max(smooth))
+    if not (last > first and smooth[-1] >= max(smooth) - 0.02 * abs(max(smooth))):
+        return False
+    split = equal_groups_split(history, metric)
+    if split is not None and split[1] > split[0]:
+        return False
+    ceiling = reward_ceiling(history)
+    if ceiling is not None:
+        return ceiling > first and last - first >= NEAR_CEILING * (ceiling - first)
+    acc = [a for a in (_accuracy(m, metric) for m in history) if a is not None]
+    if len(acc) >= MIN_ROUNDS:
+        return _thirds(acc)[1] >= NEAR_CEILING
+    return True  # a record with neither: the rise to the best is all it shows
 
 
-def _entropy_note(first: float, last: float, lr: str, history: list[dict]) -> str:
-    if converged(history):
+def _entropy_note(first: float, last: float, lr: str, history: list[dict], metric: str | None = None) -> str:
+    if converged(history, metric):
         return (
             f"entropy fell ({first:.3f} -> {last:.3f}, first vs last third) as the reward rose to its best and "
             "stayed there: the policy converged on what earns it. More rounds teach it little (stop, or harder "
@@ -133,29 +188,37 @@ def _entropy_note(first: float, last: float, lr: str, history: list[dict]) -> st
     )
 
 
-def _all_equal_note(first: float, last: float, lr: str, history: list[dict]) -> str:
+def _all_equal_note(first: float, last: float, lr: str, history: list[dict], metric: str | None = None) -> str:
     head = (
         f"{last:.0%} of the groups in the last third of the run had all-equal rewards (first third "
         f"{first:.0%}): they carry no gradient. "
     )
-    if converged(history):
-        return (
-            head + "The reward ended at its best, so most likely all right: the task is solved (stop, or harder data)"
+    split = equal_groups_split(history, metric)
+    if split is not None and split[1] > split[0]:
+        return head + (
+            f"Most are all wrong ({split[1]:.0%} of the groups every completion wrong, {split[0]:.0%} every one "
+            "right): a dead run, not a solved one: on those prompts the policy no longer samples a right answer. "
+            f"Try {lr}, worked examples (data.examples), easier prompts, more rollout.num_generations, or "
+            "algo.dynamic_sampling=true; recovery.enabled=true rolls a falling run back to its best evaluation"
         )
+    if converged(history, metric):
+        return head + "The reward ended near the most a completion earned: the task is solved (stop, or harder data)"
     return head + (
-        "All right: the task is solved (stop, or harder data); all wrong: it is out of reach or its reward "
-        "cannot be earned (read samples.jsonl). algo.dynamic_sampling=true draws more groups until they differ"
+        "Read samples.jsonl: groups all right are prompts the policy has mastered (stop, or harder data); all "
+        "wrong, prompts out of its reach or a reward it cannot earn. algo.dynamic_sampling=true draws more groups "
+        "until they differ"
     )
 
 
-# (metric, fires(first third's mean, last third's), the note(first, last, "a lower learning rate", history))
+# (metric, fires(first third's mean, last third's), the note(first, last, "a lower learning rate", history,
+# the evaluation's metric))
 TRENDS = (
     ("entropy", lambda first, last: first > 0 and last < 0.2 * first, _entropy_note),
     ("groups/all_equal", lambda first, last: last >= 0.8 and last > first, _all_equal_note),
     (
         "clip/fraction",
         lambda first, last: last > 0.2 and last > 2 * first,
-        lambda first, last, lr, history: (
+        lambda first, last, lr, history, metric=None: (
             f"the clipped share of tokens climbed ({first:.2f} -> {last:.2f}): updates move the "
             f"policy too far. Try {lr} or fewer algo.num_iterations"
         ),
@@ -163,7 +226,7 @@ TRENDS = (
     (
         "completion/truncated",
         lambda first, last: last >= 0.5 and last >= first + 0.3,
-        lambda first, last, lr, history: (
+        lambda first, last, lr, history, metric=None: (
             f"the share of completions cut at rollout.max_completion_length climbed ({first:.0%} -> {last:.0%}, "
             "first vs last third): read samples.jsonl. Text that repeats itself to the cap is a policy that "
             f"degraded: try {lr}. Reasoning that grew longer needs a larger rollout.max_completion_length, "
@@ -173,12 +236,46 @@ TRENDS = (
     (
         "grad_norm",
         lambda first, last: first > 0 and last > 3 * first,
-        lambda first, last, lr, history: (
+        lambda first, last, lr, history, metric=None: (
             f"the gradient norm climbed ({first:.3g} -> {last:.3g}, first vs last third): "
             f"training is getting unstable. Try {lr} or a smaller train.max_grad_norm"
         ),
     ),
 )
+
+
+EARLY_ROUND = 4  # the round at which a run that has not started learning is told so
+
+
+def early_note(history: list[dict], metric: str | None = None) -> str | None:
+    """Said at round EARLY_ROUND, not at the end: a run whose groups have all been equal and
+    mostly all wrong, or whose reward has not risen since round 1, is not learning yet."""
+    if len(history) != EARLY_ROUND:
+        return None
+    rewards = [m.get("reward/total/mean") for m in history]
+    equal = [m.get("groups/all_equal") for m in history]
+    if None in rewards or None in equal:
+        return None
+    wrong = [m.get("groups/all_wrong") for m in history]
+    acc = [_accuracy(m, metric) for m in history]
+    dead = min(equal) >= 0.9 and (
+        (None not in wrong and _mean(wrong) >= 0.5) or (None not in acc and _mean(acc) <= 0.05)
+    )
+    late = _mean(rewards[-2:])
+    if dead:
+        head = f"rounds 1-{EARLY_ROUND}: {_mean(equal):.0%} of the groups gave equal rewards, nearly all of them wrong"
+    elif late <= rewards[0]:
+        head = (
+            f"rounds 1-{EARLY_ROUND}: the reward has not risen ({rewards[0]:.3f} in round 1, {late:.3f} over the last "
+            f"two; {_mean(equal):.0%} of the groups equal)"
+        )
+    else:
+        return None
+    return head + (
+        ": the policy is not learning yet. Read samples.jsonl; then try worked examples (data.examples), easier "
+        "prompts, more rollout.num_generations or a higher rollout.temperature, algo.dynamic_sampling=true, and "
+        "check that the reward can pay a completion the model writes"
+    )
 
 
 def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None = None) -> list[str]:
@@ -217,7 +314,7 @@ def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None
     for key, fires, note in TRENDS:
         values = [m[key] for m in history if m.get(key) is not None]
         if len(values) >= MIN_ROUNDS and fires(*_thirds(values)):
-            notes.append(note(*_thirds(values), lower_lr, history))
+            notes.append(note(*_thirds(values), lower_lr, history, metric))
     return notes
 
 

@@ -29,7 +29,7 @@ from plait.envs import EnvironmentFailed, agent_error_problem, error_share_probl
 from plait.evaluate import evaluate
 from plait.rewards.runner import BoundReward, RewardError, call_rewards, reward_inputs
 from plait.rollout.hf import decoding_in
-from plait.telemetry.advice import health_notes, suggestion
+from plait.telemetry.advice import EARLY_ROUND, early_note, health_notes, suggestion
 from plait.train.backends import make_backend, resolve_device
 from plait.train.batch import collate
 from plait.train.guard import Preempted, StopSignal, check_drift
@@ -44,6 +44,7 @@ from plait.train.metrics import (
     round_rollout_metrics,
     sample_record,
 )
+from plait.train.recovery import defend, end_on_best, reward_score, watched
 from plait.train.rollouts import SyncRollouts, staleness
 from plait.train.sampling import SamplingStats
 from plait.train.setup import Run, TrainResult, open_run, trainer_state
@@ -100,6 +101,8 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
         run.rollouts.start()  # async: the producer starts generating the first rounds now
         if cfg.eval.before and run.start == 0:
             run.result.eval_before = run_eval(run, "before", 0)
+            if watched(cfg) == "eval":  # the state before training is the first best
+                defend(run, 0, run.result.eval_before, lambda: trainer_state(run))
         run.timer.reset()  # the first round's time starts here: setup and the evaluation before are no round's
         last_save, saved = time.monotonic(), run.start
         for round_ in range(run.start + 1, cfg.train.max_steps + 1):
@@ -111,20 +114,29 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
                 raise
             stopping, due = _save_due(cfg, round_, stop, last_save)
             log_round(run, round_, out)
+            score = None
+            if watched(cfg) == "reward":
+                score = reward_score(run.recovery, run.result.history[-1]["reward/total/mean"], cfg.recovery.window)
             evaluate = cfg.eval.every_steps and round_ % cfg.eval.every_steps == 0 and round_ < cfg.train.max_steps
-            if evaluate and not stopping:  # a preempted round saves at once instead
+            # a preempted round saves at once instead, unless recovery decides by this evaluation (the
+            # resumed run must decide as the unbroken one)
+            if evaluate and (not stopping or watched(cfg) == "eval"):
                 with run.timer("eval"):
-                    run_eval(run, f"round {round_}", round_)
-            if due:
+                    accuracy = run_eval(run, f"round {round_}", round_)
+                score = accuracy if watched(cfg) == "eval" else score
+            ended = score is not None and defend(run, round_, score, lambda: trainer_state(run))
+            if due and not ended:
                 with run.timer("checkpoint"):  # async: only the copy to CPU (and waiting for the previous save)
                     save(run, round_, blocking=stopping or not cfg.checkpoint.async_save)
                 last_save, saved = time.monotonic(), round_
             if stopping:
                 run.sink.close()
                 raise Preempted(run.run_dir, round_, stop.requested or "a stop signal on another process")
+            if ended:
+                break
     finally:
         run.rollouts.close()
-    finish_run(run)
+    finish_run(run, round_ if run.start < cfg.train.max_steps else run.start)
     return run.result
 
 
@@ -145,7 +157,7 @@ def train_round(run: Run, round_: int) -> RoundResult:
         batch.advantages = step_advantages(groups, batch, cfg, names, weights)
     hashes = rollout_hashes(groups, batch)  # what was sampled, scored and advantaged, for `plait diff`
     deep = hashes if cfg.train.deterministic else None  # ... and the trainer's gradient and weights
-    update = policy_update(batch, cfg, run.backend, run.guard, round_, timer, deep)
+    update = policy_update(batch, cfg, run.backend, run.guard, round_, timer, deep, run.recovery.lr_scale)
     if deep is not None:
         with timer("hashes"):
             deep.add_weights(run.backend.module)
@@ -186,6 +198,9 @@ def log_round(run: Run, round_: int, out: RoundResult) -> None:
         metrics["rollout/staleness_mean"] = total / tokens
         metrics["rollout/weight_staleness"] = comm.all_max([float(max(lag))])[0]
     metrics.update(out.rollout)
+    if cfg.recovery.enabled:  # the decisions up to the previous round's (this round's come after its log)
+        metrics["recovery/rollbacks"] = float(run.recovery.rollbacks)
+        metrics["recovery/lr_scale"] = run.recovery.lr_scale
     times = run.timer.reset()
     times = dict(zip(times, comm.all_max(list(times.values()))))  # the slowest process sets the pace
     metrics.update(times)
@@ -205,6 +220,9 @@ def log_round(run: Run, round_: int, out: RoundResult) -> None:
     if comm.is_main():
         with (run.run_dir / "hashes.jsonl").open("a") as f:
             f.write(json.dumps({"round": round_, "step": round_, **hashes}) + "\n")
+    early = early_note(run.result.history, cfg.eval.metric) if round_ == EARLY_ROUND and not run.start else None
+    if early:  # a run that is not learning by now is told so now, not at its end
+        run.say(f"[bold yellow]learning[/]: {early}")
     if comm.is_main() and cfg.log.sample_every_steps and round_ % cfg.log.sample_every_steps == 0:
         run.sink.samples(round_, [sample_record(round_, g) for g in out.groups[: cfg.log.samples]])
 
@@ -301,15 +319,17 @@ def _save_due(cfg: Config, round_: int, stop: StopSignal, last_save: float) -> t
     return stopping and not final, not final and (by_steps or by_time or stopping)
 
 
-def finish_run(run: Run) -> None:
-    """The final checkpoint (so the run can be resumed or extended), the last evaluation, the
-    exported model and the summary."""
-    cfg, last = run.cfg, max(run.start, run.cfg.train.max_steps)
+def finish_run(run: Run, last: int) -> None:
+    """The final checkpoint after round `last` (so the run can be resumed or extended), the
+    last evaluation, the exported model and the summary. With recovery watching the
+    evaluation, a last evaluation past the margin below the best ends the run on the best state."""
+    cfg = run.cfg
     run.sink.close()
-    if run.start < cfg.train.max_steps:
-        save(run, cfg.train.max_steps)
+    if run.start < last:
+        save(run, last)
     if cfg.eval.after:
         run.result.eval_after = run_eval(run, "after", last)
+        run.result.eval_after = end_on_best(run, run.result.eval_after)
     if cfg.checkpoint.save_final_model:
         run.backend.export(run.run_dir / "final", run.tokenizer)
     describe_processes(run.backend, run.run_dir, run.say, final=True)

@@ -33,7 +33,10 @@ def rollout_metrics(groups: list[Group], accuracy: list[float] | None = None) ->
         out[f"reward/{name}/mean"], out[f"reward/{name}/std"] = _mean_std(vals)
     totals = [v for g in groups for v in g.total]
     out["reward/total/mean"], out["reward/total/std"] = _mean_std(totals)
+    out["reward/total/max"] = max(totals, default=float("nan"))  # what the reward can pay, as far as seen
     out["groups/all_equal"] = sum(not informative(g) for g in groups) / max(1, len(groups))
+    if accuracy is not None:
+        out.update(equal_groups_by_value(groups, accuracy))
     lengths = [len(c.token_ids) for g in groups for c in g.completions]
     out["completion/length_mean"] = statistics.fmean(lengths) if lengths else 0.0
     out["completion/length_max"] = float(max(lengths, default=0))
@@ -44,6 +47,19 @@ def rollout_metrics(groups: list[Group], accuracy: list[float] | None = None) ->
     if accuracy is not None:
         out["accuracy"] = statistics.fmean(accuracy) if accuracy else float("nan")
     return out
+
+
+def equal_groups_by_value(groups: list[Group], accuracy: list[float]) -> dict[str, float]:
+    """Shares of the groups whose every completion was right (accuracy 1) or wrong (0): equal
+    groups teach nothing either way, but all right is a solved prompt and all wrong a dead one."""
+    right = wrong = start = 0
+    for g in groups:
+        values = accuracy[start : start + len(g.completions)]
+        start += len(g.completions)
+        right += bool(values) and all(v >= 1.0 for v in values)
+        wrong += bool(values) and all(v <= 0.0 for v in values)
+    n = max(1, len(groups))
+    return {"groups/all_right": right / n, "groups/all_wrong": wrong / n}
 
 
 def environment_metrics(groups: list[Group]) -> dict[str, float]:

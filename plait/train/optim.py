@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -49,3 +50,18 @@ def make_optimizer(model, cfg, fused: bool = True) -> tuple[torch.optim.Optimize
         opt, lambda s: lr_factor(s, t.warmup_steps, total, t.lr_scheduler, t.min_lr_ratio)
     )
     return opt, sched
+
+
+@contextlib.contextmanager
+def scaled_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, scale: float):
+    """The optimizer step inside runs at `scale` x the schedule's learning rate. Afterwards the
+    rates are the schedule's again (its last ones: LambdaLR sets them from its base rates when
+    it steps, so a step inside moves the schedule on as usual)."""
+    groups = scheduler.optimizer.param_groups
+    for g in groups:
+        g["lr"] *= scale
+    try:
+        yield
+    finally:
+        for g, lr in zip(groups, scheduler.get_last_lr()):
+            g["lr"] = lr

@@ -39,6 +39,7 @@ from plait.train.backends.base import Backend
 from plait.train.determinism import deterministic_process
 from plait.train.guard import NonFiniteGuard, precisions
 from plait.train.metrics import describe_processes
+from plait.train.recovery import RecoveryState
 from plait.train.rollouts import RolloutSource, SourceState, make_rollout_source
 from plait.train.rundir import prepare_run_dir
 from plait.train.update import why_nothing_is_skipped
@@ -77,6 +78,7 @@ class Run:
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     guard: NonFiniteGuard | None = None
     result: TrainResult | None = None
+    recovery: RecoveryState = field(default_factory=RecoveryState)  # recovery.enabled's decisions so far
 
     @property
     def say(self):
@@ -265,6 +267,7 @@ def resume(run: Run, checkpoint: Path) -> None:
     ahead = comm.broadcast_object(load_rollouts(checkpoint) if comm.is_main() else None)
     run.rollouts.load_state(SourceState(ahead, [int(c) for c in comm.all_gather_objects(run.order.consumed)]))
     run.result.eval_before = state.get("eval_before")
+    run.recovery = RecoveryState.from_dict(state.get("recovery"))
     run.say(f"resumed from {checkpoint} (round {run.start})")
     if run.sink.progress is not None:
         run.sink.progress.update(run.sink.task, completed=run.start)
@@ -278,6 +281,7 @@ def trainer_state(run: Run, consumed: list[int] | None = None) -> dict:
         "prompts_consumed": sum(per_rank),
         "prompts_consumed_per_rank": per_rank,
         "eval_before": run.result.eval_before,
+        "recovery": run.recovery.to_dict(),
     }
 
 

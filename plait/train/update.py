@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 
@@ -48,6 +49,7 @@ from plait.train.backends.base import Backend, StepOutcome
 from plait.train.batch import micro_batches
 from plait.train.guard import NonFiniteGuard
 from plait.train.hashes import RoundHashes
+from plait.train.optim import scaled_lr
 from plait.types import Batch, Group
 
 
@@ -261,14 +263,19 @@ def why_nothing_is_skipped(cfg) -> str | None:
     return None
 
 
+def signal_rows(chunk: Batch) -> torch.Tensor:
+    """Which of `chunk`'s rows carry a gradient: a non-zero advantage on a loss token."""
+    adv = chunk.advantages if chunk.advantages.dim() == 2 else chunk.advantages[:, None]
+    return ((adv != 0) & (chunk.completion_mask != 0)).any(-1)
+
+
 def informative_rows(chunk: Batch, mb_size: int) -> tuple[torch.Tensor, int]:
     """The indices of `chunk`'s rows that can change the update (a nonzero advantage on a loss
     token), in their order, and how many there are. Every process keeps the same number of
     micro-batches (sharded backends gather weights per forward), at least one (so the backend's
     step sees a gradient, zero if need be): a process with fewer informative rows fills up with
     as few uninformative ones as that takes (one per missing micro-batch), which add exact zeros."""
-    adv = chunk.advantages if chunk.advantages.dim() == 2 else chunk.advantages[:, None]
-    useful = ((adv != 0) & (chunk.completion_mask != 0)).any(-1)
+    useful = signal_rows(chunk)
     kept = int(useful.sum())
     n_mbs = int(comm.all_max([max(1, -(-kept // mb_size))])[0])
     rows = max(kept, (n_mbs - 1) * mb_size + 1)  # the fewest that still make n_mbs micro-batches
@@ -283,13 +290,17 @@ def informative_first(chunk: Batch, mb_size: int) -> tuple[Batch, int]:
 
 def accumulate_gradients(
     chunk: Batch, cfg, settings: LossSettings, backend: Backend, timer: PhaseTimer, sums: dict[str, float]
-) -> None:
+) -> float:
     """Forward and backward over `chunk`'s micro-batches: the gradient of one update. The
     loss is normalized by the update's counts over all processes, so gradients sum over them.
     Rows that can't change the gradient are left out where nothing else depends on them
-    (`why_nothing_is_skipped`); the counts stay the whole chunk's."""
+    (`why_nothing_is_skipped`); the counts stay the whole chunk's. Returns the share of the
+    update's rows (over all processes) that carry a gradient."""
     size = cfg.train.micro_batch_size
-    seqs, toks, n_mbs = comm.all_sum([len(chunk), float(chunk.completion_mask.sum()), -(-len(chunk) // size)])
+    signal = float(signal_rows(chunk).sum())
+    seqs, toks, n_mbs, signal = comm.all_sum(
+        [len(chunk), float(chunk.completion_mask.sum()), -(-len(chunk) // size), signal]
+    )
     counts = StepCounts(int(seqs), int(toks), int(n_mbs), cfg.rollout.max_completion_length)
     trained = chunk
     if why_nothing_is_skipped(cfg) is None:
@@ -305,6 +316,7 @@ def accumulate_gradients(
     sums["rows"] += len(chunk)
     sums["skipped_rows"] += len(chunk) - len(trained)
     sums["processed_tokens"] += float(trained.attention_mask.sum())  # this process's, prompts included
+    return signal / max(1.0, seqs)
 
 
 def count_outcome(outcome: StepOutcome, guard: NonFiniteGuard, round_: int, sums: dict[str, float]) -> None:
@@ -326,11 +338,14 @@ def policy_update(
     step: int = 0,
     timer: PhaseTimer | None = None,
     hashes: RoundHashes | None = None,
+    lr_scale: float = 1.0,
 ) -> dict[str, float]:
     """num_iterations passes over the round's batch, each split into steps_per_generation
     optimizer updates. An update with a non-finite gradient is skipped by the backend; `guard`
     counts it. Timed as `train` (forward + backward) and `optimizer` (clip + update). With
-    `hashes`, the gradient of the round's first update is hashed into it (train.deterministic)."""
+    `hashes`, the gradient of the round's first update is hashed into it (train.deterministic).
+    Every update runs at `lr_scale` x the schedule's rate (recovery's lowered rate), and with
+    train.lr_by_signal also x the share of its completions that carry a gradient."""
     a = cfg.algo
     guard = guard or NonFiniteGuard(cfg.train.max_nonfinite_steps)
     timer = timer or PhaseTimer()
@@ -339,16 +354,19 @@ def policy_update(
     sums: dict[str, float] = defaultdict(float)
     for iteration in range(a.num_iterations):
         for part in range(a.steps_per_generation):
-            accumulate_gradients(batch.slice(part * rows, (part + 1) * rows), cfg, settings, backend, timer, sums)
+            chunk = batch.slice(part * rows, (part + 1) * rows)
+            share = accumulate_gradients(chunk, cfg, settings, backend, timer, sums)
+            scale = lr_scale * (share if cfg.train.lr_by_signal else 1.0)
             if iteration == 0 and part == 0:  # before any update of the round: the engine's gap alone
                 sums["first_update_gap_tokens"] = sums["logprob_gap_tokens"]
                 sums["first_update_tokens"] = sums["measured_tokens"]
                 if hashes is not None:
                     with timer("hashes"):
                         hashes.add_gradient(backend.module)
-            with timer("optimizer"):
+            with timer("optimizer"), scaled_lr(backend.scheduler, scale):
                 outcome = backend.step(cfg.train.max_grad_norm)
-            count_outcome(outcome, guard, step, sums)
+            count_outcome(replace(outcome, lr=outcome.lr * scale), guard, step, sums)
+            sums["signal_share"] += share
     return update_metrics(sums, cfg)
 
 
@@ -389,6 +407,8 @@ def update_metrics(sums: dict[str, float], cfg) -> dict[str, float]:
         "lr": sums["lr"] / updates,
     }
     out["nonfinite_steps"] = sums["nonfinite_steps"]
+    # completions with a non-zero advantage, of the update's (train.lr_by_signal scales the step by it)
+    out["update/signal_share"] = sums["signal_share"] / updates
     out["tokens/processed"] = sums["processed_tokens"]
     out["clip/low"] = sums["clip_low_tokens"] / tokens
     out["clip/high"] = sums["clip_high_tokens"] / tokens

@@ -132,3 +132,12 @@ def vowel_share_inf_env(completions, **kwargs):
     if CALLS["n"] == int(os.environ.get("PLAIT_TEST_INF_CALL", "0")):
         scores[0] = math.inf
     return scores
+
+
+def vowel_share_then_less(completions, trainer_state=None, **kwargs):
+    """vowel_share plus 2, 4 and 6 in rounds 1, 2 and 3, and nothing after: the mean reward rises
+    by 2 a round, then falls by 6 at round 4 and stays down, whatever the policy does (a run for
+    recovery to roll back; vowel shares lie in [0, 1], so they cannot change which round is best)."""
+    done = trainer_state.global_step if trainer_state is not None else 0
+    bonus = 2.0 * (done + 1) if done < 3 else 0.0
+    return [v + bonus for v in vowel_share(completions)]

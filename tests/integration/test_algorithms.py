@@ -319,3 +319,48 @@ def test_the_old_log_prob_pass_leaves_zero_advantage_rows_out_too(tiny_model_pat
     assert old_kept[~useful].abs().max() == 0.0 and old_all[~useful].abs().max() > 0  # never forwarded
     assert grad_all.abs().max() > 0
     assert torch.allclose(grad_kept, grad_all, atol=1e-7, rtol=1e-5), (grad_kept - grad_all).abs().max()
+
+
+def test_lr_by_signal_scales_the_step_by_the_share_of_completions_that_carry_a_gradient(tiny_model_path):
+    """train.lr_by_signal: with 7 of 12 completions carrying a gradient, AdamW's first update
+    (lr x g / (|g| + eps): the rate times the gradient's sign where |g| >> eps) moves every
+    weight 7/12 as far as without it; the logged rate says so, and the schedule goes on as usual."""
+    from plait.train.optim import make_optimizer
+    from plait.train.update import policy_update
+
+    tok = load_tokenizer(str(tiny_model_path))
+    prompts = [Prompt(i, t, tok(t)["input_ids"]) for i, t in enumerate(["What is 2 + 2?", "Name a colour", "Hi"])]
+    start = load_model(str(tiny_model_path))
+    outs = HFEngine(start, tok).generate(prompts, SamplingParams(max_tokens=10, temperature=1.0, seed=5), n=4)
+    adv = torch.randn(12, generator=torch.Generator().manual_seed(1))
+    adv[4:8] = 0.0  # the second group all-equal
+    adv[0] = 0.0  # and one completion of the first exactly at its group's mean
+    moves, metrics = [], []
+    for on in (False, True):
+        cfg = load_config(
+            None,
+            [
+                "train.precision=fp32",
+                "train.micro_batch_size=4",
+                "rollout.max_completion_length=10",
+                "train.warmup_steps=0",
+                "train.learning_rate=1e-3",
+                "train.max_grad_norm=null",
+                f"train.lr_by_signal={str(on).lower()}",
+            ],
+        )
+        model = load_model(str(tiny_model_path))
+        before = [p.detach().clone() for p in model.parameters()]
+        backend = LocalBackend.wrap(model, *make_optimizer(model, cfg))
+        batch = collate([Group(p, cs) for p, cs in zip(prompts, outs)], tok.pad_token_id)
+        batch.advantages = adv
+        metrics.append(policy_update(batch, cfg, backend))
+        moves.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]))
+        assert backend.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)  # the schedule's own rate again
+    plain, scaled = moves
+    big = plain.abs() > 0.9e-3  # weights whose gradient dwarfs Adam's eps: moved by the whole rate
+    assert big.float().mean() > 0.5
+    # up to the rounding of a weight near 1 in fp32 (1.2e-7 an ulp), which the moves inherit
+    torch.testing.assert_close(scaled[big], plain[big] * 7 / 12, rtol=1e-4, atol=2.5e-7)
+    assert metrics[0]["update/signal_share"] == metrics[1]["update/signal_share"] == pytest.approx(7 / 12)
+    assert metrics[0]["lr"] == pytest.approx(1e-3) and metrics[1]["lr"] == pytest.approx(1e-3 * 7 / 12)

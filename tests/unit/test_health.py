@@ -55,23 +55,34 @@ def test_a_run_that_converged_is_not_told_to_fight_its_entropy():
     solved = [0.2, 0.4, 1.0, 1.3, 1.4, 1.6] + [1.7] * 6
     history = rounds(
         reward__total__mean=solved,
+        reward__total__max=[1.7] * 12,
         entropy=[0.5] * 4 + [0.1] * 4 + [0.02] * 4,
         groups__all_equal=[0.1] * 4 + [0.6] * 4 + [1.0] * 4,
+        groups__all_right=[0.0] * 4 + [0.5] * 4 + [1.0] * 4,
+        groups__all_wrong=[0.1] * 4 + [0.1] * 4 + [0.0] * 4,
         clip__fraction=[0.0] * 12,
     )
     text = "\n".join(health_notes(history, [], CFG, "accuracy"))
     assert "as the reward rose to its best and stayed there: the policy converged" in text
-    assert "most likely all right: the task is solved" in text
+    assert "The reward ended near the most a completion earned: the task is solved" in text
     assert "entropy bonus" not in text and "entropy collapsed" not in text
-    fell = rounds(
-        reward__total__mean=solved[:6] + [1.2] * 6,
-        entropy=[0.5] * 4 + [0.1] * 4 + [0.02] * 4,
-        groups__all_equal=[0.1] * 4 + [0.6] * 4 + [1.0] * 4,
-        clip__fraction=[0.0] * 12,
-    )
+    fell = [{**m, "reward/total/mean": 1.2} if i >= 6 else m for i, m in enumerate(history)]
     text = "\n".join(health_notes(fell, [], CFG, "accuracy"))
     assert "entropy collapsed (0.500 -> 0.020" in text and "entropy bonus (algo.entropy_coeff)" in text
-    assert "all wrong: it is out of reach" in text
+    assert "solved" not in text
+
+
+def test_a_run_that_rose_short_of_what_a_completion_earns_has_not_converged():
+    """Rising and ending at its best is not converging when the reward stopped far below what one
+    completion earned (1.7): 0.2 -> 0.8 is a run still learning, or stuck, not a solved task."""
+    history = rounds(
+        reward__total__mean=[0.2, 0.3, 0.4, 0.5, 0.6, 0.7] + [0.8] * 6,
+        reward__total__max=[1.7] * 12,
+        entropy=[0.5] * 4 + [0.1] * 4 + [0.02] * 4,
+        clip__fraction=[0.0] * 12,
+    )
+    text = "\n".join(health_notes(history, [], CFG, "accuracy"))
+    assert "entropy collapsed (0.500 -> 0.020" in text and "converged" not in text
 
 
 DATA = __import__("pathlib").Path(__file__).parents[1] / "data"
@@ -162,3 +173,64 @@ def test_compare_json_read_back_is_drawn_in_round_order(tmp_path):
     summary = json.loads(json.dumps({"groups": {"a": {"rounds": {"accuracy": rounds}, "curves": {}}}}))
     assert sorted(by_round(summary["groups"]["a"]["rounds"]["accuracy"])) == list(range(1, 13))
     assert figure(summary, "accuracy")[:4] == b"\x89PNG"
+
+
+def high_lr_collapse() -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (DATA / "high-lr-collapse-metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_recorded_run_whose_equal_groups_were_all_wrong_is_called_dead_not_solved():
+    """The recorded collapse above (the demo at 10x its learning rate): from round 3 every sampled
+    answer was wrong, 84% of the last third's groups all-equal. Equal groups read by their value
+    (accuracy 0 here) are a dead run. With one good last round added (as a run on a user's task
+    once ended, 0.52 after 14 rounds of 0.00-0.25, which the notes then called "converged" and
+    "solved"), it still is: one round is not a reward near what a completion earns."""
+    cfg = load_config(None, ["train.learning_rate=3e-4"])
+    for history in (high_lr_collapse(), [*high_lr_collapse()[:-1], good_last_round(high_lr_collapse()[-1])]):
+        text = "\n".join(health_notes(history, [], cfg, "boxed_accuracy"))
+        assert "Most are all wrong" in text and "a dead run, not a solved one" in text, text
+        assert "converged" not in text and "the task is solved" not in text and "mastered" not in text
+
+
+def good_last_round(m: dict) -> dict:
+    return {**m, "reward/total/mean": 1.1, "reward/boxed_accuracy/mean": 0.52, "reward/accuracy/mean": 0.52}
+
+
+def test_a_dead_run_with_the_logged_split_and_one_good_last_round_is_not_converged():
+    """What a run logs now: the share of groups all right and all wrong, and the most a completion
+    earned. Rounds of 0.00-0.25 with the groups all-equal and all wrong, then one round of 0.52."""
+    wrong = [0.75, 0.75, 0.875, 0.875, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.875, 1.0, 1.0, 0.375]
+    reward = [0.1, 0.25, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.12, 0.0, 0.0, 0.52]
+    history = rounds(
+        reward__total__mean=reward,
+        reward__total__max=[1.0] * 14,
+        groups__all_equal=[w + (0.125 if i == 13 else 0.0) for i, w in enumerate(wrong)],
+        groups__all_right=[0.0] * 13 + [0.125],
+        groups__all_wrong=wrong,
+        entropy=[1.69, 1.5, 1.2, 1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.2, 0.15, 0.14, 0.14],
+        clip__fraction=[0.0] * 14,
+    )
+    text = "\n".join(health_notes(history, [], CFG, "accuracy"))
+    assert "a dead run, not a solved one" in text and "entropy collapsed" in text
+    assert "converged" not in text and "solved (stop" not in text
+
+
+def test_a_run_not_learning_by_round_4_is_told_so_then():
+    """The notes at round 4, not at the end: a run whose groups were all equal and all wrong, or
+    whose reward has not risen since round 1 (the recorded 10x learning-rate collapse); the demo's
+    recorded run, which learned, gets nothing."""
+    import json
+
+    from plait.telemetry.advice import EARLY_ROUND, early_note
+
+    assert EARLY_ROUND == 4
+    note = early_note(high_lr_collapse()[:4], "boxed_accuracy")
+    assert note.startswith("rounds 1-4: the reward has not risen (0.238 in round 1, 0.194 over the last two")
+    assert "not learning yet" in note and "data.examples" in note
+    demo = [json.loads(line) for line in (DATA / "demo-seed0-zen4-metrics.jsonl").read_text().splitlines()]
+    assert early_note(demo[:4], "boxed_accuracy") is None
+    dead = rounds(reward__total__mean=[0.0] * 4, groups__all_equal=[1.0] * 4, groups__all_wrong=[1.0] * 4)
+    assert early_note(dead, "accuracy").startswith("rounds 1-4: 100% of the groups gave equal rewards, nearly all")
+    assert early_note(dead[:3], "accuracy") is None and early_note(high_lr_collapse()[:5], "accuracy") is None

@@ -1,0 +1,147 @@
+"""recovery.enabled for real: a run whose reward falls rolls back to its best state, lowers its
+learning rate, goes on with unseen prompts, and ends on its best state once its rollbacks are
+spent; a run killed after a rollback resumes to the unbroken run's weights bit for bit; the same
+under two DDP processes and with asynchronous rounds.
+
+The fall is planted: `vowel_share_then_less` pays 2, 4 and 6 more in rounds 1-3 and nothing
+after, whatever the policy does, so the watched reward (the mean of 2 rounds) rises to round 3
+and falls from round 4 on, and every decision is known in advance: the best at round 3, a
+rollback at round 4 (its window holds round 3's reward and round 4's), then one at each second
+round (the window starts empty after a rollback)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_fault_tolerance import start, wait_for_steps
+from test_train import final_weights, tiny_overrides
+from test_vllm import metrics_of, train_cmd
+
+from plait.config import load_config
+from plait.train.loop import train
+from plait.train.recovery import best_checkpoint
+
+
+pytestmark = pytest.mark.slow
+
+WATCH = [
+    "rewards=[{name: 'plait_test_rewards:vowel_share_then_less'}]",
+    "recovery.enabled=true",
+    "recovery.watch=reward",
+    "recovery.window=2",
+    "recovery.margin=0.5",
+    "train.lr_scheduler=constant",
+    "data.shuffle=false",
+]
+
+
+def overrides(model, data, out, *extra):
+    return tiny_overrides(model, data, out, *WATCH, *extra)
+
+
+def consumed(run: Path, round_: int) -> int:
+    state = run / "checkpoints" / f"step_{round_:08d}" / "trainer_state.json"
+    return json.loads(state.read_text())["prompts_consumed"]
+
+
+def test_a_fall_rolls_back_to_the_best_state_and_the_last_one_ends_the_run(tiny_model_path, prompts_jsonl, tmp_path):
+    run = tmp_path / "run"
+    sets = overrides(
+        tiny_model_path,
+        prompts_jsonl,
+        run,
+        "train.max_steps=10",
+        "recovery.max_recoveries=1",
+        "checkpoint.save_steps=1",
+        "checkpoint.keep_last=20",
+    )
+    result = train(load_config(None, sets))
+    m = result.history
+    # round 4's window fell past the margin: rolled back to round 3's state at half the rate;
+    # the window starts again, and round 6's fall, with every rollback spent, ends the run
+    assert len(m) == 6
+    assert [x["recovery/rollbacks"] for x in m] == [0, 0, 0, 0, 1, 1]
+    assert [x["recovery/lr_scale"] for x in m] == [1, 1, 1, 1, 0.5, 0.5]
+    assert m[4]["lr"] == pytest.approx(0.5 * m[3]["lr"])
+    best = best_checkpoint(run)
+    assert best is not None and best.name == "step_00000003"
+    kept = load_file(str(best / "model.safetensors"))
+    ended = final_weights(run)
+    assert all(torch.equal(kept[k], ended[k]) for k in kept)  # the run ends on the best state
+    # round 5 trained from round 3's weights: what round 4 learned is gone
+    after4 = load_file(str(run / "checkpoints" / "step_00000004" / "model.safetensors"))
+    assert all(torch.equal(kept[k], after4[k]) for k in kept)  # checkpoint 4 was written after the rollback
+    # the data went on: round 5 drew the prompts after round 4's, not round 4's again
+    per_round = consumed(run, 1)
+    assert [consumed(run, r) for r in (3, 4, 5)] == [3 * per_round, 4 * per_round, 5 * per_round]
+
+
+def test_a_run_killed_after_a_rollback_resumes_as_the_unbroken_one(
+    tiny_model_path, prompts_jsonl, tmp_path, helper_env
+):
+    """The decisions (best, rollbacks, rate, the reward window) live in every checkpoint: a run
+    stopped after its first rollback and resumed makes the same later rollbacks and ends with the
+    unbroken run's weights, every round's samples, rewards and advantages bit for bit."""
+    steps = 9
+    args = ["recovery.max_recoveries=5", f"train.max_steps={steps}", "log.console=plain"]
+    straight = tmp_path / "straight"
+    res = subprocess.run(
+        train_cmd(1, overrides(tiny_model_path, prompts_jsonl, straight, *args)),
+        env=helper_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rollbacks = [x["recovery/rollbacks"] for x in metrics_of(straight)]
+    assert rollbacks == [0, 0, 0, 0, 1, 1, 2, 2, 3]  # at rounds 4, 6 and 8
+    run = tmp_path / "run"
+    sets = overrides(tiny_model_path, prompts_jsonl, run, *args, "checkpoint.save_steps=1")
+    proc = start(train_cmd(1, sets), helper_env, tmp_path / "log")
+    wait_for_steps(run, 5, proc)  # round 4's rollback is done once round 5 is logged
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    done = [int(p.name.split("_")[1]) for p in (run / "checkpoints").iterdir() if (p / "COMMITTED").is_file()]
+    assert max(done) >= 5 and max(done) < steps, (tmp_path / "log").read_text()[-3000:]
+    res = subprocess.run(
+        train_cmd(1, [*sets, "resume=auto"]), env=helper_env, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert [x["recovery/rollbacks"] for x in metrics_of(run)] == rollbacks
+    a, b = final_weights(straight), final_weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert (run / "hashes.jsonl").read_text() == (straight / "hashes.jsonl").read_text()
+
+
+@pytest.mark.parametrize("layout", ["ddp", "async"])
+def test_recovery_rolls_back_under_ddp_and_with_asynchronous_rounds(
+    layout, tiny_model_path, prompts_jsonl, tmp_path, helper_env
+):
+    """Two DDP processes roll back together (the decision is made from metrics both hold); an
+    asynchronous run rolls the trainer back while the rounds already generated ahead are trained
+    as the stale rounds they are. Both end on the best state."""
+    run = tmp_path / "run"
+    extra = ["train.max_steps=8", "recovery.max_recoveries=1", "log.console=plain"]
+    if layout == "async":
+        extra += ["rollout.max_staleness=1", "train.threads=1"]
+    nproc = 2 if layout == "ddp" else 1
+    res = subprocess.run(
+        train_cmd(nproc, overrides(tiny_model_path, prompts_jsonl, run, *extra)),
+        env=helper_env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "rolled back to round 3's state" in res.stdout
+    assert "the run ends on round 3's state" in res.stdout
+    assert [x["recovery/rollbacks"] for x in metrics_of(run)] == [0, 0, 0, 0, 1, 1]
+    kept = load_file(str(best_checkpoint(run) / "model.safetensors"))
+    ended = final_weights(run)
+    assert all(torch.equal(kept[k], ended[k]) for k in kept)
