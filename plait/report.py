@@ -112,9 +112,18 @@ def fig_rewards(history, evals, metric: str) -> bytes | None:
             [s for s, _ in ev], [v for _, v in ev], "D", color="C3", ms=7, label=f"held-out eval ({metric}, greedy)"
         )
         ax2.legend(fontsize=8)
+    for i, at in enumerate(rollback_rounds(history)):
+        ax2.axvline(at, color="C1", ls=":", label="recovery: rolled back" if i == 0 else None)
+        ax2.legend(fontsize=8)
     ax2.set_ylim(-0.02, 1.02)
     ax2.set_title("accuracy")
     return _png(fig)
+
+
+def rollback_rounds(history: list[dict]) -> list[int]:
+    """The rounds after which recovery rolled back (a round's record counts the rollbacks before it)."""
+    counts = [(round_of(m), m["recovery/rollbacks"]) for m in history if "recovery/rollbacks" in m]
+    return [r - 1 for (r, n), (_, before) in zip(counts[1:], counts) if n > before]
 
 
 def fig_length(history) -> bytes | None:
@@ -317,6 +326,11 @@ def summary_rows(history: list[dict], evals: list[dict], metric: str) -> list[tu
     if before or after:
         first, final = before[-1] if before else "-", after[-1] if after else "-"
         rows.append((f"held-out {metric}", f"{first} before -> {final} after"))
+    rolled = rollback_rounds(history)
+    if any("recovery/rollbacks" in m for m in history):
+        scale = history[-1].get("recovery/lr_scale", 1.0)
+        at = f" after round(s) {', '.join(map(str, rolled))}" if rolled else ""
+        rows.append(("recovery", f"{len(rolled)} rollback(s){at}; learning rate x{scale:g}"))
     last = history[-5:]
     for key, label in [
         ("reward/total/mean", "reward (mean of last 5 steps)"),

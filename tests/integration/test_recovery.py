@@ -24,6 +24,7 @@ from test_train import final_weights, tiny_overrides
 from test_vllm import metrics_of, train_cmd
 
 from plait.config import load_config
+from plait.report import write_report
 from plait.train.loop import train
 from plait.train.recovery import best_checkpoint
 
@@ -80,6 +81,8 @@ def test_a_fall_rolls_back_to_the_best_state_and_the_last_one_ends_the_run(tiny_
     # the data went on: round 5 drew the prompts after round 4's, not round 4's again
     per_round = consumed(run, 1)
     assert [consumed(run, r) for r in (3, 4, 5)] == [3 * per_round, 4 * per_round, 5 * per_round]
+    # the report says so, and marks the round on its accuracy figure
+    assert "1 rollback(s) after round(s) 4; learning rate x0.5" in write_report(run).read_text()
 
 
 def test_a_run_killed_after_a_rollback_resumes_as_the_unbroken_one(

@@ -1,0 +1,81 @@
+"""What comes before a fall: reads seed folders of `plait train --seeds` and prints, per run,
+the held-out accuracy before and after, the sampled accuracy's peak and the mean of its last 3
+rounds; then, over every round of every run, how the next round's sampled accuracy moved
+after an update made from few informative completions and after one made from many.
+
+    python bench/peak_analysis.py runs/demo-base runs/demo-signal ...
+
+An update's informative share is `update/signal_share` (completions with a non-zero advantage),
+or 1 - `groups/all_equal` in runs that did not log it. The sampled accuracy of one round is a
+mean over 8 prompts (its standard error is about 0.17 at 0.5), so single rounds say little; the
+means over many rounds are what the docs quote.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def informative(m: dict) -> float:
+    return m["update/signal_share"] if "update/signal_share" in m else 1.0 - m["groups/all_equal"]
+
+
+def run_row(run: Path) -> dict:
+    metrics = records(run / "metrics.jsonl")
+    evals = {e["tag"]: e for e in records(run / "eval.jsonl")} if (run / "eval.jsonl").is_file() else {}
+    metric = next(k for k in evals.get("after", {}) if k not in ("tag", "round", "step", "n")) if evals else None
+    acc = [m["accuracy"] for m in metrics]
+    peak = max(range(len(acc)), key=acc.__getitem__)
+    return {
+        "run": run.name,
+        "before": evals.get("before", {}).get(metric),
+        "after": evals.get("after", {}).get(metric),
+        "peak": acc[peak],
+        "peak_round": peak + 1,
+        "last3": statistics.fmean(acc[-3:]),
+        "entropy": (metrics[0].get("entropy"), metrics[-1].get("entropy")),
+        "informative": statistics.fmean(informative(m) for m in metrics),
+    }
+
+
+def moves(runs: list[Path], cut: float = 0.4) -> dict[str, list[float]]:
+    """The next round's change in sampled accuracy after updates from a share of informative
+    completions below `cut`, and at or above it."""
+    out = {"few": [], "many": []}
+    for run in runs:
+        metrics = records(run / "metrics.jsonl")
+        for now, nxt in zip(metrics, metrics[1:]):
+            out["few" if informative(now) < cut else "many"].append(nxt["accuracy"] - now["accuracy"])
+    return out
+
+
+def main(groups: list[str]) -> None:
+    for group in map(Path, groups):
+        runs = sorted(p for p in group.iterdir() if (p / "metrics.jsonl").is_file())
+        print(f"== {group}")
+        for r in map(run_row, runs):
+            e0, e1 = r["entropy"]
+            print(
+                f"{r['run']}: greedy {r['before']} -> {r['after']}; sampled peak {r['peak']:.2f} (round "
+                f"{r['peak_round']}), last 3 {r['last3']:.2f} ({r['last3'] / max(r['peak'], 1e-9):.2f} of the peak); "
+                f"entropy {e0:.2f} -> {e1:.2f}; informative share {r['informative']:.2f}"
+            )
+        for kind, values in moves(runs).items():
+            if values:
+                mean = statistics.fmean(values)
+                sd = statistics.stdev(values) if len(values) > 1 else 0.0
+                print(
+                    f"  after updates from {kind} informative completions: next round's sampled accuracy "
+                    f"{mean:+.3f} +- {sd:.3f} (n = {len(values)})"
+                )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
