@@ -52,7 +52,10 @@ def larger(rng: random.Random, n: int) -> list[dict]:
 
 EXAMPLES = {
     "multiply": [("What is 2 times 41?", "2 times 41 is 82."), ("What is 10 times 12?", "10 times 12 is 120.")],
-    "larger": [("Which is larger, 3 or 8?", "The larger is 8."), ("Which is larger, 105 or 101?", "The larger is 105.")],
+    "larger": [
+        ("Which is larger, 3 or 8?", "The larger is 8."),
+        ("Which is larger, 105 or 101?", "The larger is 105."),
+    ],
 }
 
 CONFIG = """\
