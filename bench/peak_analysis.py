@@ -42,6 +42,15 @@ def run_row(run: Path) -> dict:
         "last3": statistics.fmean(acc[-3:]),
         "entropy": (metrics[0].get("entropy"), metrics[-1].get("entropy")),
         "informative": statistics.fmean(informative(m) for m in metrics),
+        # the candidates ruled in or out: each one's largest (or mean) value over the run
+        "clip": max(m.get("clip/fraction", 0.0) for m in metrics),
+        "gap": max(m.get("logprob_gap", 0.0) for m in metrics),
+        "truncated": max(m.get("completion/truncated", 0.0) for m in metrics),
+        "length": (
+            min(m["completion/length_mean"] for m in metrics),
+            max(m["completion/length_mean"] for m in metrics),
+        ),
+        "clipped_norm": statistics.fmean(m.get("grad_norm", 0.0) > 1.0 for m in metrics),
     }
 
 
@@ -66,6 +75,11 @@ def main(groups: list[str]) -> None:
                 f"{r['run']}: greedy {r['before']} -> {r['after']}; sampled peak {r['peak']:.2f} (round "
                 f"{r['peak_round']}), last 3 {r['last3']:.2f} ({r['last3'] / max(r['peak'], 1e-9):.2f} of the peak); "
                 f"entropy {e0:.2f} -> {e1:.2f}; informative share {r['informative']:.2f}"
+            )
+            print(
+                f"  largest clip fraction {r['clip']:.3f}, engine/trainer log-prob gap {r['gap']:.2g}, truncated "
+                f"{r['truncated']:.2f}; mean length {r['length'][0]:.1f}-{r['length'][1]:.1f}; gradient norm above "
+                f"1 (clipped at the default max_grad_norm) in {r['clipped_norm']:.0%} of the rounds"
             )
         for kind, values in moves(runs).items():
             if values:
