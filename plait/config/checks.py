@@ -163,6 +163,26 @@ def check_keep_best(cfg: Config, env: Env) -> list[str]:
     return []
 
 
+def check_recovery(cfg: Config, env: Env) -> list[str]:
+    """recovery needs a score to watch within the run."""
+    r = cfg.recovery
+    if not r.enabled:
+        return []
+    if r.watch == "eval" and not cfg.eval.every_steps:
+        return [
+            "recovery.watch=eval rolls back on a falling evaluation, but nothing is evaluated during the run "
+            "(eval.every_steps=0): set eval.every_steps (e.g. 5), or recovery.watch=reward"
+        ]
+    watching_reward = r.watch == "reward" or (r.watch == "auto" and not cfg.eval.every_steps)
+    if watching_reward and r.window >= cfg.train.max_steps:
+        return [
+            f"recovery watches the mean reward over recovery.window={r.window} rounds, but the run has "
+            f"train.max_steps={cfg.train.max_steps}: no fall could be seen. Use a window of at most "
+            f"{max(1, cfg.train.max_steps // 3)}, or evaluate during the run (eval.every_steps)"
+        ]
+    return []
+
+
 def check_async(cfg: Config, env: Env) -> list[str]:
     """Asynchronous generation needs an engine off the training process; in-flight weight
     updates need async generation with the HF generation process."""
@@ -832,6 +852,7 @@ CHECKS: tuple[Check, ...] = (
     check_async,
     check_rollout_precision,
     check_keep_best,
+    check_recovery,
     check_log_sinks,
     check_restarts,
     check_sampling,

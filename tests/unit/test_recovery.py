@@ -68,3 +68,13 @@ def test_a_scaled_step_moves_the_weights_by_the_scale_and_the_schedule_goes_on()
         moves.append(model.weight.detach() - before)
     torch.testing.assert_close(moves[1], moves[0] * 0.25, rtol=1e-4, atol=1e-9)
     assert moves[0].abs().min() > 0.9 * 1e-2 / 4  # every weight moved by (about) the whole rate
+
+
+def test_a_recovery_with_nothing_to_watch_is_refused_before_anything_loads():
+    from plait.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"recovery.watch=eval .* set eval.every_steps \(e.g. 5\)"):
+        validate(load_config(None, ["recovery.enabled=true", "recovery.watch=eval"]))
+    with pytest.raises(ConfigError, match=r"recovery.window=20 rounds, but the run has train.max_steps=20"):
+        validate(load_config(None, ["recovery.enabled=true", "recovery.window=20"]))
+    validate(load_config(None, ["recovery.enabled=true", "eval.every_steps=5"]))  # the evaluation: fine
