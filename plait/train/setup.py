@@ -39,7 +39,7 @@ from plait.train.backends.base import Backend
 from plait.train.determinism import deterministic_process
 from plait.train.guard import NonFiniteGuard, precisions
 from plait.train.metrics import describe_processes
-from plait.train.recovery import RecoveryState
+from plait.train.recovery import RecoveryState, watched
 from plait.train.rollouts import RolloutSource, SourceState, make_rollout_source
 from plait.train.rundir import prepare_run_dir
 from plait.train.update import why_nothing_is_skipped
@@ -203,6 +203,18 @@ def build_run(
     rewards, metric = bind_rewards(cfg.rewards, sandbox), bind_metric(cfg.eval.metric, sandbox)
     why = why_nothing_is_skipped(cfg)
     say("zero-advantage completions: " + ("left out of the update" if why is None else f"trained ({why})"))
+    if cfg.train.lr_by_signal:
+        say(
+            "learning rate: each update's times the share of its completions with a non-zero advantage "
+            "(train.lr_by_signal)"
+        )
+    if cfg.recovery.enabled:
+        r = cfg.recovery
+        what = {"eval": f"evaluation ({cfg.eval.metric})", "reward": f"mean reward over {r.window} rounds"}
+        say(
+            f"recovery: watching the {what[watched(cfg)]}; a fall of more than {r.margin:g} below its best rolls back "
+            f"to the best state (learning rate x{r.lr_factor:g}, at most {r.max_recoveries} times)"
+        )
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     tools = Tools.from_config(cfg, tokenizer)  # its sandbox, too, refuses below min_tier now
     for line in (tools.describe() or "").splitlines():
