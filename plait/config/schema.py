@@ -603,10 +603,12 @@ class TrainConfig(Section):
         "run's updates when it has fewer (a one-round smoke test); set, it must fit the run.",
     )
     lr_by_signal: bool = Field(
-        False,
+        True,
         description="Multiply each update's learning rate by the share of its completions that carry a gradient "
         "(a non-zero advantage): an update from 2 of 8 groups moves the policy a quarter as far as one from all 8. "
-        "AdamW and gradient clipping otherwise take steps of one size whatever the share (docs/reproducibility.md).",
+        "AdamW and gradient clipping otherwise take steps of one size whatever the share, and a step made from a "
+        "few groups moves the policy as far as one from many (docs/reproducibility.md, 'Runs that hold their "
+        "peak'); false = the learning rate as TRL means it.",
     )
     min_lr_ratio: float = Field(
         0.0, ge=0.0, le=1.0, description="Linear and cosine decay end at this share of the peak LR (0 = decay to 0)."

@@ -383,6 +383,7 @@ def _batch(recipe, get, given, unmapped, out: Conversion, processes: int, rows: 
 
 def _optimizer(recipe, get, given, unmapped, out: Conversion, rounds_per_epoch: float | None) -> None:
     out.set("train.learning_rate", float(get("learning_rate")))
+    out.set("train.lr_by_signal", False)  # TRL's rate is every update's, whatever share of it teaches
     kind = get("lr_scheduler_type")
     if kind in SCHEDULES:
         out.set("train.lr_scheduler", SCHEDULES[kind])

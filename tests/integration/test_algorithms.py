@@ -117,8 +117,8 @@ OPTIONS = {
         ),
     ),
     "steps-per-generation": (
-        ["algo.steps_per_generation=2", "algo.num_iterations=2"],
-        [],
+        ["algo.steps_per_generation=2", "algo.num_iterations=2", "train.lr_by_signal=false"],
+        ["train.lr_by_signal=false"],
         # 4 updates a round: round 1's mean LR over warmup (0.5, 1) and cosine (1, cos(pi/6))
         lambda h, b: (
             h[0]["lr"] == pytest.approx(1e-3 * (0.5 + 1 + 1 + (1 + math.cos(math.pi / 6)) / 2) / 4)

@@ -38,6 +38,7 @@ WATCH = [
     "recovery.window=2",
     "recovery.margin=0.5",
     "train.lr_scheduler=constant",
+    "train.lr_by_signal=false",  # the logged rate is then the schedule's times recovery's scale alone
     "data.shuffle=false",
 ]
 

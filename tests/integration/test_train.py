@@ -62,6 +62,7 @@ def test_cli_train_end_to_end(tiny_model_path, prompts_jsonl, tmp_path, helper_e
         "eval.after=true",
         "checkpoint.save_steps=2",
         "log.console=plain",
+        "train.lr_by_signal=false",  # the logged rate is the schedule's alone
     )
     cmd = [sys.executable, "-m", "plait.cli", "train", *sum((["--set", a] for a in args), [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=helper_env, timeout=600)
