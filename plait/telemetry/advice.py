@@ -153,8 +153,8 @@ def _mean(values) -> float:
 def converged(history: list[dict], metric: str | None = None) -> bool:
     """The reward rose, ended at its best (smoothed, within 2%) and near what a completion can
     earn (the way from the first third to the run's best completion covered to NEAR_CEILING;
-    in records without it, the accuracy at 0.8 or more where logged): falling entropy and equal groups are then
-    the policy settling on what earns the reward, not a collapse. One good last round is not
+    in records without it, the accuracy at 0.8 or more where logged): falling entropy and equal
+    groups are then the policy settling on what earns the reward, not a collapse. One good last round is not
     that, nor equal groups that are all wrong."""
     rewards = [m["reward/total/mean"] for m in history if m.get("reward/total/mean") is not None]
     if len(rewards) < MIN_ROUNDS:
@@ -300,7 +300,8 @@ def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None
             notes.append(
                 f"the reward fell from its peak ({smooth[top]:.3f}, smoothed, around round {rounds[top]}) to "
                 f"{smooth[-1]:.3f} at the end: the policy degraded. Try {lower_lr}, a KL term (algo.beta > 0), "
-                "and checkpoint.keep_best=true to keep the best evaluated model"
+                "and recovery.enabled=true to roll the run back to its best state when it falls (or "
+                "checkpoint.keep_best=true to keep the best evaluated model)"
             )
     scored = [(round_of(e), e[metric]) for e in evals if metric and e.get(metric) is not None]
     if len(scored) >= 2:
@@ -308,7 +309,8 @@ def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None
         if scored[-1][1] < best[1] - 0.05:
             notes.append(
                 f"the evaluation ({metric}) peaked at {best[1]:.3f} (round {best[0]}) and ended at "
-                f"{scored[-1][1]:.3f}: checkpoint.keep_best=true keeps the best model; try {lower_lr}"
+                f"{scored[-1][1]:.3f}: recovery.enabled=true rolls a falling run back to its best state, "
+                f"checkpoint.keep_best=true keeps the best model; try {lower_lr}"
             )
     notes += takeover_notes(history, cfg)
     for key, fires, note in TRENDS:
