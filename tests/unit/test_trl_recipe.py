@@ -76,6 +76,7 @@ def test_an_open_r1_recipe_maps_key_by_key():
     assert c["train"]["max_steps"] == 313 and c["train"]["warmup_steps"] == 32
     assert c["train"]["lr_scheduler"] == "cosine" and c["train"]["min_lr_ratio"] == 0.1
     assert c["train"]["learning_rate"] == 2e-5 and c["train"]["precision"] == "bf16"
+    assert c["train"]["lr_by_signal"] is False  # TRL's rate is every update's
     assert c["checkpoint"] == {"save_steps": 312, "keep_last": 1}
     assert c["rollout"]["engine"] == "vllm" and c["rollout"]["vllm"]["mode"] == "colocate"
     assert c["seed"] == 42 and c["eval"] == {"before": False, "after": False}
