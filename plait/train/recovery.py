@@ -35,7 +35,6 @@ class RecoveryState:
     rollbacks: int = 0
     lr_scale: float = 1.0  # lr_factor ** rollbacks
     window: list[float] = field(default_factory=list)  # watch=reward: the last rounds' mean rewards
-    events: list[dict] = field(default_factory=list)  # each rollback: round, score, best, best_round, lr_scale
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -121,15 +120,6 @@ def defend(run, round_: int, score: float, trainer_state: Callable[[], dict]) ->
     state.rollbacks += 1
     state.lr_scale *= rc.lr_factor
     state.window = []
-    state.events.append(
-        {
-            "round": round_,
-            "score": score,
-            "best": state.best,
-            "best_round": state.best_round,
-            "lr_scale": state.lr_scale,
-        }
-    )
     run.say(
         f"[bold yellow]recovery[/]: {fell}: rolled back to round {state.best_round}'s state, learning rate x"
         f"{state.lr_scale:g}, on with unseen prompts (rollback {state.rollbacks} of {rc.max_recoveries})"

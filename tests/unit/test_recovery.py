@@ -37,7 +37,7 @@ def test_the_reward_score_is_the_mean_of_a_full_window():
 
 
 def test_the_state_goes_through_a_checkpoints_json_unchanged():
-    state = RecoveryState(0.5, 12, 1, 0.5, [1.0, 1.5], [{"round": 15, "score": 0.3, "best": 0.5}])
+    state = RecoveryState(0.5, 12, 1, 0.5, [1.0, 1.5])
     assert RecoveryState.from_dict(json.loads(json.dumps(state.to_dict()))) == state
     assert RecoveryState.from_dict(None) == RecoveryState()  # a checkpoint written before recovery existed
 
