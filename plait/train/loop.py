@@ -125,9 +125,9 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
                     accuracy = run_eval(run, f"round {round_}", round_)
                 score = accuracy if watched(cfg) == "eval" else score
             ended = score is not None and defend(run, round_, score, lambda: trainer_state(run))
-            if due and not ended:
+            if due or ended:  # a run that ends early saves here, while an async producer still runs
                 with run.timer("checkpoint"):  # async: only the copy to CPU (and waiting for the previous save)
-                    save(run, round_, blocking=stopping or not cfg.checkpoint.async_save)
+                    save(run, round_, blocking=stopping or ended or not cfg.checkpoint.async_save)
                 last_save, saved = time.monotonic(), round_
             if stopping:
                 run.sink.close()
@@ -136,7 +136,7 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
                 break
     finally:
         run.rollouts.close()
-    finish_run(run, round_ if run.start < cfg.train.max_steps else run.start)
+    finish_run(run, round_ if run.start < cfg.train.max_steps else run.start, saved)
     return run.result
 
 
@@ -319,13 +319,14 @@ def _save_due(cfg: Config, round_: int, stop: StopSignal, last_save: float) -> t
     return stopping and not final, not final and (by_steps or by_time or stopping)
 
 
-def finish_run(run: Run, last: int) -> None:
-    """The final checkpoint after round `last` (so the run can be resumed or extended), the
-    last evaluation, the exported model and the summary. With recovery watching the
-    evaluation, a last evaluation past the margin below the best ends the run on the best state."""
+def finish_run(run: Run, last: int, saved: int) -> None:
+    """The final checkpoint after round `last` unless round `saved` is it (so the run can be
+    resumed or extended), the last evaluation, the exported model and the summary. With recovery
+    watching the evaluation, a last evaluation past the margin below the best ends the run on the
+    best state."""
     cfg = run.cfg
     run.sink.close()
-    if run.start < last:
+    if saved < last:
         save(run, last)
     if cfg.eval.after:
         run.result.eval_after = run_eval(run, "after", last)
