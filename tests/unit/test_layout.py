@@ -114,3 +114,14 @@ def test_no_import_cycles():
         if m not in state:
             visit(m, [m])
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_two_test_files_share_a_name():
+    """The test folders are not packages, so pytest imports each file by its bare name: two
+    files of one name in different folders make the second an import error in a full run (while
+    either folder alone passes)."""
+    tests = Path(__file__).resolve().parents[1]
+    names: dict[str, list[str]] = {}
+    for path in tests.rglob("test_*.py"):
+        names.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert {n: p for n, p in names.items() if len(p) > 1} == {}
