@@ -249,13 +249,23 @@ def _recipe_arguments(p: argparse.ArgumentParser) -> None:
 
 def _load(args, overrides: list[str] | None = None):
     """The config of a command: its YAML file, or the TRL recipe converted (said on stderr)."""
-    from plait.config import load_config
+    from plait.config import ConfigError, validate
 
-    overrides = args.overrides if overrides is None else overrides
+    try:
+        return _read_config(args, args.overrides if overrides is None else overrides)
+    except ConfigError as err:
+        if err.config is not None:  # unknown keys: the rest's problems in the same message
+            validate(err.config, getattr(args, "world_size", None), also=err.problems)
+        raise
+
+
+def _read_config(args, overrides: list[str]):
+    """The config as read, before the checks that need it whole."""
+    from plait.config import ConfigError, load_config
+    from plait.config.load import config_from_dict
+
     if getattr(args, "trl_config", None) is None:
         return load_config(args.config, overrides)
-    from plait.config import ConfigError
-    from plait.config.load import config_from_dict
     from plait.config.trl import describe, recipe_to_config
 
     if args.config is not None:
@@ -440,9 +450,9 @@ def cmd_check(args) -> int:
     from plait.data import data_problems, data_warnings, environment_prompt_problems
 
     cfg = _load(args)
-    plan = validate(cfg, args.world_size)
-    problems = data_problems(cfg.data) + reward_parameter_problems(cfg)  # the data too (no model loads)
-    problems += environment_prompt_problems(cfg)  # the tokenizer only
+    # the data too (no model loads), in the same pass as the config's own problems
+    plan = validate(cfg, args.world_size, also=data_problems(cfg.data) + reward_parameter_problems(cfg))
+    problems = environment_prompt_problems(cfg)  # the tokenizer only
     if problems:
         raise ConfigError(problems)
     print(
@@ -451,7 +461,7 @@ def cmd_check(args) -> int:
         f"{plan.completions_per_process} per process = {plan.gradient_accumulation_steps} micro-batches "
         f"of {plan.micro_batch_size}"
     )
-    for note in [*plan.notes, *data_warnings(cfg.data)]:
+    for note in [*plan.notes, *data_warnings(cfg.data), *_agent_notes(cfg)]:
         print(note)
     from plait.config import resolve_backend
 
@@ -486,6 +496,16 @@ def cmd_check(args) -> int:
         tier = tool_sandbox(cfg).tier
         print(f"environments: trl_env calls replayed under sandbox tier '{tier}' (minimum '{cfg.sandbox.min_tier}')")
     return 0
+
+
+def _agent_notes(cfg) -> list[str]:
+    """What `plait check` can see of an agent's token budget (rollout.agent; none without one)."""
+    if cfg.rollout.agent is None:
+        return []
+    from plait.tools.agent import budget_note  # (the endpoint's web stack: only for an agent)
+
+    note = budget_note(cfg)
+    return [] if note is None else [note]
 
 
 def cmd_eval(args) -> int:

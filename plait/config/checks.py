@@ -470,14 +470,14 @@ def reward_parameter_problems(cfg: Config) -> list[str]:
     return out
 
 
-def _user_loop_problems(key: str, spec: str, beside: bool) -> list[str]:
-    """`key` (rollout.rollout_func, rollout.agent.function): a function that imports, and no
-    other loop `beside` it."""
+def _user_loop_problems(key: str, spec: str, beside: bool, kind: str) -> list[str]:
+    """`key` (rollout.rollout_func, rollout.agent.function): a `kind` of function that imports,
+    and no other loop `beside` it."""
     from plait.tools.calls import resolve_function
 
     out = []
     try:
-        resolve_function(spec)
+        resolve_function(spec, kind)
     except Exception as err:  # noqa: BLE001 - an import error, a missing name: said with the fix
         out.append(
             f"{key} {spec!r}: {type(err).__name__}: {err} (write it as 'module:function', importable from where "
@@ -497,7 +497,7 @@ def check_rollout_func(cfg: Config, env: Env) -> list[str]:
     if spec is None:
         return []
     beside = cfg.rollout.tools is not None or any(e.type in ROW_TYPES for e in cfg.environments)
-    return _user_loop_problems("rollout.rollout_func", spec, beside)
+    return _user_loop_problems("rollout.rollout_func", spec, beside, "rollout function")
 
 
 def check_agent(cfg: Config, env: Env) -> list[str]:
@@ -510,7 +510,7 @@ def check_agent(cfg: Config, env: Env) -> list[str]:
         or cfg.rollout.rollout_func is not None
         or any(e.type in ROW_TYPES for e in cfg.environments)
     )
-    return _user_loop_problems("rollout.agent.function", a.function, beside)
+    return _user_loop_problems("rollout.agent.function", a.function, beside, "agent function")
 
 
 def check_tools(cfg: Config, env: Env) -> list[str]:
@@ -880,16 +880,17 @@ CHECKS: tuple[Check, ...] = (
 )
 
 
-def validate(cfg: Config, world_size: int | None = None) -> BatchPlan:
+def validate(cfg: Config, world_size: int | None = None, also: list[str] | None = None) -> BatchPlan:
     """Check the whole config against itself and the machine; return the BatchPlan.
 
     Runs before any model is loaded and raises one ConfigError listing *every* problem,
-    each with the numbers involved and values that would work.
+    each with the numbers involved and values that would work; `also`: problems found before
+    (the config's unknown keys) or beside it (the data's), reported in the same pass.
     """
     from plait.plan import BatchPlan
 
     env = probe(cfg, world_size)
-    problems = [problem for check in CHECKS for problem in check(cfg, env)]
+    problems = [*(also or []), *(problem for check in CHECKS for problem in check(cfg, env))]
     if problems:
         raise ConfigError(problems)
     assert isinstance(env.plan, BatchPlan)

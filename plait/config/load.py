@@ -35,25 +35,34 @@ def _section_type(model: type[BaseModel], key: str) -> type[BaseModel] | None:
     return None
 
 
-def unknown_keys(raw: Any, model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
-    """Every key in `raw` that `model` does not have, with the nearest valid name."""
-    problems: list[str] = []
+def known_only(raw: Any, model: type[BaseModel] = Config, prefix: str = "") -> tuple[Any, list[str]]:
+    """`raw` without the keys `model` does not have, and a problem for each of them with the
+    nearest valid name."""
     if not isinstance(raw, dict):
-        return problems
+        return raw, []
     fields = list(model.model_fields)
+    kept: dict = {}
+    problems: list[str] = []
     for key, value in raw.items():
         where = f"{prefix}{key}"
         if key not in model.model_fields:
             problems.append(f"unknown key '{where}'.{did_you_mean(str(key), fields)}")
             continue
         sub = _section_type(model, key)
-        if sub is None:
-            continue
-        items = value if isinstance(value, list) else [value]
-        for i, item in enumerate(items):
-            sub_prefix = f"{where}.{i}." if isinstance(value, list) else f"{where}."
-            problems += unknown_keys(item, sub, sub_prefix)
-    return problems
+        if sub is not None and isinstance(value, list):
+            pairs = [known_only(item, sub, f"{where}.{i}.") for i, item in enumerate(value)]
+            value = [item for item, _ in pairs]
+            problems += [p for _, found in pairs for p in found]
+        elif sub is not None:
+            value, found = known_only(value, sub, f"{where}.")
+            problems += found
+        kept[key] = value
+    return kept, problems
+
+
+def unknown_keys(raw: Any, model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """Every key in `raw` that `model` does not have, with the nearest valid name."""
+    return known_only(raw, model, prefix)[1]
 
 
 def apply_override(raw: dict, dotted: str) -> None:
@@ -151,13 +160,14 @@ def config_from_dict(raw: dict, overrides: list[str] | None = None) -> Config:
     raw = copy.deepcopy(raw)
     for ov in overrides or []:
         apply_override(raw, ov)
-    problems = unknown_keys(raw)
-    if problems:
-        raise ConfigError(problems)
+    known, unknown = known_only(raw)
     try:
-        return Config.model_validate(raw)
+        cfg = Config.model_validate(known)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err)) from None
+        raise ConfigError(unknown + _format_validation_error(err)) from None
+    if unknown:
+        raise ConfigError(unknown, config=cfg)
+    return cfg
 
 
 def with_overrides(cfg: Config, overrides: list[str]) -> Config:

@@ -35,8 +35,11 @@ EngineIsMode = Literal[ENGINE_IS_MODES]
 class ConfigError(ValueError):
     """Raised with every problem found, one per line, before any model is loaded."""
 
-    def __init__(self, problems: list[str]):
+    def __init__(self, problems: list[str], config: "Config | None" = None):
         self.problems = list(problems)
+        # the config without the keys it names, when the rest is valid: later checks still run on
+        # it, so that one pass reports every problem (a misspelt key hides nothing behind it)
+        self.config = config
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{len(self.problems)} problem(s) in the configuration:\n{lines}")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from plait import comm
 from plait.checkpoint import save_checkpoint, wait_for_saves
-from plait.config import Config, ConfigError, resolve_backend, validate
+from plait.config import Config, resolve_backend, validate
 from plait.config.checks import reward_parameter_problems
 from plait.data import data_problems
 from plait.envs import EnvironmentFailed, agent_error_problem, error_share_problem
@@ -70,10 +70,8 @@ class RoundResult:
 
 def train(cfg: Config, console: str | None = None) -> TrainResult:
     """Run GRPO. Every training process (one, or N under torchrun or Ray) runs this same function."""
-    plan = validate(cfg)  # every config problem, before anything heavy loads
-    problems = data_problems(cfg.data) + reward_parameter_problems(cfg)  # the data's, before a run directory exists
-    if problems:
-        raise ConfigError(problems)
+    # every config problem and the data's, in one pass, before a run directory exists or anything heavy loads
+    plan = validate(cfg, also=data_problems(cfg.data) + reward_parameter_problems(cfg))
     backend = make_backend(resolve_backend(cfg, plan.training_processes), cfg, resolve_device(cfg.train.device))
     stop = StopSignal().install()  # SIGTERM/SIGINT: finish the round, checkpoint, exit (Preempted)
     try:
@@ -113,7 +111,7 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
                 keep_rounds_done(run, round_ - 1, saved, consumed)
                 raise
             stopping, due = _save_due(cfg, round_, stop, last_save)
-            log_round(run, round_, out)
+            log_round(run, round_, out, saved)
             score = None
             if watched(cfg) == "reward":
                 score = reward_score(run.recovery, run.result.history[-1]["reward/total/mean"], cfg.recovery.window)
@@ -179,9 +177,11 @@ def step_accuracy(groups: list[Group], metric: BoundReward, sampling: SamplingSt
     return [v or 0.0 for v in values[metric.name]]
 
 
-def log_round(run: Run, round_: int, out: RoundResult) -> None:
+def log_round(run: Run, round_: int, out: RoundResult, saved: int) -> None:
     """A round's telemetry: rollout and update metrics, reward and sandbox health, time per
-    phase (the slowest process's), throughput/MFU/memory; to every sink, with samples."""
+    phase (the slowest process's), throughput/MFU/memory; to every sink, with samples. Stops the
+    run when environments or the agent failed past their share (`saved`: the last checkpoint's
+    round, 0 for none, which the stop message says how to resume from)."""
     cfg, update = run.cfg, out.update
     if update["nonfinite_steps"]:
         run.say(
@@ -211,8 +211,8 @@ def log_round(run: Run, round_: int, out: RoundResult) -> None:
     metrics.update(run.meter.measure(flops, metrics.pop("tokens/processed"), times))
     run.sink.log(round_, metrics)
     run.result.history.append(metrics)
-    failing = error_share_problem(cfg.environments, metrics, round_) or agent_error_problem(
-        cfg.rollout.agent, metrics, round_
+    failing = error_share_problem(cfg.environments, metrics, round_, saved) or agent_error_problem(
+        cfg.rollout.agent, metrics, round_, saved
     )
     if failing:  # every process sees the same gathered counts, so all stop here
         raise EnvironmentFailed(failing)

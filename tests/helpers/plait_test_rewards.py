@@ -35,14 +35,17 @@ def vowel_share_crash_env(completions, **kwargs):
 
 
 def vowel_share_kill_env(completions, **kwargs):
-    """vowel_share, but on call number $PLAIT_TEST_KILL_CALL it SIGKILLs (or sends
-    $PLAIT_TEST_KILL_SIGNAL to) process group $PLAIT_TEST_KILL_PGID, or process
-    $PLAIT_TEST_KILL_PID (a rollout server, or its engine alone, dying or hanging mid-run)."""
+    """vowel_share, but in round $PLAIT_TEST_KILL_ROUND (from `trainer_state`, however many reward
+    calls a round makes) it SIGKILLs (or sends $PLAIT_TEST_KILL_SIGNAL to) process group
+    $PLAIT_TEST_KILL_PGID, or process $PLAIT_TEST_KILL_PID, once: a rollout server, or its engine
+    alone, dying or hanging mid-run."""
     import os
     import signal
 
-    CALLS["n"] += 1
-    if os.environ.get("PLAIT_TEST_KILL_CALL") and CALLS["n"] == int(os.environ["PLAIT_TEST_KILL_CALL"]):
+    state = kwargs.get("trainer_state")
+    at = os.environ.get("PLAIT_TEST_KILL_ROUND")
+    if at and state is not None and state.global_step + 1 == int(at) and not CALLS.get("killed"):
+        CALLS["killed"] = True
         sig = signal.Signals[os.environ.get("PLAIT_TEST_KILL_SIGNAL", "SIGKILL")]
         if "PLAIT_TEST_KILL_PID" in os.environ:
             os.kill(int(os.environ["PLAIT_TEST_KILL_PID"]), sig)
