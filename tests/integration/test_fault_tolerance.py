@@ -55,10 +55,11 @@ def test_a_non_finite_step_is_skipped_and_too_many_stop_the_run(tiny_model_path,
     # step 2 changed nothing: weights, AdamW moments and the LR schedule are step 1's
     w1, w2, w3 = (load_file(str(ckpt(run, s) / "model.safetensors")) for s in (1, 2, 3))
     assert all(torch.equal(w1[k], w2[k]) for k in w1) and any(not torch.equal(w2[k], w3[k]) for k in w2)
-    o1, o2 = (torch.load(ckpt(run, s) / "optimizer.pt", weights_only=False)["optimizer"] for s in (1, 2))
-    assert all(torch.equal(o1["state"][i]["exp_avg"], o2["state"][i]["exp_avg"]) for i in o1["state"])
-    s1, s2 = (torch.load(ckpt(run, s) / "scheduler.pt", weights_only=False) for s in (1, 2))
-    assert s1["last_epoch"] == s2["last_epoch"]
+    o1, o2, o3 = (torch.load(ckpt(run, s) / "optimizer.pt", weights_only=False)["optimizer"] for s in (1, 2, 3))
+    assert_same_optimizer_state(o2, o1)  # every parameter's step, exp_avg and exp_avg_sq; the lr
+    assert all(o3["state"][i]["step"] == o1["state"][i]["step"] + 1 for i in o1["state"])  # step 3 updated
+    s1, s2, s3 = (torch.load(ckpt(run, s) / "scheduler.pt", weights_only=False) for s in (1, 2, 3))
+    assert s1 == s2 and s3["last_epoch"] == s1["last_epoch"] + 1
     assert all(torch.isfinite(v).all() for v in final_weights(run).values())
 
     run2 = tmp_path / "diverging"
@@ -128,8 +129,21 @@ def test_deepspeed_skips_a_non_finite_step_too(stage, tiny_model_path, prompts_j
         for s in (1, 2, 3)
     ]
     tensors = [[t for t in _tensors(o)] for o in optim]
-    assert all(torch.equal(a, b) for a, b in zip(tensors[0], tensors[1]))  # the skipped step changed nothing
-    assert not all(torch.equal(a, b) for a, b in zip(tensors[1], tensors[2]))
+    assert len(tensors[0]) > 0
+    # every tensor of the state (moments and step counts), none left out by a shorter list
+    assert all(torch.equal(a, b) for a, b in zip(tensors[0], tensors[1], strict=True))  # the skip changed nothing
+    assert not all(torch.equal(a, b) for a, b in zip(tensors[1], tensors[2], strict=True))
+
+
+def assert_same_optimizer_state(got: dict, want: dict) -> None:
+    """Two optimizer state dicts agree: every tensor of every parameter's state (AdamW's step,
+    exp_avg, exp_avg_sq) `torch.equal`, and the param groups (lr, betas, weight decay...) `==`."""
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys()
+    for i, kept in want["state"].items():
+        assert got["state"][i].keys() == kept.keys() == {"step", "exp_avg", "exp_avg_sq"}, i
+        for name, value in kept.items():
+            assert torch.equal(got["state"][i][name], value), (i, name)
 
 
 def _tensors(tree):

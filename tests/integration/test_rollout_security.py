@@ -182,8 +182,9 @@ def test_oversized_malformed_and_slow_bodies(server):
     served(server)
 
 
-def _generation_port(deadline: float) -> int | None:
-    """The port of the HF generation process this test's trainer started, once it runs."""
+def _generation_port(deadline: float, cmdlines: list | None = None) -> int | None:
+    """The port of the HF generation process this test's trainer started, once it runs (its
+    command line, as the system shows it, appended to `cmdlines`)."""
     while time.monotonic() < deadline:
         for c in psutil.Process().children(recursive=True):
             try:
@@ -191,6 +192,8 @@ def _generation_port(deadline: float) -> int | None:
             except psutil.Error:
                 continue
             if "plait.rollout.server" in cmd:
+                if cmdlines is not None:
+                    cmdlines.append(cmd)
                 return json.loads(cmd[cmd.index("plait.rollout.server") + 4])[0]
         time.sleep(0.05)
     return None
@@ -238,25 +241,46 @@ def flooding(url_of, workers: int = 4):
         assert len(seen) >= 4 and set(seen) == {401}, (seen[:20], errors[:5])
 
 
-def test_an_async_run_under_a_junk_flood_ends_with_the_undisturbed_weights(tiny_model_path, prompts_jsonl, tmp_path):
+def test_an_async_run_under_a_junk_flood_ends_with_the_undisturbed_weights(
+    tiny_model_path, prompts_jsonl, tmp_path, monkeypatch
+):
     """The HF generation process of an asynchronous run (its weight pushes included) takes junk
-    from 4 threads for the whole run; the run's final weights equal an undisturbed run's."""
+    from 4 threads for the whole run; the run's final weights equal an undisturbed run's. The
+    run's token is in no file of its run directory (config.yaml among them) and not on the
+    generation process's command line."""
+    from plait.rollout import auth
+
+    made = []  # the tokens the runs make for their generation process
+
+    def recorded_token() -> str:
+        made.append(new_token())
+        return made[-1]
+
+    monkeypatch.setattr(auth, "new_token", recorded_token)
     runs = {}
     for name in ("quiet", "flooded"):
         out = tmp_path / name
         cfg = load_config(
             None, tiny_overrides(tiny_model_path, prompts_jsonl, out, "rollout.max_staleness=1", "train.threads=1")
         )
-        port = {}
+        port, cmdlines = {}, []
 
         def url_of():
             if "p" not in port:
-                port["p"] = _generation_port(time.monotonic() + 300)
+                port["p"] = _generation_port(time.monotonic() + 300, cmdlines)
             return None if port["p"] is None else f"http://127.0.0.1:{port['p']}"
 
+        made.clear()
         with flooding(url_of if name == "flooded" else None):
             train(cfg)
         runs[name] = out
+        assert len(made) == 1, made  # the run's own token, made once
+        token = made[0].encode()
+        assert (out / "config.yaml").is_file()
+        assert [f for f in out.rglob("*") if f.is_file() and token in f.read_bytes()] == []
+        if name == "flooded":
+            # (each flooding thread may have looked it up)
+            assert cmdlines and not [a for cmd in cmdlines for a in cmd if made[0] in a], cmdlines
     quiet, flooded = final_weights(runs["quiet"]), final_weights(runs["flooded"])
     assert all(torch.equal(quiet[k], flooded[k]) for k in quiet)
 

@@ -2,6 +2,7 @@
 HTML report, opened in a real headless Chromium."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -68,9 +69,19 @@ def test_tensorboard_events_hold_the_scalars_and_samples(run_dir):
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     tags = acc.Tags()
-    assert "reward/total/mean" in tags["scalars"] and "mfu/train" in tags["scalars"]
-    jsonl = [m["reward/total/mean"] for m in metrics(run_dir)]
-    assert [e.value for e in acc.Scalars("reward/total/mean")] == pytest.approx(jsonl, rel=1e-6)
+    # every number metrics.jsonl holds (its round aside; a non-finite one is null there and left
+    # out of TensorBoard), under the same name at the same round; TensorBoard stores float32
+    jsonl: dict[str, list[tuple[int, float]]] = {}
+    for m in metrics(run_dir):
+        for k, v in m.items():
+            if k not in ("round", "step") and isinstance(v, (int, float)) and math.isfinite(v):
+                jsonl.setdefault(k, []).append((m["round"], float(v)))
+    assert {"reward/total/mean", "mfu/train", "loss", "grad_norm", "time/train"} <= set(jsonl)
+    assert sorted(tags["scalars"]) == sorted(jsonl)  # no tag missing, none extra
+    for tag, expected in jsonl.items():
+        events = acc.Scalars(tag)
+        assert [e.step for e in events] == [r for r, _ in expected], tag
+        assert [e.value for e in events] == pytest.approx([v for _, v in expected], rel=1e-6), tag
     assert [e.step for e in acc.Scalars("time/train")] == [1, 2, 3]
     assert any(t.startswith("samples") for t in tags["tensors"])  # add_text is stored as a tensor summary
 

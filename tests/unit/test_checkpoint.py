@@ -1,35 +1,68 @@
+import random
+
+import numpy as np
 import torch
 
 from plait.checkpoint import MARKER, complete_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
 from plait.train.backends import LocalBackend
 
 
-def _parts(seed=0):
+def _parts(seed=0, steps=1):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-    model(torch.randn(3, 4)).sum().backward()
-    opt.step()
-    sched.step()
+    for _ in range(steps):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
     return LocalBackend.wrap(model, opt, sched)
 
 
+def assert_same_optimizer_state(got: dict, want: dict) -> None:
+    """Two optimizer state dicts agree: every tensor of every parameter's state (AdamW's step,
+    exp_avg, exp_avg_sq) `torch.equal`, and the param groups (lr, betas, weight decay...) `==`."""
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys()
+    for i, kept in want["state"].items():
+        assert got["state"][i].keys() == kept.keys() == {"step", "exp_avg", "exp_avg_sq"}, i
+        for name, value in kept.items():
+            assert torch.equal(got["state"][i][name], value), (i, name)
+
+
+def _draws() -> dict:
+    """The next numbers of every generator a checkpoint saves (CUDA's where there is one)."""
+    out = {"python": [random.random() for _ in range(3)], "numpy": np.random.random(3).tolist(), "torch": torch.rand(3)}
+    if torch.cuda.is_available():
+        out["cuda"] = [torch.rand(3, device=f"cuda:{i}").cpu() for i in range(torch.cuda.device_count())]
+    return out
+
+
+def _same_draws(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        for k in a
+        for x, y in (zip(a[k], b[k]) if k == "cuda" else [(a[k], b[k])])
+    )
+
+
 def test_round_trip_restores_weights_optimizer_scheduler_and_rng(tmp_path):
-    saved = _parts()
-    torch.manual_seed(123)
+    saved = _parts(steps=2)  # a state a fresh one (1 step) differs from in every part, the step counts too
+    random.seed(123), np.random.seed(123), torch.manual_seed(123)
     path = save_checkpoint(tmp_path, 5, saved, {"prompts_consumed": 40})
-    expected_draw = torch.rand(3)
+    expected = _draws()
     fresh = _parts(seed=99)
+    random.seed(99), np.random.seed(99)  # every generator moved on from where it was saved
+    assert not _same_draws(_draws(), expected)
     state = load_checkpoint(path, fresh)
     assert state == {"step": 5, "backend": "local", "world_size": 1, "prompts_consumed": 40}
-    for a, b in zip(saved.module.parameters(), fresh.module.parameters()):
+    for a, b in zip(saved.module.parameters(), fresh.module.parameters(), strict=True):
         assert torch.equal(a, b)
-    assert torch.equal(
-        fresh.optimizer.state_dict()["state"][0]["exp_avg"], saved.optimizer.state_dict()["state"][0]["exp_avg"]
-    )
+    assert_same_optimizer_state(fresh.optimizer.state_dict(), saved.optimizer.state_dict())
+    assert fresh.scheduler.state_dict() == saved.scheduler.state_dict()
     assert fresh.scheduler.get_last_lr() == saved.scheduler.get_last_lr()
-    assert torch.equal(torch.rand(3), expected_draw)  # the RNG continues where it was saved
+    assert _same_draws(_draws(), expected)  # python, numpy, torch (and CUDA) continue where they were saved
 
 
 def test_incomplete_checkpoints_are_never_loaded(tmp_path):

@@ -320,7 +320,18 @@ def test_resume_of_a_directory_that_holds_no_run_is_refused(tmp_path, capsys):
     assert not (tmp_path / "nope").exists() and list((tmp_path / "empty").iterdir()) == []
 
 
-def test_resume_refuses_optimizer_settings_the_checkpoint_would_override(tmp_path, tiny_model_path, capsys):
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("train.learning_rate=1e-3", "train.learning_rate=0.001 (the run's: 3e-05)"),
+        ("train.adam_beta1=0.8", "train.adam_beta1=0.8 (the run's: 0.9)"),
+        ("train.adam_beta2=0.95", "train.adam_beta2=0.95 (the run's: 0.99)"),
+        ("train.weight_decay=0.1", "train.weight_decay=0.1 (the run's: 0.0)"),
+    ],
+)
+def test_resume_refuses_optimizer_settings_the_checkpoint_would_override(
+    override, named, tmp_path, tiny_model_path, capsys
+):
     import json
 
     from plait.cli import main
@@ -332,9 +343,10 @@ def test_resume_refuses_optimizer_settings_the_checkpoint_would_override(tmp_pat
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "backend": "local", "world_size": 1}))
     saved = load_config(None, [f"model.name_or_path={tiny_model_path}", f"output_dir={run}"]).to_yaml()
     (run / "config.yaml").write_text(saved)
-    assert main(["train", "--resume", str(run), "--set", "train.learning_rate=1e-3"]) == 2
+    assert main(["train", "--resume", str(run), "--set", override]) == 2
     err = capsys.readouterr().err
-    assert "train.learning_rate=0.001 (the run's: 3e-05)" in err and "would not take effect" in err
+    assert named in err and "would not take effect" in err
+    assert err.count("(the run's: ") == 1  # the one changed setting, no other
     assert (run / "config.yaml").read_text() == saved  # refused before the run directory is touched
     # what the checkpoint does not hold may change: a longer run
     validate(load_config(run / "config.yaml", ["resume=auto", "train.max_steps=50"]))
@@ -468,3 +480,23 @@ def test_the_drift_limit_follows_the_coarser_precision():
     with pytest.raises(EngineDrift, match=r"limit 2: rollout.max_logprob_gap, rollouts int8, training fp32"):
         check_drift(int8, 3, 3.0, sampled_version=2)
     check_drift(load_config(None, ["train.precision=bf16", "rollout.precision=fp32"]), 3, 0.05, 2)  # bf16's limit
+
+
+def test_plait_check_reports_every_stage_s_problems_in_one_pass(tmp_path, capsys):
+    """Two misspelt keys, a misspelt reward name and a cross-field problem: one `plait check` names
+    all four (an unknown key does not hide the checks behind it); a value out of range is named
+    beside the unknown keys (the checks after it need a valid config, so they wait for it)."""
+    from plait.cli import main
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        "train:\n  lerning_rate: 1e-5\nrollout:\n  num_generatons: 8\n  temperature: 0.9\n"
+        "rewards:\n  - name: acuracy\nalgo:\n  kl_in_reward: true\n"
+    )
+    assert main(["check", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    for said in ("'train.lerning_rate'", "'rollout.num_generatons'", "unknown reward 'acuracy'", "kl_in_reward"):
+        assert said in err, err
+    assert main(["check", str(cfg), "--set", "rollout.temperature=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "'train.lerning_rate'" in err and "rollout.temperature" in err, err

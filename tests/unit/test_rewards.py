@@ -1,4 +1,5 @@
 import math
+import threading
 
 import pytest
 
@@ -124,16 +125,31 @@ def test_runner_scores_weights_and_passes_columns():
 
 
 def test_a_reward_that_edits_its_inputs_changes_nothing_another_reward_reads():
-    def vandal(completions, answer, **_):
-        completions[0] = "\\boxed{2}"
+    """The rewards run at once on threads of their own: the reader waits for the vandal's edits,
+    so an edit that leaked would be what it reads (each edit writes other text than was there)."""
+    edited = threading.Event()
+    seen = {}
+
+    def vandal(completions, answer, level, **_):
+        completions[0] = "\\boxed{5}"
+        completions[1] = "\\boxed{2}"
         completions.append("extra")
         answer[:] = ["3"] * len(answer)
+        level[0] = 99
+        edited.set()
         return [0.0] * 2
 
+    def reader(completions, answer, level, **_):
+        assert edited.wait(timeout=60), "the vandal never ran"
+        seen.update(completions=list(completions), answer=list(answer), level=list(level))
+        return accuracy(completions, answer=answer)
+
     groups = _groups()
-    score_groups(groups, [BoundReward("vandal", vandal), BoundReward("accuracy", accuracy)])
-    assert groups[0].rewards["accuracy"] == [1.0, 0.0]  # the texts and answers as generated
+    score_groups(groups, [BoundReward("vandal", vandal), BoundReward("reader", reader)])
+    assert seen == {"completions": ["\\boxed{2}", "3"], "answer": ["2", "2"], "level": [1, 1]}
+    assert groups[0].rewards["reader"] == [1.0, 0.0]  # the texts and answers as generated
     assert [c.text for c in groups[0].completions] == ["\\boxed{2}", "3"]
+    assert groups[0].prompt.answer == "2" and groups[0].prompt.columns == {"level": 1}
 
 
 def test_a_reward_that_scores_nothing_is_warned_about_once(caplog):
