@@ -227,6 +227,39 @@ def fig_tools(history) -> bytes | None:
     return _png(fig)
 
 
+def fig_agent(history) -> bytes | None:
+    """An agent as the rollout (rollout.agent): its calls per rollout, and how its rollouts and
+    calls went (failed, on samples it left, given no token by the budget)."""
+    if not series(history, "agent/calls_per_rollout")[0]:
+        return None
+    rows = [{**m, **_agent_shares(m)} for m in history]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.4))
+    _lines(ax, rows, [("agent/calls_per_rollout", "calls per rollout"), ("forks", "forks per rollout")], "per rollout")
+    ax.set_title("agent calls")
+    shares = [
+        ("agent/error_share", "share of rollouts that failed"),
+        ("forked", "share of calls on samples it left (not trained)"),
+        ("out_of_budget", "share of calls the token budget left nothing for"),
+    ]
+    _lines(ax2, rows, shares, "share")
+    ax2.set_ylim(-0.02, 1.02)
+    ax2.set_title("agent failures, forks and spent budgets")
+    return _png(fig)
+
+
+def _agent_shares(m: dict) -> dict[str, float]:
+    """A round's agent counts as shares (none where the round has no agent rollouts)."""
+    rollouts, calls = m.get("agent/rollouts"), m.get("agent/calls")
+    if not rollouts:
+        return {}
+    out = {"forks": m.get("agent/forks", 0.0) / rollouts}
+    if calls:
+        out["forked"] = m.get("agent/forked_calls", 0.0) / calls
+        if "agent/calls_out_of_budget" in m:  # (runs before it was counted have none)
+            out["out_of_budget"] = m["agent/calls_out_of_budget"] / calls
+    return out
+
+
 def fig_environments(history, evals) -> bytes | None:
     """Per environment: the verifier's mean score on the training samples, held-out scores
     as diamonds, and the share of completions its verifier failed on."""
@@ -275,6 +308,7 @@ def make_figures(history: list[dict], evals: list[dict], metric: str) -> list[Fi
         ("throughput", "Throughput and MFU", fig_throughput(history)),
         ("async", "Asynchronous generation", fig_async(history)),
         ("tools", "Tool use (tools/calls_per_completion, tools/used_share, tools/error_share)", fig_tools(history)),
+        ("agent", "Agent (agent/calls_per_rollout, agent/error_share, agent/calls_out_of_budget)", fig_agent(history)),
         ("environments", "Environments (env/<label>/score_mean, env/<label>/errors)", fig_environments(history, evals)),
         ("memory", "Memory", fig_memory(history)),
     ]

@@ -88,6 +88,16 @@ class Completion:
     prompt_ids: list[int] | None = None
     # an agent rollout's calls, forks, calls on samples it left, and whether it failed
     agent_stats: dict[str, float] | None = None
+    # multi-turn (tools, environments, an agent, a rollout_func with env_mask): only what the model
+    # wrote, its turns with a line break where something else came between them; `text` also
+    # holds what was added (a tool's output, an agent's question). None: all of `text` is the model's
+    model_text: str | None = None
+
+    @property
+    def scored_text(self) -> str:
+        """The text rewards read: the model's own words, never a tool's output or an agent's turn
+        (a number either wrote would otherwise be taken for the model's answer)."""
+        return self.text if self.model_text is None else self.model_text
 
     @property
     def staleness_versions(self) -> list[int]:

@@ -128,7 +128,7 @@ def environment(
     rewarded = zip(env_reward or [None] * n, env_error or [None] * n)
     failures: Counter[str] = Counter()  # one warning per environment per call, not one per completion
     for completion, source, name, (reward, error) in zip(completions, env_source or [None] * n, labels, rewarded):
-        if error is not None:
+        if error is not None and name is not None:  # (an agent's rollout has no label: its engine warns, naming it)
             LAST_ERROR[str(name)] = error
             failures[str(name)] += 1
         if not source:
@@ -159,9 +159,18 @@ def environment(
     return out
 
 
-def error_share_problem(specs, metrics: dict[str, float], round_: int) -> str | None:
+def resume_advice(saved: int) -> str:
+    """What resume=auto does for a run stopped after a failure, its last checkpoint at round
+    `saved` (0: none was written)."""
+    if saved:
+        return f"then resume=auto continues from the last checkpoint (round {saved})"
+    return "no checkpoint was written before it stopped, so resume=auto would start the run over from round 1"
+
+
+def error_share_problem(specs, metrics: dict[str, float], round_: int, saved: int = 0) -> str | None:
     """Why the run must stop: an environment whose verifier failed on more than its
-    `max_error_share` of the round's completions (None: none did)."""
+    `max_error_share` of the round's completions (None: none did). `saved`: the round of the
+    run's last checkpoint (0: none), for the resume advice."""
     for spec in specs:
         name = label(spec)
         errors, n = metrics.get(f"env/{name}/errors", 0.0), metrics.get(f"env/{name}/completions", 0.0)
@@ -170,14 +179,14 @@ def error_share_problem(specs, metrics: dict[str, float], round_: int) -> str | 
             return (
                 f"environment '{name}' failed to score {errors:.0f} of its {n:.0f} completions in round {round_} "
                 f"(more than its max_error_share {spec.max_error_share:g}); its last error: {cause}. Those were "
-                "not trained on; fix the environment, then resume=auto continues from the last checkpoint"
+                f"not trained on; fix the environment; {resume_advice(saved)}"
             )
     return None
 
 
-def agent_error_problem(agent, metrics: dict[str, float], round_: int) -> str | None:
+def agent_error_problem(agent, metrics: dict[str, float], round_: int, saved: int = 0) -> str | None:
     """Why the run must stop: more than rollout.agent.max_error_share of the round's agents
-    failed (None: not so, or no agent)."""
+    failed (None: not so, or no agent). `saved` as for error_share_problem."""
     if agent is None:
         return None
     errors, n = metrics.get("agent/errors", 0.0), metrics.get("agent/rollouts", 0.0)
@@ -186,7 +195,7 @@ def agent_error_problem(agent, metrics: dict[str, float], round_: int) -> str | 
         return (
             f"{errors:.0f} of the {n:.0f} agent rollouts of round {round_} failed (more than rollout.agent."
             f"max_error_share {agent.max_error_share:g}); the last: {cause}. Those were not trained on; fix the "
-            "agent, then resume=auto continues from the last checkpoint"
+            f"agent {agent.function}; {resume_advice(saved)}"
         )
     return None
 

@@ -78,12 +78,26 @@ def final_box(text: str) -> str | None:
     return inner if inner is not None and inner.strip() else None
 
 
-def accuracy(completions: list[str], answer: list[str | None], **_) -> list[float]:
+def accuracy(
+    completions: list[str],
+    answer: list[str | None],
+    read: str = "completion",
+    transcript: list[str] | None = None,
+    **_,
+) -> list[float]:
     """1.0 where the completion's final answer (its last \\boxed{}, else its last expression)
     equals the reference answer mathematically (math-verify), else 0.0. When the reference is
     a plain number the answer must be a number, not an expression that evaluates to it. The
     last box, as boxed_accuracy reads it (math-verify alone would take the first): a completion
-    that boxes several candidates is judged by the one it ends on."""
+    that boxes several candidates is judged by the one it ends on.
+
+    read: "completion" (the model's own words) or "transcript": a multi-turn completion's whole
+    text, tool outputs and an agent's turns included, so that the last number a tool printed
+    counts (configs/tools-multiply.yaml's half credit for code that computed the answer)."""
+    if read not in ("completion", "transcript"):
+        raise ValueError(f"accuracy: read must be 'completion' or 'transcript', got {read!r}")
+    if read == "transcript" and transcript is not None:  # (single-turn runs pass none: the same text)
+        completions = transcript
     boxes = [final_box(text) for text in completions]
     return [
         _equal(gold, text if box is None else f"$\\boxed{{{box}}}$")

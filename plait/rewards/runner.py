@@ -9,8 +9,10 @@ the sandbox's executions), so the caller decides which calls count towards a tra
 User reward functions are called as TRL calls them, `fn(completions=..., prompts=..., **columns,
 **kwargs)`: `prompts` as the dataset gave them (strings, or lists of chat messages), and for
 conversational data (chat messages) each completion as `[{"role": "assistant", "content": text}]`
-(a multi-turn completion as its whole conversation, tool turns included), else as a string (the
-whole text, tool output included). Built-in rewards always get strings. Only a function marked `needs_sandbox`
+(a multi-turn completion as its whole conversation, each turn under its role), else as a string.
+Built-in rewards always get strings. A string is what the model wrote: a multi-turn completion's
+model turns, never a tool's output or an agent's turn between them (those, with the turns, are
+the `transcript` column). Only a function marked `needs_sandbox`
 (the code rewards) also gets `sandbox=`, the run's Sandbox. `trainer_state` says where the run
 is (`global_step`: rounds done, `max_steps`), as TRL passes its TrainerState.
 
@@ -190,7 +192,7 @@ def reward_inputs(groups: list[Group], step: int | None = None, max_steps: int |
         kwargs.setdefault(k, [])
     for g in groups:
         for c in g.completions:
-            texts.append(c.text)
+            texts.append(c.scored_text)  # the model's own words, never an added turn
             messages.append(c.messages)
             kwargs["prompts"].append(g.prompt.text if g.prompt.source is None else g.prompt.source)
             kwargs["completion_ids"].append(c.token_ids)
@@ -201,6 +203,9 @@ def reward_inputs(groups: list[Group], step: int | None = None, max_steps: int |
         # trl_env rollouts: what each environment's get_reward said (the `environment` reward reads it)
         kwargs["env_reward"] = [c.env_reward for g in groups for c in g.completions]
         kwargs["env_error"] = [c.env_error for g in groups for c in g.completions]
+    if any(c.model_text is not None for g in groups for c in g.completions):
+        # multi-turn: everything after the prompt, added turns included (`accuracy`'s read: transcript)
+        kwargs["transcript"] = [c.text for g in groups for c in g.completions]
     for key in sorted({k for g in groups for c in g.completions for k in c.extra or {}}):
         kwargs[key] = [(c.extra or {}).get(key) for g in groups for c in g.completions]  # a rollout_func's fields
     if step is not None:  # rounds done so far, as TRL's TrainerState.global_step counts optimizer steps

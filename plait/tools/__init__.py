@@ -163,8 +163,12 @@ class Tools:
         """One line for the run's header (None without tools or an agent)."""
         a = self.cfg.rollout.agent
         if a is not None:
+            from plait.tools.agent import budget_note
+
             port = a.port or "a free port"
-            return f"agent: {a.function}, a call per rollout, through an OpenAI-compatible endpoint on {a.host}:{port}"
+            line = f"agent: {a.function}, a call per rollout, through an OpenAI-compatible endpoint on {a.host}:{port}"
+            note = budget_note(self.cfg)
+            return line if note is None else f"{line}\n{note}"
         if not self.enabled:
             return None
         where = f"sandbox tier '{self.sandbox.tier}'" if self.sandbox else "this process (trusted functions)"

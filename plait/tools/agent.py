@@ -24,23 +24,37 @@ continues nothing starts a new sample (a fork). The rollout trains on the sample
 belongs to (one sample per rollout keeps GRPO's groups whole); calls on samples it left are
 counted (`agent/forked_calls`), not trained on.
 
+**What rewards read.** The rollout's replies alone (the model's words, a line break where the
+agent added a turn between two), never the agent's own turns: an agent that asks "give the answer
+as \\boxed{N}" would otherwise earn every reply the format reward, and its N would be read as the
+answer. A chat rollout keeps its whole conversation, every reply and every added turn under its
+role: reward functions get it on conversational data (as TRL passes a multi-turn completion), and
+samples.jsonl shows it. The text with the added turns is the rewards' `transcript` column.
+
+**The budget.** rollout.max_completion_length counts every token of the training sequence after
+the prompt, the agent's added turns too; a call it leaves nothing for gets an empty reply with
+finish_reason `length`, said once a run and counted (agent/calls_out_of_budget).
+
 **Determinism.** Calls are batched in lockstep: a batch is generated once every running agent
 of the round is waiting for an answer (or has finished), so the batches, and with the seeds the
 samples, are the same on every run as long as each agent is deterministic given its task and
 makes one call at a time.
 
 **Errors.** An agent that raises, runs past `rollout.agent.timeout_s` or makes no call is an
-infrastructure error: its rollout is not scored (counted under env/agent/errors; the run stops
-past environments' `max_error_share`). A malformed request gets a 400 naming the field (the agent
+infrastructure error: its rollout is not scored (counted under agent/errors, a warning naming the
+agent; the run stops past `rollout.agent.max_error_share`). A malformed request gets a 400 naming the field (the agent
 sees it as the client's exception); a request without the token, a 401; after its agent returned,
 a rollout's key is refused (409).
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import inspect
 import json
+import logging
+import textwrap
 import threading
 import time
 from concurrent.futures import Future
@@ -50,12 +64,14 @@ from typing import Any, Callable
 from plait.envs import LAST_ERROR
 from plait.tools.calls import find_calls
 from plait.tools.endpoint import MODEL, AgentRequestError, Endpoint
-from plait.tools.engine import unsampled
+from plait.tools.engine import model_words, unsampled
 from plait.tools.template import ChatTurns, TemplateMismatch
 from plait.types import Completion, Prompt, SamplingParams
 
 
 CALL_STREAMS = 4_096  # a call's random stream: its rollout x CALL_STREAMS + its number in the rollout
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,6 +85,7 @@ class AgentTask:
     model: str  # any name works; this is the one /v1/models lists
     index: int  # the rollout's number in its round
     max_tokens: int  # the rollout's token budget (rollout.max_completion_length), added turns included
+    clients: list = field(default_factory=list, repr=False)  # those handed out, closed when the agent returns
 
     @property
     def messages(self) -> list[dict]:
@@ -82,12 +99,34 @@ class AgentTask:
         retried after an error plait already answered would sample (and be recorded) twice."""
         import openai
 
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **{"max_retries": 0, **kwargs})
+        return self._handed(openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **{"max_retries": 0, **kwargs}))
 
     def async_client(self, **kwargs):
+        """An `openai.AsyncOpenAI` client for this rollout (no retries, as `client`)."""
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **{"max_retries": 0, **kwargs})
+        options = {"max_retries": 0, **kwargs}
+        return self._handed(openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **options))
+
+    def _handed(self, client):
+        self.clients.append(client)
+        return client
+
+    def close_clients(self) -> None:
+        """Close the sync clients handed out (an async one needs the loop it ran on: `aclose_clients`)."""
+        for c in self.clients:
+            if not inspect.iscoroutinefunction(c.close):
+                c.close()
+
+    async def aclose_clients(self) -> None:
+        """Close every client handed out, on the agent's own event loop. Left open, an async client
+        is closed by the garbage collector on whatever loop runs then (the endpoint's own), where
+        its connections, bound to the agent's closed loop, fail: "Task exception was never
+        retrieved ... Event loop is closed" in the run's log."""
+        for c in self.clients:
+            done = c.close()
+            if inspect.isawaitable(done):
+                await done
 
 
 # ---------------------------------------------------------------- samples and their linking
@@ -105,7 +144,8 @@ class Sample:
     sampled: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)
-    pieces: list[str] = field(default_factory=list)  # the text after the prompt, as the model was given it
+    # the text after the prompt, as the model was given it: (text, whether the model wrote it)
+    pieces: list[tuple[str, bool]] = field(default_factory=list)
     truncated: bool = False
     finish: str = "length"
     calls: int = 0
@@ -116,18 +156,34 @@ class Sample:
     history_text: str = ""
     turn_text: str = ""  # the last reply as sampled
     tools: list | None = None
-    messages: list[dict] = field(default_factory=list)  # after the first prompt, for rewards
+    # chat: the conversation after the first prompt, every reply and every turn the agent added
+    messages: list[dict] = field(default_factory=list)
     shown_text: str = ""  # text: the prompt and every reply as the agent got it (a stop string cut off)
 
     @property
     def text(self) -> str:
-        return self.prompt_text + "".join(self.pieces)
+        return self.prompt_text + self.after_prompt
+
+    @property
+    def after_prompt(self) -> str:
+        return "".join(text for text, _ in self.pieces)
+
+    @property
+    def model_text(self) -> str:
+        """The replies alone (what rewards read), never the turns the agent added between them."""
+        return model_words(self.pieces)
 
     def append(self, ids: list[int], sampled: bool, logprobs=None, version=None) -> None:
         self.tokens += ids
         self.sampled += [int(sampled)] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
         self.versions += [version] * len(ids)
+
+    def take_reply(self, ids: list[int], logprobs: list[float], raw: str, version=None) -> None:
+        """What the engine sampled for a call (decoded as `raw`): trained on, and the last reply."""
+        self.append(ids, True, logprobs, version)
+        self.pieces.append((raw, True))
+        self.turn_text = raw
 
 
 def _content(message: dict) -> str:
@@ -188,6 +244,7 @@ class Recording:
         self.finished = False
         self.error: str | None = None
         self.reward: float | None = None
+        self.out_of_budget = 0  # calls the budget left no token for
         self.started = time.monotonic()
 
     def link(
@@ -237,7 +294,7 @@ class Recording:
                 continue
             sample.rendered += [{"role": "assistant", "content": sample.turn_text}, *added]
             sample.history_text += sample.turn_text + after
-            sample.messages += messages[n:]
+            sample.messages += messages[n:]  # the reply before them is there already (_reply)
             self._add(sample, tokenizer, unsampled(tokenizer, sample.tokens, sample.sampled, after))
             return sample, sample.prompt_ids + sample.tokens
         plain = [_plain(m) for m in messages]
@@ -282,7 +339,7 @@ class Recording:
         if ids is None:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
         room = self.budget - len(sample.tokens)
-        sample.pieces.append(text)
+        sample.pieces.append((text, False))
         sample.append(ids[: max(0, room)], sampled=False)
         if len(ids) >= room:
             sample.truncated, sample.finish = True, "length"
@@ -373,6 +430,7 @@ class AgentEngine:
         self.timeout_s, self.max_prompt = timeout_s, max_prompt
         self.turns = turns  # ChatTurns of the run's chat template (None: /v1/chat/completions is refused)
         self.endpoint = endpoint  # plait.tools.endpoint.Endpoint
+        self.told_budget_spent = False  # the warning on a call the budget left nothing for: once per run
 
     def __getattr__(self, attr: str) -> Any:  # pad_id, weights_for_step, push_weights, stats, health
         return getattr(self.engine, attr)
@@ -397,7 +455,22 @@ class AgentEngine:
         finally:
             self.endpoint.serve(None)
         completions = [self._completion(r) for r in recs]
+        self._warn_failures(recs)
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _warn_failures(self, recs: list[Recording]) -> None:
+        """One line a round naming the agent, when some of its rollouts failed (they are not scored)."""
+        failed = [r for r in recs if r.error is not None]
+        if failed:
+            last = failed[-1]
+            log.warning(
+                "agent %s failed on %d of %d rollouts (not scored); the last, rollout %d: %s",
+                self.name,
+                len(failed),
+                len(recs),
+                last.index,
+                last.error,
+            )
 
     def _run_agent(self, round_: Round, rec: Recording) -> None:
         task = AgentTask(
@@ -410,10 +483,7 @@ class AgentEngine:
             rec.budget,
         )
         try:
-            out = self.fn(task)
-            if inspect.isawaitable(out):
-                out = asyncio.run(_awaited(out))
-            reward = _reward(out)
+            reward = _reward(_call_agent(self.fn, task))
         except Exception as err:  # noqa: BLE001 - the agent's failure is this rollout's infrastructure error
             round_.finish(rec, error=f"agent {self.name} raised {type(err).__name__}: {err}")
             return
@@ -449,7 +519,7 @@ class AgentEngine:
             room = rec.budget - len(sample.tokens)
             limit = room if asked is None else min(asked, room)
             if limit <= 0:
-                sample.truncated, sample.finish = True, "length"
+                self._out_of_budget(rec, sample)
                 call.future.set_result(self._reply(call, sample, [], [], "length", "", stops))
                 continue
             stream = rec.index * CALL_STREAMS + rec.calls
@@ -468,13 +538,32 @@ class AgentEngine:
             ids, logprobs = c.token_ids[:limit], c.logprobs[:limit]
             finish = "length" if len(ids) < len(c.token_ids) or c.finish_reason == "length" else c.finish_reason
             raw = self.tokenizer.decode(ids, skip_special_tokens=True)
-            sample.append(ids, True, logprobs, c.weight_version)
-            sample.pieces.append(raw)
-            sample.turn_text = raw
+            sample.take_reply(ids, logprobs, raw, c.weight_version)
             if len(sample.tokens) >= call.recording.budget:
                 sample.truncated, finish = True, "length"
             sample.finish = finish
             call.future.set_result(self._reply(call, sample, ids, logprobs, finish, raw, stops))
+
+    def _out_of_budget(self, rec: Recording, sample: Sample) -> None:
+        """A call the rollout's budget left no token for: an empty reply, counted, and said once a run
+        (its only other trace would be `completion/truncated`)."""
+        sample.take_reply([], [], "")
+        sample.truncated, sample.finish = True, "length"
+        rec.out_of_budget += 1
+        if self.told_budget_spent:
+            return
+        self.told_budget_spent = True
+        log.warning(
+            "agent %s: call %d of rollout %d got no tokens (finish_reason 'length'): rollout.max_completion_length=%d "
+            "is the whole rollout's budget, and its replies and the turns the agent added (%d tokens) spent it. "
+            "Raise rollout.max_completion_length, or ask for fewer tokens per call (max_tokens); "
+            "agent/calls_out_of_budget counts such calls each round (said once)",
+            self.name,
+            rec.calls,
+            rec.index,
+            rec.budget,
+            len(sample.tokens),
+        )
 
     def _reply(self, call: Call, sample: Sample, ids, logprobs, finish: str, raw: str, stops: list[str]) -> dict:
         """The OpenAI-shaped answer; records what the agent was shown (the next call must repeat it)."""
@@ -516,6 +605,7 @@ class AgentEngine:
             ]
             reason = "tool_calls" if finish != "length" else reason
         sample.seen = [*call.body["messages"], message]
+        sample.messages.append(dict(message))
         lp = None
         if call.body.get("logprobs"):
             lp = {
@@ -536,20 +626,17 @@ class AgentEngine:
         versions = [v for v in s.versions if v is not None]
         forked = sum(x.calls for x in rec.samples if x is not s)
         prompt_ids = None if s.prompt_ids == list(rec.prompt.token_ids) else s.prompt_ids
-        if s.kind == "chat" and s.turn_text:
-            messages = [*s.messages, {"role": "assistant", "content": s.turn_text}]
-        else:
-            messages = None
         return Completion(
             prompt_index=rec.prompt.index,
             token_ids=s.tokens,
-            text="".join(s.pieces),
+            text=s.after_prompt,
+            model_text=s.model_text,
             logprobs=s.logprobs,
             truncated=s.truncated,
             finish_reason=s.finish,
             weight_version=min(versions, default=None),
             sampled_mask=s.sampled,
-            messages=messages,
+            messages=list(s.messages) if s.kind == "chat" and s.messages else None,
             env_reward=rec.reward,
             env_error=error,
             prompt_ids=prompt_ids,
@@ -558,12 +645,28 @@ class AgentEngine:
                 "forks": float(max(0, len(rec.samples) - 1)),
                 "forked_calls": float(forked),
                 "errors": float(error is not None),
+                "calls_out_of_budget": float(rec.out_of_budget),
             },
         )
 
 
-async def _awaited(awaitable):
-    return await awaitable
+def _call_agent(fn: Callable, task: AgentTask) -> Any:
+    """What the agent returns, run to its end (an `async def` agent on an event loop of its own),
+    with the clients it was handed closed after it, however it ended."""
+    try:
+        out = fn(task)
+        if inspect.isawaitable(out):
+            out = asyncio.run(_closing(out, task))
+    finally:
+        task.close_clients()
+    return out
+
+
+async def _closing(awaitable, task: AgentTask):
+    try:
+        return await awaitable
+    finally:  # on this loop, before asyncio.run closes it (see AgentTask.aclose_clients)
+        await task.aclose_clients()
 
 
 def _reward(out: Any) -> float | None:
@@ -607,6 +710,50 @@ def _stops(body: dict) -> tuple[str, ...]:
     raise AgentRequestError(f"'stop' must be a string or a list of strings, got {stop!r}")
 
 
+def budget_note(cfg) -> str | None:
+    """A note when the agent's own source visibly asks for more than the rollout's budget: the
+    max_tokens written in its calls add up to rollout.max_completion_length or more, before the
+    turns it adds between them, which count against the budget too (None: not visibly so)."""
+    a = cfg.rollout.agent
+    if a is None:
+        return None
+    from plait.tools.calls import resolve_function
+
+    try:
+        asked = _asked_tokens(resolve_function(a.function, "agent function"))
+    except Exception:  # noqa: BLE001 - one that does not import is plait check's problem, said there
+        return None
+    budget = cfg.rollout.max_completion_length
+    if len(asked) < 2 or sum(asked) < budget:
+        return None
+    return (
+        f"rollout.agent: {a.function}'s calls ask for {' + '.join(map(str, asked))} = {sum(asked)} tokens "
+        f"(max_tokens in its source), and rollout.max_completion_length={budget} is the whole rollout's budget, "
+        "the turns the agent adds between its calls (their text and the chat template's markup) included: its "
+        f"later calls will be cut short or get nothing. Raise rollout.max_completion_length above {sum(asked)} "
+        "plus what those turns take"
+    )
+
+
+def _asked_tokens(fn: Callable) -> list[int]:
+    """The max_tokens (or max_completion_tokens) written as a number in each call of `fn`'s source,
+    in the order they are written ([] when its source can't be read)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return []
+    found = [
+        (kw.value.lineno, kw.value.col_offset, kw.value.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        for kw in node.keywords
+        if kw.arg in ("max_tokens", "max_completion_tokens")
+        and isinstance(kw.value, ast.Constant)
+        and type(kw.value.value) is int
+    ]
+    return [n for *_, n in sorted(found)]
+
+
 def wrap(cfg, engine, tokenizer):
     """`engine` as it is without rollout.agent, else an AgentEngine around it (chat calls rendered
     with the run's chat template)."""
@@ -617,6 +764,6 @@ def wrap(cfg, engine, tokenizer):
 
     own = cfg.data.chat_template if isinstance(cfg.data.chat_template, str) else None
     turns = ChatTurns(tokenizer, own) if cfg.data.chat_template and (own or tokenizer.chat_template) else None
-    fn = resolve_function(a.function)
+    fn = resolve_function(a.function, "agent function")
     endpoint = Endpoint(a.host, a.port)
     return AgentEngine(engine, tokenizer, fn, a.function, a.timeout_s, cfg.data.max_prompt_length, turns, endpoint)

@@ -189,15 +189,26 @@ def function_schema(fn: Callable) -> dict:
         ) from err
 
 
-def resolve_function(spec: str) -> Callable:
-    """'module:function' -> the function (ValueError/ImportError say what is wrong)."""
+def resolve_function(spec: str, kind: str = "tool function") -> Callable:
+    """'module:function' -> the function (ValueError/ImportError say what is wrong, calling it
+    `kind`: a tool function, an agent function...)."""
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
-        raise ValueError(f"tool function {spec!r}: write it as 'module:function'")
-    fn = getattr(import_module(module), attr, None)
+        raise ValueError(f"{kind} {spec!r}: write it as 'module:function'")
+    found = import_module(module)
+    fn = getattr(found, attr, None)
     if not callable(fn):
-        raise ValueError(f"tool function {spec!r}: module '{module}' has no function '{attr}'")
+        raise ValueError(f"{kind} {spec!r}: module '{module}' has no function '{attr}'{_nearest(found, attr)}")
     return fn
+
+
+def _nearest(module, attr: str) -> str:
+    """' (did you mean ...?)' naming the module's functions closest to `attr`, or ''."""
+    import difflib
+
+    names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+    near = difflib.get_close_matches(attr, names, n=3)
+    return f" (did you mean {' or '.join(repr(n) for n in near)}?)" if near else ""
 
 
 def resolve_factory(spec: str) -> Callable:

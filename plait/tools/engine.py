@@ -43,6 +43,7 @@ class Conversation:
     pieces: list[str] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)  # after the prompt, for rewards and samples
     turn_text: str = ""  # the model turn in progress (a turn resumed after a stop spans calls)
+    model_turns: list[str] = field(default_factory=list)  # its finished turns, what rewards read
     cells: list[str] = field(default_factory=list)  # the Python session's history
     calls: list[Call] = field(default_factory=list)  # to run before the next model turn
     env: object = None  # its trl_env Session (plait/tools/environments.py), if its row has an environment
@@ -84,6 +85,7 @@ class Conversation:
             tool_stats={**self.stats, "turns": float(sum(m["role"] == "assistant" for m in messages))},
             env_reward=self.env_reward,
             env_error=None if self.env is None else self.env.error,
+            model_text="\n".join(t for t in [*self.model_turns, self.turn_text] if t),  # a tool turn came between each
         )
 
 
@@ -219,6 +221,7 @@ class ToolEngine:
             after = self.cfg.plain_output.format(output=results[0].output)
         conv.messages += [shown, *said]
         conv.pieces += [conv.turn_text, after]
+        conv.model_turns.append(conv.turn_text)
         conv.history_text += conv.turn_text + after
         conv.turn_text, conv.calls = "", []
         ids = self.tokenizer(unsampled(self.tokenizer, conv.tokens, conv.sampled, after), add_special_tokens=False)[
@@ -228,6 +231,25 @@ class ToolEngine:
         if len(ids) >= conv.budget:
             conv.finish, conv.truncated = "length", True
         conv.budget -= min(len(ids), conv.budget)
+
+
+def model_words(pieces: list[tuple[str, bool]]) -> str:
+    """What the model wrote among `pieces` (each: text, whether the model wrote it), a line break
+    standing for each stretch of someone else's text between two of its own (a tool's output, an
+    agent's turn), so two replies never run together into one word or number. Its pieces with
+    nothing between them (a reply continued where it stopped) join as sampled."""
+    out: list[str] = []
+    between = False
+    for text, own in pieces:
+        if not own:
+            between = between or bool(text)
+            continue
+        if between and out and text:
+            out.append("\n")
+        if text:
+            out.append(text)
+            between = False
+    return "".join(out)
 
 
 def unsampled(tokenizer, tokens: list[int], sampled: list[int], after: str) -> str:

@@ -18,7 +18,9 @@ The function gets the round's prompts and a context, and returns what was sample
         }
 
 Every token is trained on exactly as returned (never re-tokenized from text); tokens with
-env_mask 0 are left out of the loss as tool output is. The log-probs are what the trainer's
+env_mask 0 are left out of the loss as tool output is, and out of the text rewards read (the
+model's tokens decoded, a line break where the loop's own came between them; the whole decoded
+completion is their `transcript` column). The log-probs are what the trainer's
 mismatch correction compares with its own: return those `ctx.generate` gave (plait's engine,
 the weights of this round); tokens sampled elsewhere carry whatever log-probs you give them.
 A malformed return stops the round with a message that names the key and the fix.
@@ -27,10 +29,11 @@ A malformed return stops the round with a message that names the key and the fix
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import groupby
 from typing import Any, Callable
 
 from plait.tools.calls import resolve_function
-from plait.tools.engine import TURN_SEED  # the k-th generate call of a round: the round's seed + TURN_SEED x k
+from plait.tools.engine import TURN_SEED, model_words  # the k-th generate call: the round's seed + TURN_SEED x k
 from plait.types import Completion, Prompt, SamplingParams
 
 
@@ -148,9 +151,15 @@ class RolloutFuncEngine:
                     weight_version=version,
                     sampled_mask=mask if "env_mask" in out else None,
                     extra={key: out[key][k] for key in extra_keys} or None,
+                    model_text=self._model_text(ids, mask) if "env_mask" in out else None,
                 )
             )
         return completions
+
+    def _model_text(self, ids: list[int], mask: list[int]) -> str:
+        """The tokens the model sampled (env_mask 1), decoded run by run: what rewards read."""
+        runs = [(m, [t for t, _ in run]) for m, run in groupby(zip(ids, mask), key=lambda tm: tm[1])]
+        return model_words([(self.tokenizer.decode(run, skip_special_tokens=True), bool(m)) for m, run in runs])
 
 
 def wrap(cfg, engine, tokenizer):
@@ -158,4 +167,4 @@ def wrap(cfg, engine, tokenizer):
     spec = cfg.rollout.rollout_func
     if spec is None:
         return engine
-    return RolloutFuncEngine(engine, tokenizer, resolve_function(spec), spec)
+    return RolloutFuncEngine(engine, tokenizer, resolve_function(spec, "rollout function"), spec)

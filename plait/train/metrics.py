@@ -114,11 +114,14 @@ def tool_metrics(completions: list) -> dict[str, float]:
 
 def agent_counts(groups: list[Group]) -> dict[str, float]:
     """This process's agent rollouts (rollout.agent): rollouts, calls, forks, calls on samples
-    left behind, failures (none without an agent); summed over processes before `agent_rates`."""
+    left behind, failures, calls the token budget left nothing for (none without an agent);
+    summed over processes before `agent_rates`."""
     stats = [c.agent_stats for g in groups for c in g.completions if c.agent_stats is not None]
     if not stats:
         return {}
-    out = {f"agent/{k}": float(sum(s[k] for s in stats)) for k in ("calls", "forks", "forked_calls", "errors")}
+    keys = ("calls", "forks", "forked_calls", "errors", "calls_out_of_budget")
+    # .get: rounds a checkpoint held from before a count existed
+    out = {f"agent/{k}": float(sum(s.get(k, 0.0) for s in stats)) for k in keys}
     return {**out, "agent/rollouts": float(len(stats))}
 
 
@@ -138,6 +141,8 @@ def sample_record(round_: int, group: Group) -> dict:
         "prompt": group.prompt.text,
         "answer": group.prompt.answer,
         "completion": c.text,
+        # multi-turn: the model's own words, which the rewards read (the completion holds added turns too)
+        **({"scored_text": c.model_text} if c.model_text is not None and c.model_text != c.text else {}),
         "rewards": {k: v[0] for k, v in group.rewards.items()},
         # the weight versions that sampled it (several: new weights arrived mid-completion)
         "weight_versions": sorted(set(c.staleness_versions)),

@@ -118,3 +118,28 @@ def text_continued(task):
     again = prompt + first["choices"][0]["text"]
     second = post(url, json={"prompt": again, "max_tokens": 3}, headers=auth).json()
     SEEN[task.index] = [first, second]
+
+
+ASK_FOR_A_BOX = "Give the answer as \\boxed{7}."
+
+
+def asks_for_a_box(task):
+    """The model answers, the agent asks for the answer in the format its own words show (and
+    name a number), the model answers again: what rewards read must be the replies alone."""
+    client = task.client()
+    messages = task.messages
+    first = client.chat.completions.create(model=task.model, messages=messages, max_tokens=5)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": ASK_FOR_A_BOX}]
+    second = client.chat.completions.create(model=task.model, messages=messages, max_tokens=5)
+    SEEN[task.index] = [first.choices[0].message.content, second.choices[0].message.content]
+
+
+async def async_twice(task):
+    """`async def`, two linked calls through the async client plait hands out (not closed here)."""
+    client = task.async_client()
+    messages = task.messages
+    first = await client.chat.completions.create(model=task.model, messages=messages, max_tokens=3)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": FEEDBACK}]
+    await client.chat.completions.create(model=task.model, messages=messages, max_tokens=3)
+    SEEN[task.index] = [client]
+    return 1.0

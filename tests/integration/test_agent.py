@@ -62,7 +62,13 @@ def test_chat_calls_are_linked_by_their_tokens_and_what_the_agent_added_is_maske
         shown = [x["logprob"] for x in first["logprobs"]["content"] + second["logprobs"]["content"]]
         assert [x for x, m in zip(c.logprobs, c.sampled_mask) if m] == shown
         assert c.prompt_ids is None  # the agent sent the row's own prompt: the group's prompt tokens
-        assert c.agent_stats == {"calls": 2.0, "forks": 0.0, "forked_calls": 0.0, "errors": 0.0}
+        assert c.agent_stats == {
+            "calls": 2.0,
+            "forks": 0.0,
+            "forked_calls": 0.0,
+            "errors": 0.0,
+            "calls_out_of_budget": 0.0,
+        }
         assert c.env_error is None and c.env_reward is None
         assert c.messages[-2] == {"role": "user", "content": agents.FEEDBACK}
     streams = {tuple(c.token_ids) for c in completions}
@@ -82,9 +88,7 @@ def test_a_reply_that_re_tokenizes_differently_is_continued_from_its_sampled_tok
     first = [{"role": "user", "content": "Say hello."}]
     sample, ids = rec.link("chat", {"messages": first}, tok, turns, 256)
     assert ids == tok(turns.render([_plain(m) for m in first], True), add_special_tokens=False)["input_ids"]
-    sample.append(sampled, True, [-1.0, -2.0])  # what the engine answered (AgentEngine._generate)
-    sample.pieces.append(tok.decode(sampled))
-    sample.turn_text = tok.decode(sampled)
+    sample.take_reply(sampled, [-1.0, -2.0], tok.decode(sampled))  # what the engine answered (AgentEngine._generate)
     reply = {"role": "assistant", "content": sample.turn_text}
     sample.seen = [*first, reply]
     again = [*first, reply, {"role": "user", "content": "Again."}]
@@ -112,9 +116,7 @@ def test_a_tool_call_comes_back_as_tool_calls_and_the_tool_turn_links(engine_and
     sample, _ = rec.link("chat", first, tok, turns, 256)
     raw = 'Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
     ids = tok(raw, add_special_tokens=False)["input_ids"]
-    sample.append(ids, True, [0.0] * len(ids))
-    sample.pieces.append(raw)
-    sample.turn_text = raw
+    sample.take_reply(ids, [0.0] * len(ids), raw)
     rec.calls = 1
     reply = hooked._reply(Call(rec, "chat", first, None), sample, ids, [0.0] * len(ids), "stop", raw, [])
     (choice,) = reply["choices"]
@@ -179,7 +181,13 @@ def test_token_id_prompts_link_exactly(engine_and_prompts, run_agent):
 def test_a_call_that_continues_nothing_forks_and_the_last_sample_is_trained(run_agent):
     completions, prompts, tok = run_agent("forking")
     for k, c in enumerate(completions):
-        assert c.agent_stats == {"calls": 2.0, "forks": 1.0, "forked_calls": 1.0, "errors": 0.0}
+        assert c.agent_stats == {
+            "calls": 2.0,
+            "forks": 1.0,
+            "forked_calls": 1.0,
+            "errors": 0.0,
+            "calls_out_of_budget": 0.0,
+        }
         assert c.prompt_ids is not None and "Answer in one word." in tok.decode(c.prompt_ids)
         assert c.prompt_ids != prompts[k // 2].token_ids
         assert all(c.sampled_mask)
@@ -191,6 +199,71 @@ def test_the_token_budget_ends_a_rollout_with_finish_reason_length(run_agent):
         first, second = (r["choices"][0] for r in agents.SEEN[k])
         assert len(c.token_ids) == 7 and c.truncated and c.finish_reason == "length"
         assert second["finish_reason"] == "length"
+
+
+def test_a_call_the_budget_leaves_nothing_for_is_said_once_and_counted(run_agent, caplog):
+    """chat_twice at 7 tokens: the first reply (5) and the agent's turn spend the budget, so every
+    second call gets nothing. One warning names the setting and the fix; each rollout counts it."""
+    completions, _, _ = run_agent("chat_twice", max_tokens=7)
+    said = [r.getMessage() for r in caplog.records if "got no tokens" in r.getMessage()]
+    assert len(said) == 1
+    assert "rollout.max_completion_length=7 is the whole rollout's budget" in said[0]
+    assert "Raise rollout.max_completion_length" in said[0] and "agents:chat_twice" in said[0]
+    assert [c.agent_stats["calls_out_of_budget"] for c in completions] == [1.0] * 4
+
+
+def test_rewards_read_the_replies_alone_and_get_the_whole_conversation(run_agent):
+    """The agent asks for "\\boxed{7}" between two replies. The text rewards read is the two
+    replies (a line break between them), so neither the format reward nor the answer reads the
+    agent's words, which the transcript keeps; the conversation the rewards and samples.jsonl get
+    holds both replies and the agent's turn, in order (it used to keep the last reply only)."""
+    from dataclasses import replace
+
+    from plait.rewards.runner import bind_metric, call_reward, reward_inputs
+    from plait.train.metrics import sample_record
+    from plait.types import Group
+
+    completions, prompts, _ = run_agent("asks_for_a_box")
+    replies = [agents.SEEN[k] for k in range(4)]
+    assert not any("boxed" in r for pair in replies for r in pair)  # the tiny model never writes one
+    groups = [Group(replace(p, answer="7"), completions[2 * i : 2 * i + 2]) for i, p in enumerate(prompts)]
+    inputs = reward_inputs(groups)
+    assert inputs.texts == ["\n".join(r for r in pair if r) for pair in replies]
+    assert all(agents.ASK_FOR_A_BOX in t for t in inputs.kwargs["transcript"])
+    assert call_reward(bind_metric("boxed_format"), inputs) == [0.0] * 4
+    assert call_reward(bind_metric("accuracy"), inputs) == [0.0] * 4
+    # what they read before: the agent's box, as every reply's format and answer
+    transcript = bind_metric("accuracy")
+    transcript.kwargs = {"read": "transcript"}
+    assert call_reward(transcript, inputs) == [1.0] * 4
+    for c, (first, second) in zip(completions, replies):
+        assert [(m["role"], m["content"]) for m in c.messages] == [
+            ("assistant", first),
+            ("user", agents.ASK_FOR_A_BOX),
+            ("assistant", second),
+        ]
+    record = sample_record(1, groups[0])
+    assert record["conversation"] == completions[0].messages and record["scored_text"] == inputs.texts[0]
+
+
+def test_an_async_agents_clients_are_closed_on_its_own_loop(run_agent, caplog):
+    """An `async def` agent leaves its `task.async_client()` open: plait closes it on the agent's
+    loop. Left open, the garbage collector closed it on another loop, whose task failed with
+    "Event loop is closed" ("Task exception was never retrieved" in the run's log)."""
+    import asyncio
+    import gc
+
+    completions, _, _ = run_agent("async_twice")
+    assert all(c.env_error is None and c.agent_stats["calls"] == 2.0 for c in completions)
+    assert all(agents.SEEN[k][0].is_closed() for k in range(4))
+    agents.SEEN.clear()
+
+    async def collect_on_a_running_loop():  # as the endpoint's own loop may, at any time
+        gc.collect()
+        await asyncio.sleep(0.2)
+
+    asyncio.run(collect_on_a_running_loop())
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage() or r.exc_info]
 
 
 @pytest.mark.parametrize(
@@ -260,6 +333,77 @@ def test_plait_check_names_a_missing_agent_and_a_loop_beside_it(tiny_model_path,
     cfg = load_config(None, sets)
     problems = check_agent(cfg, probe(cfg))
     assert problems and "can't run beside it" in problems[0]
+
+
+def test_a_missing_agent_function_is_called_one_with_the_nearest_names(tiny_model_path, prompts_jsonl, tmp_path):
+    sets = tiny_overrides(tiny_model_path, prompts_jsonl, tmp_path, "rollout.agent={function: 'agents:chat_twcie'}")
+    (problem,) = check_agent(load_config(None, sets), probe(load_config(None, sets)))
+    assert "agent function 'agents:chat_twcie': module 'agents' has no function 'chat_twcie'" in problem
+    assert "did you mean 'chat_twice'" in problem and "tool function" not in problem
+
+
+def test_plait_check_notes_an_agent_whose_calls_ask_for_the_whole_budget(tiny_model_path, prompts_jsonl, capsys):
+    """chat_twice asks for 5 + 5 tokens in its source: at a budget of 10 the turn it adds between
+    them leaves the second call short, which `plait check` says; at 64 it says nothing."""
+    from plait.cli import main
+
+    def check(budget: int) -> str:
+        sets = tiny_overrides(
+            tiny_model_path,
+            prompts_jsonl,
+            "/unused",
+            "rollout.agent={function: 'agents:chat_twice'}",
+            f"rollout.max_completion_length={budget}",
+        )
+        assert main(["check", *sum((["--set", o] for o in sets), [])]) == 0
+        return capsys.readouterr().out
+
+    said = check(10)
+    assert "agents:chat_twice's calls ask for 5 + 5 = 10 tokens" in said
+    assert "rollout.max_completion_length=10 is the whole rollout's budget" in said
+    assert "calls ask for" not in check(64)
+
+
+def test_a_failing_agent_stops_the_run_named_and_says_no_checkpoint_was_written(
+    tiny_model_path, prompts_jsonl, tmp_path, caplog, capsys
+):
+    """Every rollout of round 1 raises: the warning names the agent (it said "environment None"
+    when the `environment` reward scored them), and the stop, before any checkpoint, says a
+    resume starts over (it said resume=auto continues from the last checkpoint)."""
+    from plait.cli import main
+    from plait.config.schema import AgentConfig
+    from plait.envs import agent_error_problem
+
+    sets = tiny_overrides(
+        tiny_model_path,
+        prompts_jsonl,
+        tmp_path / "run",
+        "rollout.agent={function: 'agents:raising'}",
+        "rewards=[{name: environment}]",
+        "checkpoint.save_steps=1",
+    )
+    assert main(["train", *sum((["--set", o] for o in sets), [])]) == 2
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("agent agents:raising failed on 8 of 8 rollouts" in m for m in logged)
+    assert not any("environment None" in m for m in logged)
+    err = capsys.readouterr().err
+    assert "fix the agent agents:raising; no checkpoint was written before it stopped" in err
+    assert "resume=auto would start the run over from round 1" in err and "last checkpoint" not in err
+    metrics = {"agent/errors": 8.0, "agent/rollouts": 8.0}
+    later = agent_error_problem(AgentConfig(function="agents:raising"), metrics, 3, saved=2)
+    assert "resume=auto continues from the last checkpoint (round 2)" in later
+
+
+def test_the_report_draws_the_agent_metrics():
+    from plait.report import make_figures
+
+    history = [
+        {"round": r, "agent/rollouts": 8.0, "agent/calls": 16.0, "agent/calls_per_rollout": 2.0, "agent/forks": 0.0}
+        | {"agent/forked_calls": 0.0, "agent/errors": 1.0, "agent/error_share": 0.125, "agent/calls_out_of_budget": 3.0}
+        for r in (1, 2)
+    ]
+    (agent,) = [f for f in make_figures(history, [], "accuracy") if f.name == "agent"]
+    assert agent.png[:8] == b"\x89PNG\r\n\x1a\n" and "agent/calls_out_of_budget" in agent.title
 
 
 def test_a_run_trains_through_an_agent_and_resumes_exactly(tiny_model_path, prompts_jsonl, tmp_path):

@@ -51,6 +51,26 @@ def test_the_loop_samples_with_plaits_engine_and_returns_its_tokens_with_their_m
             assert c.extra == {"turns": 2} and len(c.token_ids) <= 30
 
 
+def test_rewards_read_the_tokens_the_model_sampled_not_the_loops_own(engine_and_prompts):
+    """two_turns adds a line of its own (env_mask 0) between the model's two answers: the text
+    rewards read leaves it out (a line break in its place); the transcript keeps it."""
+    from rollout_funcs import FEEDBACK
+
+    from plait.rewards.runner import reward_inputs
+    from plait.types import Group
+
+    cfg, tok, engine, prompts = engine_and_prompts
+    out = hooked(cfg, engine, tok, "two_turns").generate(prompts, SamplingParams(max_tokens=30, seed=5), n=2)
+    inputs = reward_inputs([Group(p, row) for p, row in zip(prompts, out)])
+    for c, text, transcript in zip([c for row in out for c in row], inputs.texts, inputs.kwargs["transcript"]):
+        first = c.sampled_mask.index(0)
+        second = first + len(tok(FEEDBACK, add_special_tokens=False)["input_ids"])
+        said = [tok.decode(c.token_ids[:first], skip_special_tokens=True)]
+        said.append(tok.decode(c.token_ids[second:], skip_special_tokens=True))
+        assert text == "\n".join(t for t in said if t) and FEEDBACK not in text
+        assert transcript == c.text and FEEDBACK in transcript
+
+
 @pytest.mark.parametrize(
     "fn, said",
     [

@@ -192,6 +192,25 @@ def test_tool_turns_are_masked_and_the_tokens_are_the_whole_conversation(tok, bo
     assert [p.index for p in later] == [3 * 2, 3 * 2 + 1] and params.seed != 5
 
 
+def test_rewards_read_the_models_turns_not_the_tools_output(tok, box):
+    """The tool prints the answer and the model's last turn names none: the text rewards read is
+    the model's two turns (a line break between them), so `accuracy` does not take the tool's 42
+    for the model's answer; `read: transcript` reads it (the whole conversation, as before)."""
+    from plait.rewards.runner import bind_metric, call_reward, reward_inputs
+
+    script = ["```python\nprint(6 * 7)\n```\n", "Done.<eos>"]
+    tools = ToolEngine(Scripted(tok, script), tok, ToolsConfig(), python_runner(box), ChatTurns(tok))
+    ((c,),) = tools.generate([chat_prompt(tok)], SamplingParams(max_tokens=200), n=1)
+    assert c.scored_text == "```python\nprint(6 * 7)\n```\n\nDone."
+    assert "42" in c.text and "42" not in c.scored_text
+    inputs = reward_inputs([Group(chat_prompt(tok), [c])])
+    assert inputs.texts == [c.scored_text] and inputs.kwargs["transcript"] == [c.text]
+    assert call_reward(bind_metric("accuracy"), inputs) == [0.0]
+    transcript = bind_metric("accuracy")
+    transcript.kwargs = {"read": "transcript"}
+    assert call_reward(transcript, inputs) == [1.0]
+
+
 def test_hermes_calls_reach_functions_and_the_python_session(tok, box):
     from tool_functions import multiply
 
