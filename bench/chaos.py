@@ -29,8 +29,10 @@ the moments in the order they were hit.
 
 It prints the kills by moment, the resumes, the checkpoints a resume loaded that were not
 identical to the reference's ("corrupt loads", must be 0), the largest weight difference
-(must be 0.0 on CPU) and exits 1 if anything differs. `--nproc 2` runs under torchrun (ddp)
-and kills one of the two workers; torchrun then stops the other.
+(must be 0.0 on CPU) and exits 1 if anything differs, or if a launch did not resume from the
+newest checkpoint committed when it started (each launch's own log lines say what it loaded).
+`--nproc 2` runs under torchrun (ddp) and kills one of the two workers; torchrun then stops the
+other.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ REWARD = """def vowel_share(completions, **_):
     return [sum(ch in "aeiouAEIOU" for ch in t) / max(1, len(t)) for t in completions]
 """
 MOMENTS = ("startup", "step", "unsaved", "save")
+RESUMED = re.compile(r"resumed from \S+ \((?:round|step) (\d+)\)")  # what a launch says it loaded
 ASYNC_MOMENTS = (*MOMENTS, "generation")
 
 
@@ -78,6 +81,11 @@ class Report:
     max_weight_diff: float = 0.0
     optimizer_identical: bool = False
     steps_logged: list = field(default_factory=list)
+    # one entry per launch: the newest committed checkpoint when it started (0: none), the round it
+    # says it resumed from (None: it started afresh, or was killed before it said), the moment it
+    # was killed at (None: not killed) and the newest committed checkpoint right after that kill
+    launch_log: list = field(default_factory=list)
+    resumed_from_the_newest: bool = False  # every launch not killed at start-up resumed from launch_log's newest
     seconds: float = 0.0
 
     @property
@@ -89,6 +97,7 @@ class Report:
             and self.max_weight_diff == 0.0
             and self.optimizer_identical
             and self.hashes_identical
+            and self.resumed_from_the_newest
         )
 
 
@@ -279,6 +288,8 @@ def chaos_run(
     while True:
         with log_path.open("a") as log:
             launched, resumed_at = time.time(), max(committed(out), default=0)
+            entry = {"newest_commit": resumed_at, "resumed_from": None, "killed_at": None, "commit_at_kill": None}
+            offset = log_path.stat().st_size  # this launch's lines come after
             proc = launch(cmd, work, log)
             report.launches += 1
             if done_kills < kills:
@@ -300,9 +311,11 @@ def chaos_run(
                             done_kills += 1
                             report.kills[moment] += 1
                             report.moments.append(moment)
+                            held = committed(out)
+                            entry.update(killed_at=moment, commit_at_kill=max(held, default=0))
                             say(
                                 f"kill {done_kills}/{kills}: SIGKILL pid {victim.pid} at {moment} "
-                                f"(committed checkpoints: {committed(out)[-3:]})"
+                                f"(committed checkpoints: {held[-3:]})"
                             )
                         except psutil.Error:
                             pass
@@ -312,6 +325,11 @@ def chaos_run(
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        with log_path.open("rb") as log:
+            log.seek(offset)
+            said = sorted({int(m.group(1)) for m in RESUMED.finditer(log.read().decode(errors="replace"))})
+        entry["resumed_from"] = said[0] if len(said) == 1 else (said or None)  # several: a list, never as expected
+        report.launch_log.append(entry)
         left.update(p.name for p in (out / "checkpoints").glob("*.tmp")) if (out / "checkpoints").is_dir() else None
         report.incomplete_checkpoints_seen = len(left)
         if code == 0:
@@ -372,6 +390,16 @@ def compare(ref: Path, out: Path, work: Path, report: Report) -> None:
     # the rounds' hashes (tokens, rewards, advantages): each round sampled and scored the same bits
     hashes = [(out / "hashes.jsonl").read_text().splitlines(), (ref / "hashes.jsonl").read_text().splitlines()]
     report.hashes_identical = hashes[0] == hashes[1] and len(hashes[0]) == len(rows)
+    report.resumed_from_the_newest = bool(report.launch_log) and all(resumed_as_expected(e) for e in report.launch_log)
+
+
+def resumed_as_expected(entry: dict) -> bool:
+    """A launch resumed from the newest committed checkpoint there was when it started (it started
+    afresh where there was none). One killed at start-up may have died before it said so."""
+    expected = entry["newest_commit"] or None
+    if entry["killed_at"] == "startup":
+        return entry["resumed_from"] in (None, expected)
+    return entry["resumed_from"] == expected
 
 
 def main(argv=None) -> int:

@@ -21,6 +21,7 @@ import psutil
 import pytest
 import torch
 import yaml
+from test_fault_tolerance import assert_every_relaunch_resumed_from_the_newest_commit
 from test_train import final_weights, sampled, tiny_overrides
 from test_vllm import metrics_of, train_cmd
 
@@ -130,6 +131,7 @@ def test_async_chaos_kills_at_every_moment_and_the_run_ends_bitwise_equal(tmp_pa
     assert report["resumes"] >= 3 and report["corrupt_loads"] == 0 and report["checkpoints_differing"] == 0
     assert report["max_weight_diff"] == 0.0 and report["optimizer_identical"] and report["metrics_differing"] == []
     assert report["steps_logged"] == list(range(1, 9))
+    assert_every_relaunch_resumed_from_the_newest_commit(report)
     deadline = time.monotonic() + 120  # a generation process notices its trainer's death within a second or so
     while set(Path("/dev/shm").glob("plait-weights-*")) - before and time.monotonic() < deadline:
         time.sleep(0.2)

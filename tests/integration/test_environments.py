@@ -130,18 +130,38 @@ def test_a_verifier_failure_leaves_the_completion_unscored_by_every_reward(monke
     """A completion its environment's verifier failed on is an infrastructure error: shaping
     rewards beside `environment` do not score it either, so it stays out of its group's
     statistics instead of being judged by format alone. A wrong answer the verifier judged
-    keeps every score."""
+    keeps every score: the planted verifier raises on two answers only and judges the other
+    answers as the dataset's own verifier does (a wrong one 0)."""
+    from reasoning_gym.arithmetic.basic_arithmetic import BasicArithmeticDataset
+
     from plait.config.schema import EnvironmentSpec, RewardSpec
     from plait.envs import reasoning_gym
     from plait.rewards.runner import bind_rewards, score_groups
     from plait.types import Completion, Group, Prompt
 
-    _broken_verifier(monkeypatch)
+    crashes_on, judged, own = {"-123456", "31337"}, [], BasicArithmeticDataset.score_answer
+
+    def score_answer(self, answer, entry):
+        if answer in crashes_on:
+            raise RuntimeError("the verifier crashed")
+        judged.append((answer, own(self, answer, entry)))
+        return judged[-1][1]
+
+    monkeypatch.setattr(BasicArithmeticDataset, "score_answer", score_answer)
     spec = EnvironmentSpec(type="reasoning_gym", dataset="basic_arithmetic", size=4, eval_size=1, answer_format="boxed")
     row = reasoning_gym.rows(spec, "basic_arithmetic", "train", 0, 4)[0]
     prompt = Prompt(0, row["prompt"], [1], row["answer"], {k: row[k] for k in ("environment", "env_source")})
-    texts = [f"\\boxed{{{row['answer']}}}", "\\boxed{-123456}", "no answer at all"]
+    wrong = str(int(row["answer"]) + 1)
+    texts = [
+        f"\\boxed{{{row['answer']}}}",  # right
+        "\\boxed{-123456}",  # the verifier crashes
+        f"\\boxed{{{wrong}}}",  # wrong, in the asked format: judged 0
+        "\\boxed{31337}",  # the verifier crashes
+        "no answer at all",  # nothing in the asked format: 0 without the verifier
+    ]
     group = Group(prompt, [Completion(0, [1], t, [0.0], False, "eos") for t in texts])
     score_groups([group], bind_rewards([RewardSpec(name="environment"), RewardSpec(name="boxed_format")]))
-    assert group.rewards["environment"] == [1.0, None, 0.0]  # the wrong boxed answer crashed the verifier
-    assert group.rewards["boxed_format"] == [1.0, None, 0.0]  # ... so format does not score it either
+    assert judged == [(row["answer"], 1.0), (wrong, 0.0)]  # the verifier judged these two, and only these
+    assert group.rewards["environment"] == [1.0, None, 0.0, None, 0.0]  # a crash is None, not a wrong answer
+    # format scores what the verifier judged, the wrong answer included, and nothing it crashed on
+    assert group.rewards["boxed_format"] == [1.0, None, 1.0, None, 0.0]

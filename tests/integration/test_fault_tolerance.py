@@ -333,6 +333,27 @@ def test_chaos_harness_finds_no_difference(tmp_path):
     assert report["max_weight_diff"] == 0.0 and report["optimizer_identical"] and report["metrics_differing"] == []
     assert report["steps_logged"] == [1, 2, 3, 4, 5, 6]
     assert report["hashes_identical"]  # every round sampled, scored and advantaged the same bits
+    assert_every_relaunch_resumed_from_the_newest_commit(report)
+
+
+def assert_every_relaunch_resumed_from_the_newest_commit(report: dict) -> None:
+    """bench/chaos.py's launch log (what each launch's own lines said it loaded): every launch
+    resumed from the newest checkpoint committed when it started, and started afresh where none
+    was; one killed at start-up may have died before it said. So every kill after a commit was
+    followed by a resume from that commit, or from a newer one the dying run still committed
+    (another worker, or a trainer whose generation process was killed, may finish a save)."""
+    launches = report["launch_log"]
+    print("chaos launches, in order:", launches)
+    assert len(launches) == report["launches"] and report["resumed_from_the_newest"], launches
+    for launch in launches:
+        said, newest = launch["resumed_from"], launch["newest_commit"] or None
+        assert said == newest or (launch["killed_at"] == "startup" and said is None), launch
+    assert launches[0]["newest_commit"] == 0 and launches[-1]["killed_at"] is None  # the last one ran to the end
+    after_a_commit = [(k, r) for k, r in zip(launches, launches[1:]) if k["commit_at_kill"]]
+    assert after_a_commit, launches  # some kill came after a commit
+    for killed, relaunch in after_a_commit:
+        assert relaunch["newest_commit"] >= killed["commit_at_kill"], (killed, relaunch)  # nothing committed was lost
+    assert any(relaunch["resumed_from"] for _, relaunch in after_a_commit)  # and said so, as the loop above checks
 
 
 def test_a_diverging_run_exits_3_from_the_command_line(tiny_model_path, prompts_jsonl, tmp_path, helper_env):

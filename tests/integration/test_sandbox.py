@@ -4,8 +4,9 @@ leave the host unchanged, and never leak the trainer's secret.
 Every program in PROGRAMS sets ESCAPED = True if its attack worked, and its one test is
 `assert ESCAPED`: a passing test means containment failed. Programs run in every tier this
 machine provides. What the weakest tier (`process`, no namespaces) cannot contain is listed in
-NEEDS_NAMESPACES; what it contains only as root (where each run gets a uid of its own instead
-of the runner's) in NEEDS_ROOT_IN_PROCESS_TIER. Both are documented in docs/sandbox.md.
+NEEDS_NAMESPACES (skipped there), and writes_outside leaves out the world-writable dirs there;
+what it contains only as root (where each run gets a uid of its own instead of the runner's) is
+in NEEDS_ROOT_IN_PROCESS_TIER. All of it is documented in docs/sandbox.md.
 
 SECCOMP_REFUSES lists calls that only the seccomp tier's deny-list stops: refused there, and
 shown to get through (or fail differently) in the namespaces tier, the same sandbox without it.
@@ -185,8 +186,10 @@ PROGRAMS = {
     "writes_outside": """
         import os
         ESCAPED = False
-        marks = ("/root/MARK", "/etc/MARK", "REPO/MARK", "/dev/shm/MARK", "/tmp/MARK", "/var/tmp/MARK", "../MARK")
-        for p in (*marks, "../../MARK", os.path.expanduser("~/MARK")):
+        marks = ["/root/MARK", "/etc/MARK", "REPO/MARK", "../MARK", os.path.expanduser("~/MARK")]
+        if WORLD_WRITABLE:  # False in the process tier, which shares these with the host (documented)
+            marks += ["/dev/shm/MARK", "/tmp/MARK", "/var/tmp/MARK", "../../MARK"]
+        for p in marks:
             try:
                 with open(p, "w") as f:
                     f.write("escaped")
@@ -304,9 +307,11 @@ PROGRAMS = {
     """,
 }
 
-# The process tier (no namespaces) can't stop these: world-writable dirs and the network
-# are shared with the host. This is why the default minimum tier is 'namespaces'.
-NEEDS_NAMESPACES = {"writes_outside", "outbound_network", "connects_to_the_trainer"}
+# The process tier (no namespaces) can't stop these: the network is shared with the host. Nor
+# writes to the world-writable dirs (/tmp, /dev/shm, /var/tmp; and ../../, which is /tmp there),
+# also shared: writes_outside leaves those out in that tier and tries the rest (as root only,
+# below). This is why the default minimum tier is 'namespaces'.
+NEEDS_NAMESPACES = {"outbound_network", "connects_to_the_trainer"}
 
 # The process tier contains these only as root, where each run gets a uid of its own. Run by
 # anyone else, the program has the runner's uid: it may signal, read and outlive the runner's
@@ -319,6 +324,8 @@ NEEDS_ROOT_IN_PROCESS_TIER = {
     "/proc/<pid>/environ of every process of the runner; contained only as root (a uid per run)",
     "double_fork_daemon": "tier 'process' not as root: a daemon that leaves the process group is reached by the "
     "uid sweep only, which needs a uid per run, so root; contained only as root",
+    "writes_outside": "tier 'process' not as root: the program has the runner's uid, so it may write wherever the "
+    "runner may (the repo included); refused only as root (a uid per run)",
 }
 
 # Programs that end by themselves: they must run to their end (the harness's "done"), so that
@@ -578,9 +585,10 @@ def host():
     assert not written, f"the program wrote {written}"
 
 
-def _program(name: str, port: int = 0, helper_pid: int = 0) -> str:
+def _program(name: str, port: int = 0, helper_pid: int = 0, tier: str = "") -> str:
     src = textwrap.dedent(PROGRAMS[name])
     for key, value in (
+        ("WORLD_WRITABLE", str(tier != "process")),
         ("HELPER_PID", str(helper_pid)),
         ("MARK", MARK),
         ("REPO", str(REPO)),
@@ -596,14 +604,14 @@ def _program(name: str, port: int = 0, helper_pid: int = 0) -> str:
 def test_hostile_program_is_contained(name, tier, host, request):
     _need_tier(tier)
     if tier == "process" and name in NEEDS_NAMESPACES:
-        pytest.skip("the process tier shares the host's network and world-writable dirs (documented)")
+        pytest.skip("the process tier shares the host's network (documented)")
     as_the_runner = tier == "process" and not IS_ROOT and name in NEEDS_ROOT_IN_PROCESS_TIER
     if as_the_runner and name != "reads_secrets":
         pytest.skip(NEEDS_ROOT_IN_PROCESS_TIER[name])
     helper_pid = request.getfixturevalue("secret_holder") if "HELPER_PID" in PROGRAMS[name] else 0
     srv = _listener()
     try:
-        src = _program(name, srv.getsockname()[1], helper_pid)
+        src = _program(name, srv.getsockname()[1], helper_pid, tier)
         limits = ROOMY if name in RUN_TO_THE_END else FAST
         res = run_tests(src, ["assert ESCAPED"], limits=limits, tier=tier)
         assert not _reached(srv, 5.0 if "PORT" in PROGRAMS[name] else 0.0), "the program reached the trainer's port"

@@ -276,6 +276,51 @@ def test_variants_train(tiny_model_path, prompts_jsonl, tmp_path, extra):
         assert (out / "final" / "adapter" / "adapter_config.json").is_file()
 
 
+def test_evaluation_in_a_run_and_plait_eval_decode_in_the_trainers_precision(
+    tiny_model_path, prompts_jsonl, tmp_path, monkeypatch, capsys
+):
+    """With int8 rollouts (HF engine in the trainer's process), the run's evaluations before and
+    after and `plait eval` of the run go through that same int8 engine, yet every forward pass
+    of theirs decodes in `train.precision` (fp32), while the round's sampling decodes in int8.
+    Seen where the engine picks its precision for a generate call (`HFEngine._packed`)."""
+    import plait.evaluate
+    import plait.train.loop
+    from plait.cli import main
+    from plait.rollout.hf import HFEngine
+
+    calls, evaluating = [], []  # (evaluating?, the engine's own precision, the precision it decodes in)
+    packed = HFEngine._packed
+
+    def spy(self, model, precision):
+        calls.append((bool(evaluating), self.precision, precision))
+        return packed(self, model, precision)
+
+    def during_evaluation(evaluate):
+        def wrapped(*args, **kwargs):
+            evaluating.append(True)
+            try:
+                return evaluate(*args, **kwargs)
+            finally:
+                evaluating.pop()
+
+        return wrapped
+
+    monkeypatch.setattr(HFEngine, "_packed", spy)
+    monkeypatch.setattr(plait.train.loop, "evaluate", during_evaluation(plait.train.loop.evaluate))
+    monkeypatch.setattr(plait.evaluate, "evaluate", during_evaluation(plait.evaluate.evaluate))  # plait eval's
+    out = tmp_path / "run"
+    extra = ["train.max_steps=1", "train.warmup_steps=0", "rollout.precision=int8", "eval.before=true"]
+    train(load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, out, *extra, "eval.after=true")))
+    in_the_run = list(calls)
+    assert [json.loads(line)["tag"] for line in (out / "eval.jsonl").read_text().splitlines()] == ["before", "after"]
+    assert {c for c in in_the_run if not c[0]} == {(False, "int8", "int8")}  # the round samples in int8
+    assert {c for c in in_the_run if c[0]} == {(True, "int8", "fp32")}  # both evaluations decode in fp32
+    del calls[:]
+    assert main(["eval", str(out)]) == 0
+    assert "boxed_accuracy: " in capsys.readouterr().out
+    assert set(calls) == {(True, "int8", "fp32")}  # the run's int8 engine, decoding in the run's fp32
+
+
 def test_cli_eval_scores_a_model_folder(tiny_model_path, prompts_jsonl, helper_env):
     train_f, eval_f = prompts_jsonl
     cmd = [
