@@ -10,15 +10,20 @@ prompts (the arithmetic task, chat template applied once by plait and handed to 
 same text), the same reward functions and weights (plait's accuracy 1.0 + boxed_format 0.5),
 num_generations, completion length (no early stop: both sample up to max_completion_length or
 EOS), batch (prompts x generations per optimizer step, one optimizer step per generation),
-learning rate (constant, no warm-up), loss (DAPO token-level, beta 0, group-scaled
-advantages), precision (training and sampling: with --precision bf16 plait's rollouts sample
-in bf16, as TRL's generation does) and seed. TRL's gradient checkpointing (its default) is off, as
+learning rate (constant, no warm-up, every update's: plait's `train.lr_by_signal` is off here),
+loss (DAPO token-level, beta 0, group-scaled advantages), prompt order (TRL is handed the rows in
+the order plait's seeded draw takes them, with its own shuffling off: step k of both trains on
+the same prompts, checked from what each side's reward functions were given), precision
+(training and sampling: with --precision bf16 plait's rollouts sample in bf16, as TRL's
+generation does) and seed. TRL's gradient checkpointing (its default) is off, as
 plait's is, so both do the same arithmetic (--trl-gradient-checkpointing to compare with it on).
 
-Each run is its own process (clean peak RSS). The rounds alternate plait, TRL, plait, TRL ...;
-each run's first --warmup steps are left out of the timings. Printed: the median step time,
-completion tokens/s and peak RSS of each, the ratio plait/TRL, and whether their mean
-reward per step differs (a permutation test over the steps of all rounds).
+Each run is its own process (clean peak RSS). The rounds alternate plait, TRL, plait, TRL ...
+(round r at seed --seed + r); each run's first --warmup steps are left out of the timings.
+Printed: the median step time, completion tokens/s and peak RSS of each, the ratio plait/TRL, and whether their mean
+reward per step differs (a permutation test over the steps of all rounds), per seed and over all:
+with the same prompts each step, what differs between the two is the trainers' sampling and
+updates, not which problems they drew.
 """
 
 from __future__ import annotations
@@ -45,15 +50,27 @@ PHASES = ("time/generate", "time/score", "time/logprobs", "time/train", "time/op
 REWARD_WEIGHTS = (1.0, 0.5)
 
 
-def shared_prompts(model: str, n: int, seed: int):
+def shared_prompts(model: str, seed: int):
     """The arithmetic task's training rows, as plait builds them (chat template applied)."""
     from plait.config import load_config
     from plait.data import build_prompts, load_rows
     from plait.models import load_tokenizer
 
-    cfg = load_config(None, [f"model.name_or_path={model}", f"data.num_train={n}", f"seed={seed}"])
+    cfg = load_config(None, [f"model.name_or_path={model}", f"seed={seed}"])
     tok = load_tokenizer(cfg.model.name_or_path)
     return cfg, tok, build_prompts(load_rows(cfg.data, "train", seed), tok, cfg.data)
+
+
+def plait_draw(n_rows: int, per_step: int, steps: int, seed: int) -> list[int]:
+    """The rows plait's run takes, in order: its seeded permutation per epoch, read sequentially."""
+    from plait.data import PromptOrder
+
+    return PromptOrder(n_rows, seed).take(per_step * steps)
+
+
+def prompts_per_step(seen: list[str], per_step: int) -> list[list[str]]:
+    """A run's prompt texts, step by step."""
+    return [seen[i : i + per_step] for i in range(0, len(seen), per_step)]
 
 
 # ---------------------------------------------------------------- one run, in its own process
@@ -96,8 +113,11 @@ def run_plait(
             f"{{name: boxed_format, weight: {REWARD_WEIGHTS[1]}}}]",
             "eval.before=false",
             "eval.after=false",
+            "train.lr_by_signal=false",  # TRL's rate is every update's
             "log.console=none",
             "log.tensorboard=false",
+            "log.sample_every_steps=1",  # every group's prompt, to check the order against TRL's
+            f"log.samples={prompts}",
             "checkpoint.save_steps=0",
             "checkpoint.save_final_model=false",
             f"output_dir={out / 'run'}",
@@ -105,7 +125,9 @@ def run_plait(
         ],
     )
     result = train(cfg)
+    samples = [json.loads(line) for line in (out / "run" / "samples.jsonl").read_text().splitlines()]
     return {
+        "prompts": [r["prompt"] for r in samples],
         "step_s": [m["time/step"] for m in result.history],
         "reward": [m["reward/total/mean"] for m in result.history],
         "completion_tokens": [m["tokens/generated"] for m in result.history],
@@ -133,12 +155,14 @@ def run_trl(
     from plait.rewards.math import accuracy
 
     n_prompts, gens, length, micro = SIZES[size]
-    _, tok, prompts = shared_prompts(model_name, 1000, seed)
-    data = Dataset.from_list([{"prompt": p.text, "answer": p.answer} for p in prompts])
-    per_step = {"reward": [], "completion_tokens": []}
+    _, tok, prompts = shared_prompts(model_name, seed)
+    drawn = [prompts[i] for i in plait_draw(len(prompts), n_prompts, steps, seed)]
+    data = Dataset.from_list([{"prompt": p.text, "answer": p.answer} for p in drawn])
+    per_step = {"reward": [], "completion_tokens": [], "prompts": []}
 
-    def accuracy_reward(completions, answer, completion_ids, **_):
+    def accuracy_reward(completions, answer, completion_ids, prompts, **_):
         per_step["completion_tokens"].append(sum(len(c) for c in completion_ids))
+        per_step["prompts"] += prompts[::gens]  # each prompt's group is gens rows in a row
         return accuracy(completions, answer)
 
     def format_reward(completions, **_):
@@ -163,6 +187,7 @@ def run_trl(
         output_dir=str(out / "trl"),
         seed=seed,
         data_seed=seed,
+        shuffle_dataset=False,  # the rows are already in plait's draw order
         use_cpu=device == "cpu",
         bf16=precision == "bf16",
         fp16=False,
@@ -200,7 +225,12 @@ def run_trl(
         callbacks=[clock],
     )
     trainer.train()
-    return {"step_s": clock.times, "reward": per_step["reward"], "completion_tokens": per_step["completion_tokens"]}
+    return {
+        "step_s": clock.times,
+        "reward": per_step["reward"],
+        "completion_tokens": per_step["completion_tokens"],
+        "prompts": per_step["prompts"],
+    }
 
 
 def worker(args) -> None:
@@ -241,6 +271,23 @@ def permutation_p(a: list[float], b: list[float], rounds: int = 20000, seed: int
         if abs(statistics.fmean(pooled[: len(a)]) - statistics.fmean(pooled[len(a) :])) >= observed - 1e-12:
             hits += 1
     return (hits + 1) / (rounds + 1)
+
+
+def verdict(a: list[float], b: list[float]) -> dict:
+    """Whether plait's rewards per step (a) and TRL's (b) differ, and which way."""
+    p = permutation_p(a, b)
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    return {
+        "reward_diff": diff,
+        "reward_p": p,
+        "learning": "indistinguishable" if p >= 0.05 else ("plait better" if diff > 0 else "TRL better"),
+    }
+
+
+def same_prompts(mine: list[str], theirs: list[str], per_step: int) -> bool:
+    """Did both sides train on the same prompts at every step (in any order within a step)?"""
+    a, b = prompts_per_step(mine, per_step), prompts_per_step(theirs, per_step)
+    return len(a) == len(b) and all(sorted(x) == sorted(y) for x, y in zip(a, b))
 
 
 def main() -> None:
@@ -340,6 +387,7 @@ def main() -> None:
             "peak_rss_gb": max(r["peak_rss_gb"] for r in rs),
             "reward_mean": statistics.fmean(rewards),
             "reward_per_step": [r["reward"] for r in rs],
+            "prompts_per_step": [prompts_per_step(r["prompts"], prompts) for r in rs],  # per round
         }
         s = summary[who]
         print(
@@ -358,14 +406,30 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(summary, indent=1))
         return
     ratio = summary["plait"]["step_s_median"] / summary["trl"]["step_s_median"]
-    a = [x for r in runs["plait"] for x in r["reward"]]
-    b = [x for r in runs["trl"] for x in r["reward"]]
-    p = permutation_p(a, b)
-    diff = statistics.fmean(a) - statistics.fmean(b)
-    verdict = "indistinguishable" if p >= 0.05 else ("plait better" if diff > 0 else "TRL better")
-    summary.update(ratio=ratio, reward_diff=diff, reward_p=p, learning=verdict)
     print(f"\nplait / TRL step time: {ratio:.2f}x ({1 / ratio:.2f}x faster; goal <= 0.40x)")
-    print(f"mean reward per step: plait - TRL = {diff:+.3f}, permutation p = {p:.3f} -> {verdict}")
+    summary["per_seed"] = []
+    for r, (mine, theirs) in enumerate(zip(runs["plait"], runs["trl"])):
+        same = same_prompts(mine["prompts"], theirs["prompts"], prompts)
+        seed_ratio = statistics.median(mine["step_s"][args.warmup :]) / statistics.median(
+            theirs["step_s"][args.warmup :]
+        )
+        row = {
+            "seed": args.seed + r,
+            "ratio": seed_ratio,
+            "same_prompts": same,
+            **verdict(mine["reward"], theirs["reward"]),
+        }
+        summary["per_seed"].append(row)
+        print(
+            f"seed {row['seed']}: step {seed_ratio:.2f}x; same prompts each step: {'yes' if same else 'NO'}; "
+            f"reward plait - TRL = {row['reward_diff']:+.3f}, p = {row['reward_p']:.3f} -> {row['learning']}"
+        )
+    pooled = verdict([x for r in runs["plait"] for x in r["reward"]], [x for r in runs["trl"] for x in r["reward"]])
+    summary.update(ratio=ratio, **pooled)
+    print(
+        f"mean reward per step, all seeds: plait - TRL = {pooled['reward_diff']:+.3f}, "
+        f"permutation p = {pooled['reward_p']:.3f} -> {pooled['learning']}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
 

@@ -50,6 +50,13 @@ def test_vs_trl_runs_both_on_the_same_work(tiny_model_path, tmp_path):
     assert res["ratio"] == pytest.approx(res["plait"]["step_s_median"] / res["trl"]["step_s_median"])
     assert 0 < res["reward_p"] <= 1 and res["learning"] in ("indistinguishable", "plait better", "TRL better")
     assert "plait / TRL step time" in proc.stdout
+    # both sides trained on the same prompts at each step, read from what each side's rewards were
+    # given: TRL was handed plait's draw order, not its own shuffle
+    mine, theirs = res["plait"]["prompts_per_step"][0], res["trl"]["prompts_per_step"][0]
+    assert len(mine) == 3 and all(len(step) == 2 for step in mine), mine
+    assert [sorted(x) for x in mine] == [sorted(x) for x in theirs]
+    assert len({p for step in mine for p in step}) == 6  # six different problems, not one repeated
+    assert res["per_seed"][0]["same_prompts"] is True and "same prompts each step: yes" in proc.stdout
     phases = res["plait"]["phase_s_median"]  # where plait's step goes, from its own telemetry
     assert {"generate", "train", "optimizer"} <= set(phases) and phases["generate"] > 0 and phases["train"] > 0
     assert sum(phases.values()) <= max(res["plait"]["step_s"])  # two timed steps: each median is a mean
