@@ -9,18 +9,20 @@ A `loss_type` is an (objective, aggregation) pair from `LOSS_TYPES`:
     cispo   cispo    + token mean over the whole step           (MiniMax-M1, arXiv:2506.13585)
 
 Aggregations divide by counts of the *whole optimizer step* (`StepCounts`), so summing the
-micro-batch losses gives exactly the loss of the full batch, however it is split.
+micro-batch losses gives exactly the loss of the full batch, however it is split. `policy_loss`
+returns `LossOutputs`: the loss and its statistics, each field with the rule that logs it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 
 from plait.algo.kl import KL_ESTIMATORS
+from plait.algo.stats import stat
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,26 @@ LOSS_TYPES: dict[str, tuple[str, str]] = {
 }
 
 
+# token means are over the loss tokens that went through the model, all processes (the trainer
+# counts them: plait.train.update)
+_TOKENS = "measured_tokens"
+
+
+@dataclass(kw_only=True)
+class LossOutputs:
+    """A micro-batch's share of the step loss (with its gradient) and its statistics, sums
+    over its loss tokens (no gradient); each field's rule says how it is logged (plait.algo.stats)."""
+
+    loss: torch.Tensor = stat("loss", per="updates")  # the mean over the round's updates
+    clip_low_tokens: torch.Tensor = stat("clip/low", per=_TOKENS)
+    clip_high_tokens: torch.Tensor = stat("clip/high", per=_TOKENS)
+    ratio_tokens: torch.Tensor = stat("ratio/mean", per=_TOKENS)
+    # negative-advantage tokens whose ratio the two-sided clip capped (None: no delta)
+    delta_capped_tokens: torch.Tensor | None = stat("clip/delta", per=_TOKENS, optional=True)
+    kl_tokens: torch.Tensor | None = stat("kl", per=_TOKENS, optional=True)  # None: beta = 0
+    DERIVED: ClassVar[dict[str, tuple[str, ...]]] = {"clip/fraction": ("clip/low", "clip/high")}
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -185,8 +207,8 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
     policy_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """This micro-batch's share of the step loss, and summed statistics (per token sums).
+) -> LossOutputs:
+    """This micro-batch's share of the step loss, and its statistics (per token sums).
 
     logp, old_logp, ref_logp, entropy, token_weights, mask, policy_mask: [B, C]; advantages: [B]
     (one per completion) or [B, C].
@@ -202,12 +224,7 @@ def policy_loss(
     if policy_mask is not None:
         per_token = per_token * policy_mask.to(per_token.dtype)
     mask = mask.to(per_token.dtype)
-    stats = {
-        "clip_low_tokens": (low * mask).sum().detach(),
-        "clip_high_tokens": (high * mask).sum().detach(),
-        "delta_capped_tokens": (capped * mask).sum().detach(),
-        "ratio_tokens": (torch.exp(log_ratio) * mask).sum().detach(),
-    }
+    kl_tokens = None
     if settings.beta:
         if ref_logp is None:
             raise ValueError("beta > 0 needs ref_logp")
@@ -215,13 +232,19 @@ def policy_loss(
         if settings.kl_bias_correction:  # the KL of pi, not pi_old's: weighted by the ratio, with its gradient
             kl = kl * torch.exp(log_ratio)
         per_token = per_token + settings.beta * kl
-        stats["kl_tokens"] = (kl * mask).sum().detach()
+        kl_tokens = (kl * mask).sum().detach()
     if settings.entropy_coeff:
         if entropy is None:
             raise ValueError("entropy_coeff > 0 needs the per-token entropy")
         per_token = per_token - settings.entropy_coeff * entropy
-    loss = AGGREGATIONS[aggregation](per_token, mask, counts)
-    return loss, stats
+    return LossOutputs(
+        loss=AGGREGATIONS[aggregation](per_token, mask, counts),
+        clip_low_tokens=(low * mask).sum().detach(),
+        clip_high_tokens=(high * mask).sum().detach(),
+        ratio_tokens=(torch.exp(log_ratio) * mask).sum().detach(),
+        delta_capped_tokens=None if settings.delta is None else (capped * mask).sum().detach(),
+        kl_tokens=kl_tokens,
+    )
 
 
 # ---------------------------------------------------------------- token selection and weights

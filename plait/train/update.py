@@ -7,14 +7,15 @@
 (With the KL in the reward the advantages need the prepass's log-probs: prepass first.)
 
 The arithmetic lives in plait.algo (pure tensor functions); this module feeds it micro-batches
-and hands gradients to the backend.
+and hands gradients to the backend. What the update measures is typed: the loss's `LossOutputs`
+and the statistics classes below, each field with its rule; one `Sums` adds them up over the
+round and turns them into its metrics (plait.algo.stats).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,6 +38,7 @@ from plait.algo.logprobs import (
     shared_prompt_logprobs,
 )
 from plait.algo.losses import (
+    LossOutputs,
     LossSettings,
     StepCounts,
     engine_log_ratio,
@@ -44,6 +46,7 @@ from plait.algo.losses import (
     high_entropy_mask,
     policy_loss,
 )
+from plait.algo.stats import Sums, stat
 from plait.telemetry import PhaseTimer
 from plait.train.backends.base import Backend, StepOutcome
 from plait.train.batch import micro_batches
@@ -187,10 +190,74 @@ def reinforce_pp_advantages(scores: torch.Tensor, batch: Batch, cfg, scale: str)
     return whiten(returns, sums, scale) * mask
 
 
+# ---------------------------------------------------------------- what an update measures
+# Token means are over `measured_tokens` (the loss tokens that went through the model): rows
+# left out of the forward pass have none.
+
+
+@dataclass(kw_only=True)
+class MicroBatchStats:
+    """Sums over one micro-batch's real tokens, measured beside the loss."""
+
+    logprob_gap_tokens: torch.Tensor = stat("logprob_gap", per="measured_tokens")  # engine vs trainer, |diff|
+    entropy_tokens: torch.Tensor = stat("entropy", per="measured_tokens")  # always logged, as TRL does
+    # tokens whose policy term counts, of all the update's (train.top_entropy_quantile drops some)
+    trained_tokens: torch.Tensor = stat("tokens/trained_share", per="real_tokens")
+
+
+@dataclass(kw_only=True)
+class EngineMismatch:
+    """Sums over one micro-batch's real tokens of the engine-vs-trainer mismatch (None: the
+    correction, algo.engine_is_correction, is off)."""
+
+    engine_kl_tokens: torch.Tensor = stat("engine/kl", per="measured_tokens")
+    engine_is_masked_tokens: torch.Tensor | None = stat("engine/is_masked", per="measured_tokens", optional=True)
+    engine_is_truncated_tokens: torch.Tensor | None = stat("engine/is_truncated", per="measured_tokens", optional=True)
+    engine_is_weight_tokens: torch.Tensor | None = stat("engine/is_weight", per="measured_tokens", optional=True)
+
+
+@dataclass(kw_only=True)
+class FirstUpdate:
+    """The round's first update alone (None in the others), whose log-probs come from the
+    weights before any update of the round: in a synchronous round, the weights that sampled
+    it (the drift guard's)."""
+
+    first_update_gap_tokens: torch.Tensor | None = stat(
+        "logprob_gap/before_update", per="first_update_tokens", optional=True
+    )
+    first_update_tokens: float | None = stat(optional=True)
+
+
+@dataclass(kw_only=True)
+class ChunkStats:
+    """The rows of one update on this process."""
+
+    real_tokens: float = stat(across="same")  # the update's loss tokens, over all processes already
+    # loss tokens that went through forward and backward, of all (the rest were left out: MFU counts them not)
+    measured_tokens: float = stat("update/forwarded_share", per="real_tokens")
+    rows: float = stat()
+    skipped_rows: float = stat("update/skipped_rows", per="rows")
+    processed_tokens: float = stat("tokens/processed", across="own")  # this process's, prompts included
+
+
+@dataclass(kw_only=True)
+class StepStats:
+    """One optimizer update's outcome (the same on every process)."""
+
+    updates: float = stat(across="same")
+    lr: float = stat("lr", per="updates", across="same")
+    # completions with a non-zero advantage, of the update's (train.lr_by_signal scales the step by it)
+    signal_share: float = stat("update/signal_share", per="updates", across="same")
+    nonfinite_steps: float = stat("nonfinite_steps", across="same")
+    applied_steps: float = stat(across="same")
+    grad_norm: float = stat("grad_norm", per="applied_steps", across="same")  # 0 for a skipped update
+    ref_syncs: float | None = stat("ref_syncs", across="same", optional=True)  # None: no reference syncs
+
+
 def train_micro_batch(
     model, mb: Batch, counts: StepCounts, cfg, settings: LossSettings, backend: Backend
-) -> dict[str, float]:
-    """Forward, loss and backward for one micro-batch; returns its summed statistics."""
+) -> tuple[LossOutputs, MicroBatchStats, EngineMismatch]:
+    """Forward, loss and backward for one micro-batch; returns its statistics."""
     a = cfg.algo
     # the entropy is always logged (as TRL does); it carries a gradient only when the loss uses it
     with_entropy = True if a.top_entropy_quantile < 1 or a.entropy_coeff > 0 else "logged"
@@ -210,37 +277,38 @@ def train_micro_batch(
             old, mb.sampling_logprobs, mask, a.engine_is_mode, a.engine_is_cap, a.engine_is_min
         )
     bonus = entropy if with_entropy is True else None
-    loss, parts = policy_loss(
+    outputs = policy_loss(
         logp, old, mb.advantages, mask, counts, settings, mb.ref_logprobs, bonus, weights, policy_mask=keep
     )
-    backend.backward(loss)
+    backend.backward(outputs.loss)
     real = mb.completion_mask.float()
-    extra = {
-        "logprob_gap_tokens": ((logp.detach() - mb.sampling_logprobs).abs() * real).sum(),
-        "trained_tokens": (mask if keep is None else keep).float().sum(),
-        **engine_mismatch_sums(old, mb.sampling_logprobs, real, weights, a.engine_is_mode),
-    }
-    extra["entropy_tokens"] = (entropy.detach() * real).sum()
-    named = {"loss": loss.detach(), **parts, **extra}
-    return dict(zip(named, torch.stack(list(named.values())).tolist()))  # one device->host sync
+    measured = MicroBatchStats(
+        logprob_gap_tokens=((logp.detach() - mb.sampling_logprobs).abs() * real).sum(),
+        entropy_tokens=(entropy.detach() * real).sum(),
+        trained_tokens=(mask if keep is None else keep).float().sum(),
+    )
+    return outputs, measured, engine_mismatch(old, mb.sampling_logprobs, real, weights, a.engine_is_mode)
 
 
-def engine_mismatch_sums(
+def engine_mismatch(
     trainer_logp: torch.Tensor, engine_logp: torch.Tensor, real: torch.Tensor, weights: torch.Tensor | None, mode: str
-) -> dict[str, torch.Tensor]:
+) -> EngineMismatch:
     """Per-token sums that measure the engine-vs-trainer mismatch: the KL of the trainer from the
     engine that sampled (k3 estimate, unbiased under the engine's samples) and, with the
     correction (`weights`, in `mode`) on, the tokens it truncated or masked and its mean weight."""
     log_ratio = engine_log_ratio(trainer_logp, engine_logp, real)
-    sums = {"engine_kl_tokens": ((torch.expm1(log_ratio) - log_ratio) * real).sum()}
-    if weights is not None:
-        raw = torch.exp(log_ratio.sum(-1, keepdim=True) if mode.startswith("sequence") else log_ratio)
-        weights = weights.expand_as(real)
-        changed = (weights != raw.expand_as(real)) * real
-        sums["engine_is_masked_tokens"] = (changed * (weights == 0)).sum()
-        sums["engine_is_truncated_tokens"] = (changed * (weights != 0)).sum()
-        sums["engine_is_weight_tokens"] = (weights * real).sum()
-    return sums
+    kl_tokens = ((torch.expm1(log_ratio) - log_ratio) * real).sum()
+    if weights is None:
+        return EngineMismatch(engine_kl_tokens=kl_tokens)
+    raw = torch.exp(log_ratio.sum(-1, keepdim=True) if mode.startswith("sequence") else log_ratio)
+    weights = weights.expand_as(real)
+    changed = (weights != raw.expand_as(real)) * real
+    return EngineMismatch(
+        engine_kl_tokens=kl_tokens,
+        engine_is_masked_tokens=(changed * (weights == 0)).sum(),
+        engine_is_truncated_tokens=(changed * (weights != 0)).sum(),
+        engine_is_weight_tokens=(weights * real).sum(),
+    )
 
 
 def why_nothing_is_skipped(cfg) -> str | None:
@@ -289,13 +357,20 @@ def informative_first(chunk: Batch, mb_size: int) -> tuple[Batch, int]:
 
 
 def accumulate_gradients(
-    chunk: Batch, cfg, settings: LossSettings, backend: Backend, timer: PhaseTimer, sums: dict[str, float]
+    chunk: Batch,
+    cfg,
+    settings: LossSettings,
+    backend: Backend,
+    timer: PhaseTimer,
+    sums: Sums,
+    first: bool = False,
 ) -> float:
-    """Forward and backward over `chunk`'s micro-batches: the gradient of one update. The
-    loss is normalized by the update's counts over all processes, so gradients sum over them.
-    Rows that can't change the gradient are left out where nothing else depends on them
-    (`why_nothing_is_skipped`); the counts stay the whole chunk's. Returns the share of the
-    update's rows (over all processes) that carry a gradient."""
+    """Forward and backward over `chunk`'s micro-batches: the gradient of one update, its
+    statistics added to `sums` (`first`: the round's first update). The loss is normalized by
+    the update's counts over all processes, so gradients sum over them. Rows that can't change
+    the gradient are left out where nothing else depends on them (`why_nothing_is_skipped`);
+    the counts stay the whole chunk's. Returns the share of the update's rows (over all
+    processes) that carry a gradient."""
     size = cfg.train.micro_batch_size
     signal = float(signal_rows(chunk).sum())
     seqs, toks, n_mbs, signal = comm.all_sum(
@@ -309,25 +384,35 @@ def accumulate_gradients(
     with timer("train"):
         for i, mb in enumerate(mbs):
             with backend.accumulate(last=i == len(mbs) - 1):
-                for k, v in train_micro_batch(backend.model, mb, counts, cfg, settings, backend).items():
-                    sums[k] += v
-    sums["real_tokens"] += toks
-    sums["measured_tokens"] += float(trained.completion_mask.sum())  # this process's forwarded loss tokens
-    sums["rows"] += len(chunk)
-    sums["skipped_rows"] += len(chunk) - len(trained)
-    sums["processed_tokens"] += float(trained.attention_mask.sum())  # this process's, prompts included
+                outputs, measured, engine = train_micro_batch(backend.model, mb, counts, cfg, settings, backend)
+                before = FirstUpdate(first_update_gap_tokens=measured.logprob_gap_tokens) if first else None
+                sums.add(outputs, measured, engine, before)
+    forwarded = float(trained.completion_mask.sum())  # this process's forwarded loss tokens
+    update_rows = ChunkStats(
+        real_tokens=toks,
+        measured_tokens=forwarded,
+        rows=float(len(chunk)),
+        skipped_rows=float(len(chunk) - len(trained)),
+        processed_tokens=float(trained.attention_mask.sum()),
+    )
+    sums.add(update_rows, FirstUpdate(first_update_tokens=forwarded) if first else None)
     return signal / max(1.0, seqs)
 
 
-def count_outcome(outcome: StepOutcome, guard: NonFiniteGuard, round_: int, sums: dict[str, float]) -> None:
-    """Add one update's outcome to the round's sums; the guard stops a run that keeps skipping."""
-    sums["lr"] += outcome.lr
-    if not guard.check(outcome.applied, outcome.grad_norm, round_):
-        sums["nonfinite_steps"] += 1
-        return
-    sums["grad_norm"] += outcome.grad_norm
-    sums["applied_steps"] += 1
-    sums["ref_syncs"] += float(outcome.reference_synced)
+def step_stats(
+    outcome: StepOutcome, share: float, guard: NonFiniteGuard, round_: int, syncs_reference: bool
+) -> StepStats:
+    """One update's outcome as statistics; the guard stops a run that keeps skipping."""
+    applied = guard.check(outcome.applied, outcome.grad_norm, round_)
+    return StepStats(
+        updates=1.0,
+        lr=outcome.lr,
+        signal_share=share,
+        nonfinite_steps=float(not applied),
+        applied_steps=float(applied),
+        grad_norm=outcome.grad_norm if applied else 0.0,  # a skipped update's norm is not finite
+        ref_syncs=float(applied and outcome.reference_synced) if syncs_reference else None,
+    )
 
 
 def policy_update(
@@ -351,88 +436,18 @@ def policy_update(
     timer = timer or PhaseTimer()
     settings = LossSettings.from_algo(a)
     rows = len(batch) // a.steps_per_generation
-    sums: dict[str, float] = defaultdict(float)
+    sums = Sums()
     for iteration in range(a.num_iterations):
         for part in range(a.steps_per_generation):
             chunk = batch.slice(part * rows, (part + 1) * rows)
-            share = accumulate_gradients(chunk, cfg, settings, backend, timer, sums)
+            first = iteration == 0 and part == 0
+            share = accumulate_gradients(chunk, cfg, settings, backend, timer, sums, first)
             scale = lr_scale * (share if cfg.train.lr_by_signal else 1.0)
-            if iteration == 0 and part == 0:  # before any update of the round: the engine's gap alone
-                sums["first_update_gap_tokens"] = sums["logprob_gap_tokens"]
-                sums["first_update_tokens"] = sums["measured_tokens"]
-                if hashes is not None:
-                    with timer("hashes"):
-                        hashes.add_gradient(backend.module)
+            if first and hashes is not None:
+                with timer("hashes"):
+                    hashes.add_gradient(backend.module)
             with timer("optimizer"), scaled_lr(backend.scheduler, scale):
                 outcome = backend.step(cfg.train.max_grad_norm)
-            count_outcome(replace(outcome, lr=outcome.lr * scale), guard, step, sums)
-            sums["signal_share"] += share
-    return update_metrics(sums, cfg)
-
-
-# per-process sums of policy_update that add up over processes (the rest are global already)
-_PER_PROCESS = (
-    "loss",
-    "clip_low_tokens",
-    "clip_high_tokens",
-    "delta_capped_tokens",
-    "ratio_tokens",
-    "logprob_gap_tokens",
-    "first_update_gap_tokens",
-    "trained_tokens",
-    "entropy_tokens",
-    "kl_tokens",
-    "engine_kl_tokens",
-    "engine_is_masked_tokens",
-    "engine_is_truncated_tokens",
-    "engine_is_weight_tokens",
-    "measured_tokens",
-    "first_update_tokens",
-    "rows",
-    "skipped_rows",
-)
-
-
-def update_metrics(sums: dict[str, float], cfg) -> dict[str, float]:
-    """The round's update metrics from its sums: per-update means and per-token shares."""
-    a = cfg.algo
-    keys = [k for k in _PER_PROCESS if k in sums]
-    sums.update(zip(keys, comm.all_sum([sums[k] for k in keys])))
-    updates = a.num_iterations * a.steps_per_generation
-    # per-token means over the tokens that went through the model (rows left out have none)
-    tokens = max(1.0, sums["measured_tokens"])
-    out = {
-        "loss": sums["loss"] / updates,
-        "grad_norm": sums["grad_norm"] / max(1.0, sums["applied_steps"]),
-        "lr": sums["lr"] / updates,
-    }
-    out["nonfinite_steps"] = sums["nonfinite_steps"]
-    # completions with a non-zero advantage, of the update's (train.lr_by_signal scales the step by it)
-    out["update/signal_share"] = sums["signal_share"] / updates
-    out["tokens/processed"] = sums["processed_tokens"]
-    out["clip/low"] = sums["clip_low_tokens"] / tokens
-    out["clip/high"] = sums["clip_high_tokens"] / tokens
-    out["clip/fraction"] = out["clip/low"] + out["clip/high"]
-    if a.delta is not None:  # negative-advantage tokens whose ratio the two-sided clip capped at delta
-        out["clip/delta"] = sums["delta_capped_tokens"] / tokens
-    out["ratio/mean"] = sums["ratio_tokens"] / tokens
-    out["logprob_gap"] = sums["logprob_gap_tokens"] / tokens  # engine vs trainer, mean |diff|
-    # the same over the round's first update only, whose log-probs come from the weights before any
-    # update of the round: in a synchronous round, the weights that sampled it (the drift guard's)
-    out["logprob_gap/before_update"] = sums["first_update_gap_tokens"] / max(1.0, sums["first_update_tokens"])
-    out["engine/kl"] = sums["engine_kl_tokens"] / tokens
-    if a.engine_is_correction:  # shares of the round's tokens the correction changed, and its mean weight
-        out["engine/is_masked"] = sums["engine_is_masked_tokens"] / tokens
-        out["engine/is_truncated"] = sums["engine_is_truncated_tokens"] / tokens
-        out["engine/is_weight"] = sums["engine_is_weight_tokens"] / tokens
-    out["tokens/trained_share"] = sums["trained_tokens"] / max(1.0, sums["real_tokens"])
-    out["update/skipped_rows"] = sums["skipped_rows"] / max(1.0, sums["rows"])
-    # loss tokens that went through forward and backward, of all (the rest were left out: MFU counts them not)
-    out["update/forwarded_share"] = sums["measured_tokens"] / max(1.0, sums["real_tokens"])
-    if "entropy_tokens" in sums:
-        out["entropy"] = sums["entropy_tokens"] / tokens
-    if "kl_tokens" in sums:
-        out["kl"] = sums["kl_tokens"] / tokens
-    if a.ref_model_sync_steps:
-        out["ref_syncs"] = sums["ref_syncs"]
-    return out
+            outcome = replace(outcome, lr=outcome.lr * scale)
+            sums.add(step_stats(outcome, share, guard, step, bool(a.ref_model_sync_steps)))
+    return sums.metrics(comm.all_sum)

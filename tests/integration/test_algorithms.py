@@ -2,13 +2,13 @@
 that make them trustworthy (micro-batch split, ratio exactly 1 on a first pass)."""
 
 import math
-from collections import defaultdict
 
 import pytest
 import torch
 from test_train import tiny_overrides
 
 from plait.algo.losses import LOSS_TYPES, LossSettings, StepCounts
+from plait.algo.stats import Sums
 from plait.config import load_config
 from plait.models import load_model, load_tokenizer
 from plait.rollout.hf import HFEngine
@@ -20,7 +20,6 @@ from plait.train.update import (
     accumulate_gradients,
     logprob_prepass,
     train_micro_batch,
-    update_metrics,
     why_nothing_is_skipped,
 )
 from plait.types import Group, Prompt, SamplingParams
@@ -255,10 +254,10 @@ def test_leaving_zero_advantage_rows_out_keeps_the_gradient(tiny_model_path, los
         )
         batch.advantages = advantages
         model.zero_grad()
-        sums = defaultdict(float)
+        sums = Sums()
         accumulate_gradients(batch, cfg, LossSettings.from_algo(cfg.algo), backend, PhaseTimer(), sums)
         grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-        return grad, update_metrics(sums, cfg), why_nothing_is_skipped(cfg)
+        return grad, sums.metrics(), why_nothing_is_skipped(cfg)
 
     full, full_metrics, _ = gradient(False, adv)
     skipped, metrics, why = gradient(True, adv)
@@ -307,7 +306,7 @@ def test_the_old_log_prob_pass_leaves_zero_advantage_rows_out_too(tiny_model_pat
         forwards = logprob_prepass(batch, cfg, backend)
         old = batch.old_logprobs.clone()
         model.zero_grad()
-        accumulate_gradients(batch, cfg, LossSettings.from_algo(cfg.algo), backend, PhaseTimer(), defaultdict(float))
+        accumulate_gradients(batch, cfg, LossSettings.from_algo(cfg.algo), backend, PhaseTimer(), Sums())
         return old, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), forwards
 
     old_all, grad_all, forwards_all = prepass_and_gradient(False)

@@ -46,19 +46,19 @@ def test_clipped_surrogate_both_sides():
     ],
 )
 def test_aggregations_by_hand(loss_type, expected):
-    loss, metrics = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, S(loss_type))
-    assert float(loss) == pytest.approx(expected, abs=1e-6)
-    assert float(metrics["clip_low_tokens"]) == 1 and float(metrics["clip_high_tokens"]) == 1
+    out = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, S(loss_type))
+    assert float(out.loss) == pytest.approx(expected, abs=1e-6)
+    assert float(out.clip_low_tokens) == 1 and float(out.clip_high_tokens) == 1
 
 
 def test_dapo_divides_by_the_whole_step_tokens():
     counts = StepCounts(sequences=4, tokens=10, micro_batches=2, max_completion_length=4)
-    loss, _ = policy_loss(LOGP, OLD, ADV, MASK, counts, S("dapo"))
+    loss = policy_loss(LOGP, OLD, ADV, MASK, counts, S("dapo")).loss
     assert float(loss) == pytest.approx(-0.48 / 10, abs=1e-6)
 
 
 def test_epsilon_high_defaults_to_epsilon():
-    loss, m = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, LossSettings("bnpo", 0.2, None))
+    loss = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, LossSettings("bnpo", 0.2, None)).loss
     # the high-clipped token now clips at 1.2 instead of 1.28
     assert float(loss) == pytest.approx((-1 - 1.2 - 0.5 + 0.8 + 1.5) / 5, abs=1e-6)
 
@@ -71,10 +71,10 @@ def test_kl_k3_by_hand_and_in_the_loss():
     assert (k3 >= 0).all()
     assert float(kl_k3(LOGP, LOGP).abs().max()) == 0.0
     beta = 0.1
-    loss, m = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, S("bnpo", beta=beta), ref)
+    out = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, S("bnpo", beta=beta), ref)
     masked_kl = float((k3 * MASK).sum())
-    assert float(m["kl_tokens"]) == pytest.approx(masked_kl, rel=1e-6)
-    assert float(loss) == pytest.approx((-0.48 + beta * masked_kl) / 5, abs=1e-6)
+    assert float(out.kl_tokens) == pytest.approx(masked_kl, rel=1e-6)
+    assert float(out.loss) == pytest.approx((-0.48 + beta * masked_kl) / 5, abs=1e-6)
 
 
 def test_beta_without_reference_is_an_error():
@@ -96,11 +96,11 @@ def test_micro_batch_losses_add_up_to_the_full_batch(loss_type):
         # bnpo equals the full-batch token mean only when micro-batches hold equal token counts (6, 6)
         mask = torch.tensor([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0]])
         tokens = int(mask.sum())
-    full, _ = policy_loss(logp, old, adv, mask, StepCounts(4, tokens, 1, 5), S(loss_type))
+    full = policy_loss(logp, old, adv, mask, StepCounts(4, tokens, 1, 5), S(loss_type)).loss
     (g_full,) = torch.autograd.grad(full, logp)
     counts = StepCounts(4, tokens, 2, 5)
     parts = [
-        policy_loss(logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], counts, S(loss_type))[0]
+        policy_loss(logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], counts, S(loss_type)).loss
         for i in (0, 2)
     ]
     (g_split,) = torch.autograd.grad(sum(parts), logp)
@@ -112,8 +112,9 @@ def test_first_pass_ratio_is_one_and_gradient_is_advantage_weighted():
     """With old = logp.detach() (num_iterations=1) the ratio is exactly 1 and the gradient of
     the bnpo loss w.r.t. logp is -A / tokens on every real token."""
     logp = torch.randn(2, 3, requires_grad=True)
-    loss, m = policy_loss(logp, logp.detach(), ADV, MASK, COUNTS, S("bnpo"))
+    out = policy_loss(logp, logp.detach(), ADV, MASK, COUNTS, S("bnpo"))
+    loss = out.loss
     (g,) = torch.autograd.grad(loss, logp)
-    assert float(m["clip_low_tokens"] + m["clip_high_tokens"]) == 0
+    assert float(out.clip_low_tokens + out.clip_high_tokens) == 0
     assert torch.allclose(g, -ADV[:, None] * MASK / 5)
     assert math.isclose(float(loss.detach()), float(-(ADV[:, None] * MASK).sum() / 5), abs_tol=1e-7)

@@ -126,9 +126,9 @@ def test_plait_loss_equals_trls_compute_loss(case, micro_batches):
     ours = theirs = 0.0
     for part in torch.arange(rows).chunk(micro_batches):
         cut = slice(int(part[0]), int(part[-1]) + 1)
-        mine, _ = policy_loss(
+        mine = policy_loss(
             ours_logp[cut], old[cut], advantages[cut], mask[cut], counts, settings, ref[cut], entropy[cut]
-        )
+        ).loss
         ours = ours + mine
         inputs = {
             "prompt_ids": part[:, None],  # the row ids: the stand-in forward pass looks its rows up by them

@@ -31,15 +31,15 @@ def test_gspo_sequence_level_ratio():
     # s_1 = exp(mean(log .5, log 1.5)) = .75^(1/2) = 0.8660
     # both inside [0.8, 1.28]: row 0 tokens lose -s_0 each, row 1's real tokens +s_1 each
     s0, s1 = 0.75 ** (1 / 3), 0.75**0.5
-    loss, stats = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings(importance_sampling_level="sequence"))
-    assert float(loss) == pytest.approx((-3 * s0 + 2 * s1) / 5, abs=1e-6)
-    assert float(stats["clip_low_tokens"] + stats["clip_high_tokens"]) == 0
-    assert float(stats["ratio_tokens"]) == pytest.approx(3 * s0 + 2 * s1, abs=1e-5)
+    out = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings(importance_sampling_level="sequence"))
+    assert float(out.loss) == pytest.approx((-3 * s0 + 2 * s1) / 5, abs=1e-6)
+    assert float(out.clip_low_tokens + out.clip_high_tokens) == 0
+    assert float(out.ratio_tokens) == pytest.approx(3 * s0 + 2 * s1, abs=1e-5)
 
 
 def test_gspo_clips_whole_sequences():
     ratios = torch.tensor([[1.6, 1.6, 1.6]])  # s = 1.6 > 1.28 with A > 0: every token clipped
-    loss, stats = policy_loss(
+    out = policy_loss(
         ratios.log(),
         torch.zeros(1, 3),
         torch.tensor([1.0]),
@@ -47,54 +47,56 @@ def test_gspo_clips_whole_sequences():
         StepCounts(1, 3, 1, 3),
         settings(importance_sampling_level="sequence"),
     )
-    assert float(loss) == pytest.approx(-1.28, abs=1e-6) and float(stats["clip_high_tokens"]) == 3
+    assert float(out.loss) == pytest.approx(-1.28, abs=1e-6) and float(out.clip_high_tokens) == 3
 
 
 def test_two_sided_delta_clipping():
     # row 1 token 1 (A=-1, r=1.5): max(min(r, delta)=1.4, clip=1.28) = 1.4 instead of 1.5; row 0 unchanged
-    loss, stats = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo", delta=1.4))
-    assert float(loss) == pytest.approx((-1 - 1.28 - 0.5 + 0.8 + 1.4) / 5, abs=1e-6)
-    assert float(stats["delta_capped_tokens"]) == 1  # that one token (logged as clip/delta)
+    out = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo", delta=1.4))
+    assert float(out.loss) == pytest.approx((-1 - 1.28 - 0.5 + 0.8 + 1.4) / 5, abs=1e-6)
+    assert float(out.delta_capped_tokens) == 1  # that one token (logged as clip/delta)
 
 
 def test_cispo_clipped_weight_with_stop_gradient():
     logp = LOGP.clone().requires_grad_(True)
-    loss, stats = policy_loss(logp, OLD, ADV, MASK, COUNTS, settings("cispo"))
+    out = policy_loss(logp, OLD, ADV, MASK, COUNTS, settings("cispo"))
+    loss = out.loss
     w = torch.tensor([[1.0, 1.28, 0.5], [0.5, 1.28, 1.0]])  # min(r, 1 + 0.28)
     expected = (-(w * ADV[:, None] * LOGP) * MASK).sum() / 5
     assert float(loss.detach()) == pytest.approx(float(expected), abs=1e-6)
     (g,) = torch.autograd.grad(loss, logp)
     # the gradient is -w A / tokens on every real token: clipped tokens keep theirs (unlike PPO)
     assert torch.allclose(g, -w * ADV[:, None] * MASK / 5, atol=1e-6)
-    assert float(stats["clip_high_tokens"]) == 2
+    assert float(out.clip_high_tokens) == 2
 
 
 def test_cispo_cap_given_as_trl_gives_it():
     """TRL caps CISPO's weight at epsilon_high itself; plait's cispo_cap is that number, so
     TRL's epsilon_high=1.3 and plait's cispo_cap=1.3 are the same loss (default: 1 + 0.28)."""
-    loss, stats = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("cispo", cispo_cap=1.3))
+    out = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("cispo", cispo_cap=1.3))
     w = torch.tensor([[1.0, 1.3, 0.5], [0.5, 1.3, 1.0]])
-    assert float(loss) == pytest.approx(float((-(w * ADV[:, None] * LOGP) * MASK).sum() / 5), abs=1e-6)
-    assert float(stats["clip_high_tokens"]) == 2
-    loss, stats = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("cispo", cispo_cap=2.0))
-    assert float(stats["clip_high_tokens"]) == 0  # 1.5 < 2: nothing capped
+    assert float(out.loss) == pytest.approx(float((-(w * ADV[:, None] * LOGP) * MASK).sum() / 5), abs=1e-6)
+    assert float(out.clip_high_tokens) == 2
+    out = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("cispo", cispo_cap=2.0))
+    assert float(out.clip_high_tokens) == 0  # 1.5 < 2: nothing capped
 
 
 def test_kl_bias_correction_weights_the_kl_by_the_ratio_with_its_gradient():
     """use_bias_correction_kl (TRL, DeepSeek-V3.2): per-token KL x r, r = pi / pi_old, not detached."""
     ref = torch.zeros_like(LOGP)
     k3 = torch.exp(ref - LOGP) - (ref - LOGP) - 1
-    plain, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("dapo", beta=0.5), ref)
+    plain = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("dapo", beta=0.5), ref).loss
     logp = LOGP.clone().requires_grad_(True)
-    fixed, stats = policy_loss(logp, OLD, ADV, MASK, COUNTS, settings("dapo", beta=0.5, kl_bias_correction=True), ref)
-    assert float(stats["kl_tokens"]) == pytest.approx(float((k3 * RATIOS * MASK).sum()), rel=1e-6)
+    out = policy_loss(logp, OLD, ADV, MASK, COUNTS, settings("dapo", beta=0.5, kl_bias_correction=True), ref)
+    fixed = out.loss
+    assert float(out.kl_tokens) == pytest.approx(float((k3 * RATIOS * MASK).sum()), rel=1e-6)
     assert float(fixed.detach()) - float(plain) == pytest.approx(
         0.5 * float((k3 * (RATIOS - 1) * MASK).sum()) / 5, abs=1e-6
     )
     # d/dlogp of r k3 = r k3 + r (1 - exp(ref - logp)): the ratio carries gradient too
     (g,) = torch.autograd.grad(fixed, logp)
     (g_plain,) = torch.autograd.grad(
-        policy_loss(logp, OLD, ADV, MASK, COUNTS, settings("dapo", beta=0.5), ref)[0], logp
+        policy_loss(logp, OLD, ADV, MASK, COUNTS, settings("dapo", beta=0.5), ref).loss, logp
     )
     kl_grad = 0.5 * (RATIOS * k3 + RATIOS * (1 - torch.exp(ref - LOGP))) * MASK / 5
     plain_kl_grad = 0.5 * (1 - torch.exp(ref - LOGP)) * MASK / 5
@@ -107,12 +109,12 @@ def test_entropy_filtering_masks_the_policy_term_only():
     keep = torch.tensor([[0, 1, 1], [1, 0, 0]])
     ref = torch.zeros_like(LOGP)
     s = settings("dapo", beta=0.5)
-    loss, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, s, ref, policy_mask=keep)
-    policy, _ = policy_loss(LOGP, OLD, ADV, MASK * keep, COUNTS, settings("dapo"))  # kept tokens / 5
+    loss = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, s, ref, policy_mask=keep).loss
+    policy = policy_loss(LOGP, OLD, ADV, MASK * keep, COUNTS, settings("dapo")).loss  # kept tokens / 5
     k3 = torch.exp(ref - LOGP) - (ref - LOGP) - 1
     assert float(loss) == pytest.approx(float(policy) + 0.5 * float((k3 * MASK).sum()) / 5, abs=1e-6)
     # grpo: each sequence still divides by all its real tokens
-    g, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("grpo"), policy_mask=keep)
+    g = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("grpo"), policy_mask=keep).loss
     # row 0 keeps r=1.5 (clipped to 1.28) and r=0.5 (A>0); row 1 keeps r=0.5 (A<0: clipped to 0.8)
     assert float(g) == pytest.approx((-(1.28 + 0.5) / 3 + 0.8 / 2) / 2, abs=1e-6)
 
@@ -121,12 +123,12 @@ def test_kl_estimators_by_hand():
     x = torch.tensor([0.5, -0.2])  # logp - ref
     assert torch.allclose(kl_k1(x, torch.zeros(2)), x)
     assert torch.allclose(kl_k2(x, torch.zeros(2)), 0.5 * x**2)
-    loss, stats = policy_loss(
+    out = policy_loss(
         LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo", beta=0.5, kl_estimator="k2"), torch.zeros_like(LOGP)
     )
     k2 = 0.5 * LOGP**2
-    assert float(stats["kl_tokens"]) == pytest.approx(float((k2 * MASK).sum()), rel=1e-6)
-    assert float(loss) == pytest.approx((-0.48 + 0.5 * float((k2 * MASK).sum())) / 5, abs=1e-6)
+    assert float(out.kl_tokens) == pytest.approx(float((k2 * MASK).sum()), rel=1e-6)
+    assert float(out.loss) == pytest.approx((-0.48 + 0.5 * float((k2 * MASK).sum())) / 5, abs=1e-6)
     # the sequence KL used as a reward penalty sums k1 over each completion's real tokens
     assert torch.allclose(sequence_kl(LOGP, OLD, MASK), torch.tensor([math.log(0.75), math.log(0.75)]), atol=1e-6)
 
@@ -141,8 +143,8 @@ def test_entropy_mask_keeps_the_top_quantile():
 
 def test_entropy_bonus_lowers_the_loss():
     entropy = torch.full_like(LOGP, 2.0)
-    base, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo"))
-    bonus, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo", entropy_coeff=0.1), entropy=entropy)
+    base = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo")).loss
+    bonus = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo", entropy_coeff=0.1), entropy=entropy).loss
     assert float(bonus) == pytest.approx(float(base) - 0.1 * 2.0, abs=1e-6)
 
 
@@ -151,7 +153,7 @@ def test_engine_mismatch_weights_truncate():
     engine = torch.tensor([[-1.0, 0.0, 0.0]])
     w = engine_mismatch_weights(trainer, engine, torch.ones(1, 3), "token_truncate", cap=2.0)
     assert torch.allclose(w, torch.tensor([[2.0, 1.0, math.exp(-1)]]))  # e^1 = 2.72 capped at 2
-    loss, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo"), token_weights=torch.full_like(LOGP, 0.5))
+    loss = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo"), token_weights=torch.full_like(LOGP, 0.5)).loss
     assert float(loss) == pytest.approx(0.5 * -0.48 / 5, abs=1e-6)
 
 
@@ -193,10 +195,11 @@ def test_engine_mismatch_weights_leave_an_unscored_token_alone_and_carry_no_grad
 
 
 def test_a_sequence_weight_scales_every_token_of_its_completion_in_the_loss():
-    loss_1, _ = policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo"), token_weights=torch.ones(LOGP.shape[0], 1))
-    half, _ = policy_loss(
-        LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo"), token_weights=torch.full((LOGP.shape[0], 1), 0.5)
-    )
+    def loss(weight: float) -> torch.Tensor:
+        weights = torch.full((LOGP.shape[0], 1), weight)
+        return policy_loss(LOGP, OLD, ADV, MASK, COUNTS, settings("bnpo"), token_weights=weights).loss
+
+    loss_1, half = loss(1.0), loss(0.5)
     assert float(half) == pytest.approx(0.5 * float(loss_1), abs=1e-7)
 
 
