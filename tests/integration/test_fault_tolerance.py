@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from optimizer_state import assert_same_optimizer_state
 from safetensors.torch import load_file
 from test_train import final_weights, tiny_overrides
 from test_vllm import metrics_of, train_cmd
@@ -133,17 +134,6 @@ def test_deepspeed_skips_a_non_finite_step_too(stage, tiny_model_path, prompts_j
     # every tensor of the state (moments and step counts), none left out by a shorter list
     assert all(torch.equal(a, b) for a, b in zip(tensors[0], tensors[1], strict=True))  # the skip changed nothing
     assert not all(torch.equal(a, b) for a, b in zip(tensors[1], tensors[2], strict=True))
-
-
-def assert_same_optimizer_state(got: dict, want: dict) -> None:
-    """Two optimizer state dicts agree: every tensor of every parameter's state (AdamW's step,
-    exp_avg, exp_avg_sq) `torch.equal`, and the param groups (lr, betas, weight decay...) `==`."""
-    assert got["param_groups"] == want["param_groups"]
-    assert got["state"].keys() == want["state"].keys()
-    for i, kept in want["state"].items():
-        assert got["state"][i].keys() == kept.keys() == {"step", "exp_avg", "exp_avg_sq"}, i
-        for name, value in kept.items():
-            assert torch.equal(got["state"][i][name], value), (i, name)
 
 
 def _tensors(tree):

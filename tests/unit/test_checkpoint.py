@@ -2,6 +2,7 @@ import random
 
 import numpy as np
 import torch
+from optimizer_state import assert_same_optimizer_state
 
 from plait.checkpoint import MARKER, complete_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
 from plait.train.backends import LocalBackend
@@ -18,17 +19,6 @@ def _parts(seed=0, steps=1):
         sched.step()
         opt.zero_grad()
     return LocalBackend.wrap(model, opt, sched)
-
-
-def assert_same_optimizer_state(got: dict, want: dict) -> None:
-    """Two optimizer state dicts agree: every tensor of every parameter's state (AdamW's step,
-    exp_avg, exp_avg_sq) `torch.equal`, and the param groups (lr, betas, weight decay...) `==`."""
-    assert got["param_groups"] == want["param_groups"]
-    assert got["state"].keys() == want["state"].keys()
-    for i, kept in want["state"].items():
-        assert got["state"][i].keys() == kept.keys() == {"step", "exp_avg", "exp_avg_sq"}, i
-        for name, value in kept.items():
-            assert torch.equal(got["state"][i][name], value), (i, name)
 
 
 def _draws() -> dict:
