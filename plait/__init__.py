@@ -10,11 +10,13 @@ it also refuses import cycles and imports of another module's `_private` names.
   8      cluster/                              launchers: Ray placement groups and actors
   7      train/  report  diff  compare         the loop, backends, setup; the report; runs compared
   6      telemetry/                            timers, MFU, sinks, advice
-  5      config/  data/  tools/                checked config; prompt sources; the tool loop
+  5      config/  data/                        checked config; prompt sources
   4      rollout/                              engines, replicas, the rollout server
-  3      rewards/  envs/  evaluate  _reward_worker   rewards (registry, runner, built-ins); environments
+  3      rewards/  programs/  evaluate  _reward_worker   rewards (registry, runner, built-ins); rollout programs and
+                                                environments (the tool loop, trl_env, OpenEnv, rollout_func, agents)
   2      sandbox/  checkpoint                  fail-closed execution; atomic save/load
-  1      algo/  models  plan  types  comm  imports   pure functions, the data contract, collectives, user code by name
+  1      algo/  models  plan  types  comm  imports  auth   pure functions, the data contract, collectives, user code by
+                                                name, the bearer token
 """
 
 __version__ = "0.1.0"

@@ -486,7 +486,7 @@ def cmd_check(args) -> int:
     if uses_sandbox(cfg):
         tier = Sandbox.from_config(cfg.sandbox).tier  # the run's own check: SandboxUnavailable -> exit 2
         print(f"sandbox: code rewards will run under '{tier}' (minimum '{cfg.sandbox.min_tier}')")
-    from plait.tools import tool_sandbox, tools_need_sandbox
+    from plait.programs.tools import tool_sandbox, tools_need_sandbox
 
     if tools_need_sandbox(r.tools):  # the run's own check (no tokenizer needed): SandboxUnavailable -> exit 2
         tier = tool_sandbox(cfg).tier
@@ -502,7 +502,7 @@ def _agent_notes(cfg) -> list[str]:
     """What `plait check` can see of an agent's token budget (rollout.agent; none without one)."""
     if cfg.rollout.agent is None:
         return []
-    from plait.tools.agent import budget_note  # (the endpoint's web stack: only for an agent)
+    from plait.programs.agent import budget_note  # (the endpoint's web stack: only for an agent)
 
     note = budget_note(cfg)
     return [] if note is None else [note]
@@ -512,11 +512,11 @@ def cmd_eval(args) -> int:
     from plait.data import build_prompts, load_rows
     from plait.evaluate import evaluate
     from plait.models import load_model, load_tokenizer, model_path_problem
+    from plait.programs.tools import Tools, tool_role
     from plait.rewards.runner import bind_metric
     from plait.rollout import make_engine
     from plait.rollout.hf import decoding_in
     from plait.sandbox.box import Sandbox
-    from plait.tools import Tools, tool_role
     from plait.train.export import model_folder
 
     if args.config is None and getattr(args, "trl_config", None) is None:
@@ -542,15 +542,17 @@ def cmd_eval(args) -> int:
     device = resolve_device(cfg.train.device)
     model = load_model(args.model, cfg.model.dtype).to(device)
     cfg.model.name_or_path = args.model  # a colocated vLLM engine loads the same weights
-    engine = tools.wrap(make_engine(cfg, model, tok, device=device))
+    engine, program = make_engine(cfg, model, tok, device=device), tools.program()
     with engine.weights_for_step(0), decoding_in(cfg.train.precision):  # rollout servers get this model's weights
         res = evaluate(
+            program,
             engine,
             prompts,
             metric,
             cfg.eval.max_completion_length or cfg.rollout.max_completion_length,
             cfg.rollout.stop,
         )
+    program.close()
     for s in res.samples[: args.show]:
         print(f"--- score {s['score']}  answer {s['answer']}\n{s['completion']}")
     print(f"{cfg.eval.metric}: {res.accuracy:.3f} on {res.n} prompts ({args.model})")
@@ -611,8 +613,8 @@ def cmd_rollout_server(args) -> int:
 
     import torch
 
+    from plait.auth import TokenError, resolve_token
     from plait.models import model_path_problem, resolve_model_path
-    from plait.rollout.auth import TokenError, resolve_token
     from plait.rollout.server import run_servers
     from plait.rollout.vllm_engine import engine_kwargs
 
@@ -740,7 +742,7 @@ def _enable_faulthandler() -> None:
 def main(argv: list[str] | None = None) -> int:
     from plait.config import ConfigError
     from plait.data import DataError
-    from plait.envs import EnvironmentFailed
+    from plait.programs.environments import EnvironmentFailed
     from plait.rewards.runner import RewardError
     from plait.rollout.remote import RolloutServerError
     from plait.sandbox import SandboxUnavailable

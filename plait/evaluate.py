@@ -18,11 +18,17 @@ class EvalResult:
 
 
 def evaluate(
-    engine, prompts: list[Prompt], metric: BoundReward, max_tokens: int, stop: list[str] | None = None
+    program,
+    engine,
+    prompts: list[Prompt],
+    metric: BoundReward,
+    max_tokens: int,
+    stop: list[str] | None = None,
 ) -> EvalResult:
-    """Greedy-decode every prompt once and average `metric` over them."""
+    """Greedy-decode every prompt once through the run's rollout program (plait/programs: its
+    tools, its agent) and average `metric` over them."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=list(stop or []))
-    outs = engine.generate(prompts, params, n=1)
+    outs = program.run(engine, prompts, params, 1)
     groups = [Group(p, cs) for p, cs in zip(prompts, outs)]
     inputs = reward_inputs(groups)
     scores = call_reward(metric, inputs)

@@ -7,7 +7,7 @@ hand-made inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -75,23 +75,35 @@ class Completion:
     sampled_mask: list[int] | None = None
     # multi-turn: the conversation after the prompt, as chat messages (assistant and tool turns)
     messages: list[dict] | None = None
-    # multi-turn: calls, errors, timeouts, turns, seconds of this completion's tool use
-    tool_stats: dict[str, float] | None = None
     # a trl_env rollout: what its environment's get_reward returned, or why it could not be had
     # (an infrastructure error: the completion is not scored)
     env_reward: float | None = None
     env_error: str | None = None
-    # a rollout_func's own per-completion fields (plait/tools/rollout_func.py), given to the rewards by name
-    extra: dict[str, Any] | None = None
-    # the tokens it continues when they are not its group's prompt (an agent's own first call,
-    # plait/tools/agent.py); None: the group's prompt
+    # reward inputs of the program's own, given to the reward functions by name (a rollout_func's
+    # extra keys, the columns an agent returns)
+    columns: dict[str, Any] | None = None
+    # the tokens it continues when they are not its group's prompt (an agent's own first call, a
+    # rollout_func's own prompt_ids); None: the group's prompt
     prompt_ids: list[int] | None = None
-    # an agent rollout's calls, forks, calls on samples it left, and whether it failed
-    agent_stats: dict[str, float] | None = None
+    # numbers for the round's metrics, each named as the metric family it feeds (tools/calls,
+    # agent/forks...: plait/train/metrics.py sums or averages them)
+    info: dict[str, float] | None = None
     # multi-turn (tools, environments, an agent, a rollout_func with env_mask): only what the model
     # wrote, its turns with a line break where something else came between them; `text` also
     # holds what was added (a tool's output, an agent's question). None: all of `text` is the model's
     model_text: str | None = None
+
+    def __setstate__(self, state: dict) -> None:
+        """Rounds an asynchronous run's checkpoint holds (rollouts.pt) from before `info` and
+        `columns`: their tool_stats/agent_stats become info, extra becomes columns."""
+        tools, agent, extra = (state.pop(k, None) for k in ("tool_stats", "agent_stats", "extra"))
+        if tools or agent:
+            old = [("tools", tools or {}), ("agent", agent or {})]
+            state["info"] = {f"{family}/{k}": v for family, stats in old for k, v in stats.items()}
+        if extra:
+            state["columns"] = extra
+        defaults = {f.name: f.default for f in fields(self) if f.default is not MISSING}  # fields added since
+        self.__dict__.update({**defaults, **state})
 
     @property
     def scored_text(self) -> str:

@@ -176,7 +176,7 @@ class Trainer:
         trainer through its environment, never the config written to the run directory)."""
         import ray
 
-        from plait.rollout.auth import ENV
+        from plait.auth import ENV
 
         node_id = ray.get_runtime_context().get_node_id()
         os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), PLAIT_NODE_ID=node_id)
@@ -370,7 +370,7 @@ class Job:
         ]
         device = resolve_device("cuda" if self.plan.device_kind == "GPU" else "cpu")
         kwargs = engine_kwargs(self.cfg, str(resolve_model_path(self.cfg.model.name_or_path)), device, tp)
-        from plait.rollout.auth import new_token
+        from plait.auth import new_token
 
         self.token = new_token()
         timeout = self.cfg.cluster.ray.start_timeout_s

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 from plait.algo.advantages import TOKEN_WHITENED
 from plait.config.load import did_you_mean
 from plait.config.schema import Config, ConfigError
-from plait.envs import ROW_TYPES
+from plait.programs.environments import ROW_TYPES
 
 
 if TYPE_CHECKING:
@@ -445,7 +445,7 @@ def reward_parameter_problems(cfg: Config) -> list[str]:
     from plait.rewards import resolve_reward
     from plait.rewards.runner import PASSED_ALWAYS, unfilled_parameters
 
-    if cfg.environments or cfg.rollout.rollout_func or cfg.rollout.agent:
+    if cfg.environments or cfg.rollout.rollout_func or cfg.rollout.agent or cfg.rollout.program:
         return []
     columns = data_columns(cfg.data)
     if columns is None:
@@ -473,7 +473,7 @@ def reward_parameter_problems(cfg: Config) -> list[str]:
 def _user_loop_problems(key: str, spec: str, beside: bool, kind: str) -> list[str]:
     """`key` (rollout.rollout_func, rollout.agent.function): a `kind` of function that imports,
     and no other loop `beside` it."""
-    from plait.tools.calls import resolve_function
+    from plait.programs.calls import resolve_function
 
     out = []
     try:
@@ -486,31 +486,26 @@ def _user_loop_problems(key: str, spec: str, beside: bool, kind: str) -> list[st
     if beside:
         out.append(
             f"{key} runs your own loop, so plait's tool loop can't run beside it: drop rollout.tools and "
-            "trl_env/openenv environments (and rollout_func beside an agent), or call your tools inside your loop"
+            "trl_env/openenv environments (and any other of rollout.rollout_func, rollout.agent, rollout.program), or "
+            "call your tools inside your loop"
         )
     return out
 
 
-def check_rollout_func(cfg: Config, env: Env) -> list[str]:
-    """rollout.rollout_func: a function that imports, and no other loop beside it."""
-    spec = cfg.rollout.rollout_func
-    if spec is None:
-        return []
-    beside = cfg.rollout.tools is not None or any(e.type in ROW_TYPES for e in cfg.environments)
-    return _user_loop_problems("rollout.rollout_func", spec, beside, "rollout function")
-
-
-def check_agent(cfg: Config, env: Env) -> list[str]:
-    """rollout.agent: a function that imports, and no other loop (nor a rollout_func) beside it."""
-    a = cfg.rollout.agent
-    if a is None:
-        return []
-    beside = (
-        cfg.rollout.tools is not None
-        or cfg.rollout.rollout_func is not None
-        or any(e.type in ROW_TYPES for e in cfg.environments)
-    )
-    return _user_loop_problems("rollout.agent.function", a.function, beside, "agent function")
+def check_user_loops(cfg: Config, env: Env) -> list[str]:
+    """rollout.rollout_func, rollout.agent, rollout.program (plait/programs): each a function that
+    imports, and one loop only: none beside another, nor beside the tool loop (rollout.tools,
+    trl_env/openenv entries)."""
+    r = cfg.rollout
+    tool_loop = r.tools is not None or any(e.type in ROW_TYPES for e in cfg.environments)
+    named = [
+        ("rollout.rollout_func", r.rollout_func, "rollout function"),
+        ("rollout.agent.function", r.agent.function if r.agent is not None else None, "agent function"),
+        ("rollout.program", r.program, "rollout program factory"),
+    ]
+    users = [(key, spec, kind) for key, spec, kind in named if spec is not None]
+    beside = tool_loop or len(users) > 1
+    return [problem for key, spec, kind in users for problem in _user_loop_problems(key, spec, beside, kind)]
 
 
 def check_tools(cfg: Config, env: Env) -> list[str]:
@@ -518,7 +513,7 @@ def check_tools(cfg: Config, env: Env) -> list[str]:
     and functions that exist, describe themselves and (untrusted) can travel to the sandbox."""
     import inspect
 
-    from plait.tools.calls import function_schema, resolve_function
+    from plait.programs.calls import function_schema, resolve_function
 
     t = cfg.rollout.tools
     if t is None:
@@ -614,8 +609,8 @@ def check_environments(cfg: Config, env: Env) -> list[str]:
                 "reward"
             ]
         return []
-    from plait.envs import environment_problems, label
-    from plait.tools.environments import config_problems, problems
+    from plait.programs.environments import environment_problems, label
+    from plait.programs.trl_env import config_problems, problems
 
     out = environment_problems(cfg.environments, cfg.seed, bool(_evaluating(cfg)))
     out += [p for e in cfg.environments if e.type in ROW_TYPES for p in problems(e, label(e))]
@@ -864,8 +859,7 @@ CHECKS: tuple[Check, ...] = (
     check_warmup,
     check_rewards,
     check_tools,
-    check_rollout_func,
-    check_agent,
+    check_user_loops,
     check_eval_metric,
     check_task,
     check_environments,

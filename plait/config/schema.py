@@ -370,6 +370,13 @@ class RolloutConfig(Section):
         "whose generate samples with plait's engine; it returns the completions' token ids, log-probs and an "
         "optional env_mask (docs/environments.md).",
     )
+    program: str | None = Field(
+        None,
+        description="'module:factory': your own rollout program, built once with the run's ProgramSetup; its "
+        'run(sampler, prompts, params, n) returns n trajectories per prompt (docs/environments.md, "Write your own '
+        "rollout program\"). Null: the program the config's sections choose (agent, rollout_func, tools, or one "
+        "sampled answer).",
+    )
     agent: AgentConfig | None = Field(
         None,
         description="Any agent program as the rollout: plait serves it an OpenAI-compatible endpoint "

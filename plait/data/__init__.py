@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from plait.data.tasks import TASKS, task_examples, task_rows
-from plait.envs import ROW_TYPES, SHOTS_COLUMN, SYSTEM_COLUMN, environment_rows
+from plait.programs.environments import ROW_TYPES, SHOTS_COLUMN, SYSTEM_COLUMN, environment_rows
 from plait.types import Prompt
 
 
@@ -311,7 +311,7 @@ def build_prompts(
 ) -> list[Prompt]:
     """Map fields, apply the chat template (describing `tools`, JSON schemas, to the model where
     the template can), and drop (or reject) prompts that are too long. With `envs` (trl_env
-    entries, plait/tools/environments.py) each row's environment adds its reset observation to the
+    entries, plait/programs/trl_env.py) each row's environment adds its reset observation to the
     prompt and describes its own tools. `tool_role`: the role of a worked example's tool output.
     `split` ("train" or "eval") only words the messages."""
     prompts, too_long, answered, longest = [], [], [], 0

@@ -19,7 +19,7 @@ import traceback
 from typing import Callable
 
 from plait import imports
-from plait.envs import environment
+from plait.programs.environments import environment
 from plait.rewards.code import code_pass, code_tests_passed
 from plait.rewards.format import boxed_format, reasoning_steps, tag_count, think_format
 from plait.rewards.length import cosine_length, length_penalty, soft_overlong_punishment

@@ -206,8 +206,8 @@ def reward_inputs(groups: list[Group], step: int | None = None, max_steps: int |
     if any(c.model_text is not None for g in groups for c in g.completions):
         # multi-turn: everything after the prompt, added turns included (`accuracy`'s read: transcript)
         kwargs["transcript"] = [c.text for g in groups for c in g.completions]
-    for key in sorted({k for g in groups for c in g.completions for k in c.extra or {}}):
-        kwargs[key] = [(c.extra or {}).get(key) for g in groups for c in g.completions]  # a rollout_func's fields
+    for key in sorted({k for g in groups for c in g.completions for k in c.columns or {}}):
+        kwargs[key] = [(c.columns or {}).get(key) for g in groups for c in g.completions]  # the program's own
     if step is not None:  # rounds done so far, as TRL's TrainerState.global_step counts optimizer steps
         kwargs["trainer_state"] = types.SimpleNamespace(global_step=step - 1, max_steps=max_steps)
     conversational = any(isinstance(g.prompt.source, list) for g in groups)

@@ -79,8 +79,8 @@ def make_generator(cfg, tokenizer, device):
     if cfg.rollout.engine == "vllm":
         engine = RemoteEngine(cfg, tokenizer, identity, device)
         return engine, engine.close
+    from plait.auth import new_token
     from plait.rollout import replica
-    from plait.rollout.auth import new_token
     from plait.rollout.hf_process import start_generation_process
 
     token = new_token()  # this run's own: the process is ours alone

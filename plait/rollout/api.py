@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from plait.rollout.auth import token_matches
+from plait.auth import token_matches
 
 
 log = logging.getLogger("plait.rollout.server")

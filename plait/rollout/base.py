@@ -1,7 +1,8 @@
 """The engine interface every generation backend implements: the HF engine in the training
 process (hf.py), colocated vLLM (vllm_engine.py), and the engines outside it that RemoteEngine
 (remote.py) talks to: `plait rollout-server` replicas and the HF engine's generation process.
-Tools wrap any of them through this same interface (tools/engine.py: ToolEngine)."""
+Rollout programs (plait/programs: the tool loop, rollout_func, agents) sample through any of
+them; nothing wraps an engine."""
 
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ class RolloutEngine(Protocol):
 
 
 class PushedEngine(RolloutEngine, Protocol):
-    """An engine outside the training process (RemoteEngine, and a ToolEngine around one): the
-    asynchronous producer sends it each weight version itself."""
+    """An engine outside the training process (RemoteEngine): the asynchronous producer sends it
+    each weight version itself."""
 
     def push_weights(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
         """Make the engine hold `weights` (checkpoint names, full tensors) as version `version`."""

@@ -111,10 +111,8 @@ def _update_body(version: int, metas, buckets: list[list[int]], shared: bool = F
 
 
 def remote_engine(engine):
-    """The RemoteEngine under `engine` (a ToolEngine wraps one), or None."""
-    while engine is not None and not isinstance(engine, RemoteEngine):
-        engine = getattr(engine, "engine", None)
-    return engine
+    """`engine` when it is a RemoteEngine, else None."""
+    return engine if isinstance(engine, RemoteEngine) else None
 
 
 class RemoteEngine:
@@ -134,7 +132,7 @@ class RemoteEngine:
         `shared_weights`: the /dev/shm file that process reads pushes from (else: the broadcast)."""
         import httpx
 
-        from plait.rollout.auth import TokenError, bearer, resolve_token
+        from plait.auth import TokenError, bearer, resolve_token
 
         self.own_process = own_process
         self.label = "the HF generation process" if own_process else "rollout server"

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from plait.rollout.auth import ENV
+from plait.auth import ENV
 
 
 def command(spec: dict, replica: int, host: str, ports: list[int], limits: dict | None = None) -> list[str]:

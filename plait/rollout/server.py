@@ -48,6 +48,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from plait.auth import ENV
 from plait.rollout import replica as replica_process
 from plait.rollout.api import (
     ApiError,
@@ -61,7 +62,6 @@ from plait.rollout.api import (
     check_update,
     log,
 )
-from plait.rollout.auth import ENV
 from plait.rollout.vllm_engine import Adapters, refused_adapter
 from plait.rollout.weights import adapter_part
 

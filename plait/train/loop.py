@@ -25,8 +25,8 @@ from plait.checkpoint import save_checkpoint, wait_for_saves
 from plait.config import Config, resolve_backend, validate
 from plait.config.checks import reward_parameter_problems
 from plait.data import data_problems
-from plait.envs import EnvironmentFailed, agent_error_problem, error_share_problem
 from plait.evaluate import evaluate
+from plait.programs.environments import EnvironmentFailed, agent_error_problem, error_share_problem
 from plait.rewards.runner import BoundReward, RewardError, call_rewards, reward_inputs
 from plait.rollout.hf import decoding_in
 from plait.telemetry.advice import EARLY_ROUND, early_note, health_notes, suggestion
@@ -234,7 +234,12 @@ def run_eval(run: Run, tag: str, version: int) -> float:
     tokens = cfg.eval.max_completion_length or cfg.rollout.max_completion_length
     with run.engine.weights_for_step(version), decoding_in(cfg.train.precision):
         res = evaluate(
-            run.engine, run.eval_prompts[comm.rank() :: comm.world_size()], run.metric, tokens, cfg.rollout.stop
+            run.program,
+            run.engine,
+            run.eval_prompts[comm.rank() :: comm.world_size()],
+            run.metric,
+            tokens,
+            cfg.rollout.stop,
         )
     correct, n = comm.all_sum([res.accuracy * res.n, res.n])
     accuracy = correct / max(1.0, n)

@@ -95,19 +95,19 @@ def _sampled(c) -> int:
 
 def tool_metrics(completions: list) -> dict[str, float]:
     """Multi-turn tool use over a round's completions (none without rollout.tools)."""
-    stats = [c.tool_stats for c in completions if c.tool_stats is not None]
+    stats = [c.info for c in completions if c.info and "tools/calls" in c.info]
     if not stats:
         return {}
     n = len(stats)
-    calls = sum(s["calls"] for s in stats)
+    calls = sum(s["tools/calls"] for s in stats)
     return {
         "tools/calls_per_completion": calls / n,
-        "tools/used_share": sum(s["calls"] > 0 for s in stats) / n,
-        "tools/turns_mean": sum(s["turns"] for s in stats) / n,
-        "tools/errors": sum(s["errors"] for s in stats),
-        "tools/timeouts": sum(s["timeouts"] for s in stats),
-        "tools/error_share": sum(s["errors"] + s["timeouts"] for s in stats) / calls if calls else 0.0,
-        "tools/call_seconds": sum(s["seconds"] for s in stats),
+        "tools/used_share": sum(s["tools/calls"] > 0 for s in stats) / n,
+        "tools/turns_mean": sum(s["tools/turns"] for s in stats) / n,
+        "tools/errors": sum(s["tools/errors"] for s in stats),
+        "tools/timeouts": sum(s["tools/timeouts"] for s in stats),
+        "tools/error_share": sum(s["tools/errors"] + s["tools/timeouts"] for s in stats) / calls if calls else 0.0,
+        "tools/call_seconds": sum(s["tools/seconds"] for s in stats),
         "tools/output_tokens": float(sum(len(c.token_ids) - _sampled(c) for c in completions)),
     }
 
@@ -116,12 +116,12 @@ def agent_counts(groups: list[Group]) -> dict[str, float]:
     """This process's agent rollouts (rollout.agent): rollouts, calls, forks, calls on samples
     left behind, failures, calls the token budget left nothing for (none without an agent);
     summed over processes before `agent_rates`."""
-    stats = [c.agent_stats for g in groups for c in g.completions if c.agent_stats is not None]
+    stats = [c.info for g in groups for c in g.completions if c.info and "agent/calls" in c.info]
     if not stats:
         return {}
     keys = ("calls", "forks", "forked_calls", "errors", "calls_out_of_budget")
     # .get: rounds a checkpoint held from before a count existed
-    out = {f"agent/{k}": float(sum(s.get(k, 0.0) for s in stats)) for k in keys}
+    out = {f"agent/{k}": float(sum(s.get(f"agent/{k}", 0.0) for s in stats)) for k in keys}
     return {**out, "agent/rollouts": float(len(stats))}
 
 

@@ -105,7 +105,7 @@ class RolloutSource(Protocol):
 def make_rollout_source(run, make_generator) -> RolloutSource:
     """Rounds generated ahead of the trainer by a producer (asynchronous runs, or the HF
     engine's generation process), or generated when each round starts. `make_generator`:
-    () -> (engine, close), rank 0's generation engine for the producer."""
+    () -> (engine, program, close), rank 0's generation engine and rollout program for the producer."""
     from plait.rollout import ahead_of_trainer
 
     return AsyncRollouts(run, make_generator) if ahead_of_trainer(run.cfg) else SyncRollouts(run)
@@ -136,7 +136,7 @@ class SyncRollouts:
         with ExitStack() as weights:
             with run.timer("weight_sync"):  # HF: gather sharded weights once for the round; vLLM: copy them in
                 weights.enter_context(run.engine.weights_for_step(round_ - 1))
-            sampler = Sampler(run.engine, run.cfg, run.rewards, run.timer, run.sandbox)
+            sampler = Sampler(run.engine, run.program, run.cfg, run.rewards, run.timer, run.sandbox)
             groups, sampling = sampler.collect(run.take_prompts, run.prompts_per_round, round_)
         return RoundBatch(groups, sampling, round_ - 1)
 
@@ -160,8 +160,8 @@ class Producer:
     round's weight version to be published. Errors (a dead generation server, a failing reward)
     are kept and raised in the trainer by the next `get`/`wait`."""
 
-    def __init__(self, run, engine, orders: list[PromptOrder], first: int, last: int):
-        self.run, self.engine, self.orders = run, engine, orders
+    def __init__(self, run, engine, program, orders: list[PromptOrder], first: int, last: int):
+        self.run, self.engine, self.program, self.orders = run, engine, program, orders
         self.k = run.cfg.rollout.max_staleness
         self.inflight = run.cfg.rollout.inflight_updates
         self.first, self.last = first, last
@@ -283,7 +283,7 @@ class Producer:
             if got is not None:
                 with timer("weight_push"):
                     self._push(*got)
-            sampler = Sampler(self.engine, cfg, self.run.rewards, timer, self.run.sandbox)
+            sampler = Sampler(self.engine, self.program, cfg, self.run.rewards, timer, self.run.sandbox)
             shares = [
                 sampler.collect(
                     lambda n, order=order: [self.run.prompts[i] for i in order.take(n)],
@@ -306,7 +306,7 @@ class AsyncRollouts:
 
     def __init__(self, run, make_engine):
         self.run = run
-        self.make_engine = make_engine  # () -> (engine, close): the generation engine of rank 0
+        self.make_engine = make_engine  # () -> (engine, program, close): rank 0's generation engine and its program
         self.producer: Producer | None = None
         self.restored: tuple[list[Rollout], list[int]] | None = None
         self.taken_consumed: list[int] | None = None  # data positions after the last round taken
@@ -330,9 +330,9 @@ class AsyncRollouts:
                 PromptOrder(len(run.prompts), run.cfg.seed, run.cfg.data.shuffle, consumed[r], rank=r, stride=world)
                 for r in range(world)
             ]
-            engine, self.close_engine = self.make_engine()
+            engine, program, self.close_engine = self.make_engine()
             first = run.start + 1 + len(rollouts)
-            self.producer = Producer(run, engine, orders, first, last)
+            self.producer = Producer(run, engine, program, orders, first, last)
             self.producer.put(rollouts)
             self.producer.start()
         self.taken_consumed = consumed

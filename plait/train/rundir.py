@@ -19,7 +19,7 @@ def run_name(cfg) -> str:
         return cfg.name
     data = cfg.data.task or Path(cfg.data.path or "data").stem
     if cfg.environments:
-        from plait.envs import label
+        from plait.programs.environments import label
 
         labels = [label(e) for e in cfg.environments]
         data = labels[0] + (f"+{len(labels) - 1}" if len(labels) > 1 else "")

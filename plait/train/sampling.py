@@ -76,11 +76,12 @@ def keep_for_second_stage(scores: list[float | None], rule: str, threshold: floa
 
 @dataclass
 class Sampler:
-    """What makes a round's scored groups: the engine, the run's config, rewards and sandbox
-    (whose executions the RewardReport counts; None: the one the rewards are bound to), and
-    the timer that books generation and scoring."""
+    """What makes a round's scored groups: the engine and the rollout program that samples
+    through it, the run's config, rewards and sandbox (whose executions the RewardReport counts;
+    None: the one the rewards are bound to), and the timer that books generation and scoring."""
 
     engine: Any
+    program: Any
     cfg: Any
     rewards: list[BoundReward]
     timer: Any
@@ -90,7 +91,7 @@ class Sampler:
         """`n` completions for each prompt, sampled with round `step`'s seed for sampling pass
         `pass_`, and scored (RewardError names the function and sample)."""
         with self.timer("generate"):
-            outs = self.engine.generate(prompts, sampling_params(self.cfg, step, pass_), n=n)
+            outs = self.program.run(self.engine, prompts, sampling_params(self.cfg, step, pass_), n)
         groups = [Group(p, cs) for p, cs in zip(prompts, outs)]
         with self.timer("score"):
             report = score_groups(groups, self.rewards, self.sandbox, step, self.cfg.train.max_steps)

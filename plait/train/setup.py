@@ -20,9 +20,11 @@ from plait import comm
 from plait.checkpoint import checkpoint_step, load_checkpoint, load_rollouts, resume_position, trim_logs
 from plait.config import Config
 from plait.data import PromptOrder, build_prompts, describe_examples, load_rows
-from plait.envs import describe_shots
 from plait.models import load_tokenizer
 from plait.plan import BatchPlan
+from plait.programs import RolloutProgram
+from plait.programs.environments import describe_shots
+from plait.programs.tools import Tools, tool_role
 from plait.rewards import uses_sandbox
 from plait.rewards.runner import BoundReward, bind_metric, bind_rewards, close_rewards
 from plait.rollout import RolloutEngine, ahead_of_trainer, generation_site, make_engine, make_generator
@@ -34,7 +36,6 @@ from plait.telemetry import MetricsSink, PhaseTimer
 from plait.telemetry.flops import cpu_peak, device_peak, model_cost
 from plait.telemetry.memory import MemoryMeter
 from plait.telemetry.meter import StepMeter
-from plait.tools import Tools, tool_role
 from plait.train.backends.base import Backend
 from plait.train.determinism import deterministic_process
 from plait.train.guard import NonFiniteGuard, precisions
@@ -72,6 +73,7 @@ class Run:
     eval_prompts: list[Prompt]
     order: PromptOrder  # which prompts this process takes next
     engine: RolloutEngine | None = None  # generates (synchronous runs) and evaluates
+    program: RolloutProgram | None = None  # what a rollout is (plait/programs), sampling through `engine`
     rollouts: RolloutSource | None = None  # where each round's groups come from
     meter: StepMeter | None = None
     start: int = 0
@@ -123,7 +125,9 @@ def open_run(cfg: Config, plan: BatchPlan, backend: Backend, console: str | None
     finally:
         if run is not None:
             close_rewards([*run.rewards, run.metric])
-            if run.engine is not None:  # a run that failed, too: its engine must not outlive it
+            if run.program is not None:  # a run that failed, too: its endpoint and engine must not outlive it
+                run.program.close()
+            if run.engine is not None:
                 run.engine.close()
         sink.finish()
         pins.close()
@@ -259,10 +263,16 @@ def build_run(
 
     def generator():
         engine, close = make_generator(cfg, tokenizer, backend.device)
-        return tools.wrap(engine), close
+        program = tools.program()
+
+        def close_both():
+            program.close()
+            close()
+
+        return engine, program, close_both
 
     run.rollouts = make_rollout_source(run, generator)
-    run.engine = tools.wrap(engine)
+    run.engine, run.program = engine, tools.program()
     run.guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
     run.result = TrainResult(run_dir)
     return run

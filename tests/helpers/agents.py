@@ -1,4 +1,4 @@
-"""Agents (`rollout.agent`, plait/tools/agent.py) for tests: each drives its rollout through the
+"""Agents (`rollout.agent`, plait/programs/agent.py) for tests: each drives its rollout through the
 OpenAI-compatible endpoint, with the `openai` client or plain HTTP."""
 
 from __future__ import annotations
@@ -54,6 +54,17 @@ def ids_twice(task):
     again = ids + first["choices"][0]["token_ids"] + [198, 198, 198]
     second = post(url, json={"model": task.model, "prompt": again, "max_tokens": 4}, headers=auth).json()
     SEEN[task.index] = [first, second]
+
+
+def text_with_columns(task):
+    """text_twice, returning its reward with two columns for the reward functions."""
+    reward = text_twice(task)
+    return {"reward": reward, "chars": reward * 10, "index": task.index}
+
+
+def returns_a_list(task):
+    text_twice(task)
+    return [1.0]
 
 
 def forking(task):

@@ -1,4 +1,4 @@
-"""Rollout functions (`rollout.rollout_func`, plait/tools/rollout_func.py) for tests."""
+"""Rollout functions (`rollout.rollout_func`, plait/programs/rollout_func.py) for tests."""
 
 from __future__ import annotations
 
@@ -42,4 +42,10 @@ def no_logprobs(prompts, ctx):
 def other_prompt(prompts, ctx):
     out = two_turns(prompts, ctx)
     out["prompt_ids"] = [[1] + ctx.prompt_ids[k // ctx.num_generations] for k in range(len(out["turns"]))]
+    return out
+
+
+def empty_prompt(prompts, ctx):
+    out = two_turns(prompts, ctx)
+    out["prompt_ids"] = [[] for _ in out["turns"]]
     return out

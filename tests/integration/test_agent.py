@@ -1,4 +1,4 @@
-"""Any agent as the rollout (`rollout.agent`, plait/tools/agent.py and endpoint.py, agents in
+"""Any agent as the rollout (`rollout.agent`, plait/programs/agent.py and endpoint.py, agents in
 tests/helpers/agents.py) on the tiny model: the OpenAI-compatible endpoint answers the `openai`
 client and plain HTTP with the tokens plait's engine sampled; linked calls become one training
 sequence of exactly the sampled tokens, with what the agent added masked; a call that continues
@@ -13,8 +13,8 @@ import test_rollout_func
 from test_train import assert_resumed_exactly, crash_then_resume, tiny_overrides
 
 from plait.config import load_config
-from plait.config.checks import check_agent, probe
-from plait.tools.agent import wrap
+from plait.config.checks import check_user_loops, probe
+from plait.programs import ProgramSetup, make_program
 from plait.train.loop import train
 from plait.types import SamplingParams
 
@@ -22,10 +22,11 @@ from plait.types import SamplingParams
 engine_and_prompts = test_rollout_func.engine_and_prompts  # the fixture: the tiny model's engine and two prompts
 
 
-def agent_engine(cfg, engine, tok, fn, **options):
+def agent_program(cfg, tok, fn, **options):
+    """The rollout program of a run whose rollout.agent runs agents:`fn`."""
     cfg = cfg.model_copy(deep=True)
     cfg.rollout.agent = {"function": fn if ":" in fn else f"agents:{fn}", **options}
-    return wrap(cfg, engine, tok)
+    return make_program(ProgramSetup(cfg, tok))
 
 
 @pytest.fixture
@@ -36,9 +37,9 @@ def run_agent(engine_and_prompts):
 
     def run(fn, max_tokens=30, **options):
         agents.SEEN.clear()
-        hooked = agent_engine(cfg, engine, tok, fn, **options)
+        hooked = agent_program(cfg, tok, fn, **options)
         opened.append(hooked)
-        out = hooked.generate(prompts, SamplingParams(max_tokens=max_tokens, seed=5), 2)
+        out = hooked.run(engine, prompts, SamplingParams(max_tokens=max_tokens, seed=5), 2)
         return [c for row in out for c in row], prompts, tok
 
     yield run
@@ -62,12 +63,12 @@ def test_chat_calls_are_linked_by_their_tokens_and_what_the_agent_added_is_maske
         shown = [x["logprob"] for x in first["logprobs"]["content"] + second["logprobs"]["content"]]
         assert [x for x, m in zip(c.logprobs, c.sampled_mask) if m] == shown
         assert c.prompt_ids is None  # the agent sent the row's own prompt: the group's prompt tokens
-        assert c.agent_stats == {
-            "calls": 2.0,
-            "forks": 0.0,
-            "forked_calls": 0.0,
-            "errors": 0.0,
-            "calls_out_of_budget": 0.0,
+        assert c.info == {
+            "agent/calls": 2.0,
+            "agent/forks": 0.0,
+            "agent/forked_calls": 0.0,
+            "agent/errors": 0.0,
+            "agent/calls_out_of_budget": 0.0,
         }
         assert c.env_error is None and c.env_reward is None
         assert c.messages[-2] == {"role": "user", "content": agents.FEEDBACK}
@@ -78,8 +79,8 @@ def test_chat_calls_are_linked_by_their_tokens_and_what_the_agent_added_is_maske
 def test_a_reply_that_re_tokenizes_differently_is_continued_from_its_sampled_tokens(engine_and_prompts):
     """The model sampled ' hel' + 'lo', which the tokenizer would read back as ' hello': the next
     call's input goes on from the sampled pair, and only the agent's turn is tokenized."""
-    from plait.tools.agent import Recording, _plain
-    from plait.tools.template import ChatTurns
+    from plait.programs.agent import Recording, _plain
+    from plait.programs.template import ChatTurns
 
     cfg, tok, engine, prompts = engine_and_prompts
     sampled = tok.convert_tokens_to_ids(["Ġhel", "lo"])
@@ -88,7 +89,7 @@ def test_a_reply_that_re_tokenizes_differently_is_continued_from_its_sampled_tok
     first = [{"role": "user", "content": "Say hello."}]
     sample, ids = rec.link("chat", {"messages": first}, tok, turns, 256)
     assert ids == tok(turns.render([_plain(m) for m in first], True), add_special_tokens=False)["input_ids"]
-    sample.take_reply(sampled, [-1.0, -2.0], tok.decode(sampled))  # what the engine answered (AgentEngine._generate)
+    sample.take_reply(sampled, [-1.0, -2.0], tok.decode(sampled))  # what the engine answered (AgentProgram._generate)
     reply = {"role": "assistant", "content": sample.turn_text}
     sample.seen = [*first, reply]
     again = [*first, reply, {"role": "user", "content": "Again."}]
@@ -103,13 +104,13 @@ def test_a_tool_call_comes_back_as_tool_calls_and_the_tool_turn_links(engine_and
     """A reply with a <tool_call> block (the chat template's own format) is returned as OpenAI
     tool_calls; the agent sends it back as the openai client does (arguments as a JSON string)
     with the tool's answer, and the call continues the same sample."""
-    from plait.tools.agent import AgentEngine, Call, Recording
-    from plait.tools.endpoint import Endpoint
-    from plait.tools.template import ChatTurns
+    from plait.programs.agent import AgentProgram, Call, Recording
+    from plait.programs.endpoint import Endpoint
+    from plait.programs.template import ChatTurns
 
     cfg, tok, engine, prompts = engine_and_prompts
     turns = ChatTurns(tok)
-    hooked = AgentEngine(engine, tok, None, "test", 60.0, 256, turns, Endpoint())
+    hooked = AgentProgram(tok, None, "test", 60.0, 256, turns, Endpoint())
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
     first = {"messages": [{"role": "user", "content": "Add 2 and 3."}], "tools": tools}
     rec = Recording(prompts[0], 0, "key", 200)
@@ -153,6 +154,22 @@ def test_text_completions_link_by_text_and_by_token_ids_and_return_the_reward(ru
         assert c.text.startswith(first["text"]) and "\nAgain:" in c.text
 
 
+def test_an_agent_may_return_columns_for_the_reward_functions(run_agent):
+    """A dict: its `reward` is the rollout's, every other key a column the rewards get by name."""
+    from plait.rewards.runner import reward_inputs
+    from plait.types import Group
+
+    completions, prompts, _ = run_agent("text_with_columns")
+    for k, c in enumerate(completions):
+        first, second = (r["choices"][0] for r in agents.SEEN[k])
+        chars = len(first["text"] + second["text"])
+        assert c.env_reward == chars / 10 and c.columns == {"chars": chars, "index": k}
+    groups = [Group(p, completions[2 * i : 2 * i + 2]) for i, p in enumerate(prompts)]
+    assert reward_inputs(groups).kwargs["index"] == [0, 1, 2, 3]
+    failed, _, _ = run_agent("returns_a_list")  # anything else is the agent's error, said with the fix
+    assert all("return a number (the rollout's reward), None, or a dict" in c.env_error for c in failed)
+
+
 def test_a_call_cut_by_max_tokens_continues_where_it_stopped(run_agent):
     """The second prompt is the first and its reply, nothing added: one sample, every token sampled."""
     completions, _, _ = run_agent("text_continued")
@@ -160,7 +177,7 @@ def test_a_call_cut_by_max_tokens_continues_where_it_stopped(run_agent):
         first, second = (r["choices"][0] for r in agents.SEEN[k])
         assert first["finish_reason"] == "length"
         assert c.token_ids == first["token_ids"] + second["token_ids"] and all(c.sampled_mask)
-        assert c.agent_stats["forks"] == 0.0
+        assert c.info["agent/forks"] == 0.0
 
 
 def test_token_id_prompts_link_exactly(engine_and_prompts, run_agent):
@@ -181,12 +198,12 @@ def test_token_id_prompts_link_exactly(engine_and_prompts, run_agent):
 def test_a_call_that_continues_nothing_forks_and_the_last_sample_is_trained(run_agent):
     completions, prompts, tok = run_agent("forking")
     for k, c in enumerate(completions):
-        assert c.agent_stats == {
-            "calls": 2.0,
-            "forks": 1.0,
-            "forked_calls": 1.0,
-            "errors": 0.0,
-            "calls_out_of_budget": 0.0,
+        assert c.info == {
+            "agent/calls": 2.0,
+            "agent/forks": 1.0,
+            "agent/forked_calls": 1.0,
+            "agent/errors": 0.0,
+            "agent/calls_out_of_budget": 0.0,
         }
         assert c.prompt_ids is not None and "Answer in one word." in tok.decode(c.prompt_ids)
         assert c.prompt_ids != prompts[k // 2].token_ids
@@ -209,7 +226,7 @@ def test_a_call_the_budget_leaves_nothing_for_is_said_once_and_counted(run_agent
     assert len(said) == 1
     assert "rollout.max_completion_length=7 is the whole rollout's budget" in said[0]
     assert "Raise rollout.max_completion_length" in said[0] and "agents:chat_twice" in said[0]
-    assert [c.agent_stats["calls_out_of_budget"] for c in completions] == [1.0] * 4
+    assert [c.info["agent/calls_out_of_budget"] for c in completions] == [1.0] * 4
 
 
 def test_rewards_read_the_replies_alone_and_get_the_whole_conversation(run_agent):
@@ -254,7 +271,7 @@ def test_an_async_agents_clients_are_closed_on_its_own_loop(run_agent, caplog):
     import gc
 
     completions, _, _ = run_agent("async_twice")
-    assert all(c.env_error is None and c.agent_stats["calls"] == 2.0 for c in completions)
+    assert all(c.env_error is None and c.info["agent/calls"] == 2.0 for c in completions)
     assert all(agents.SEEN[k][0].is_closed() for k in range(4))
     agents.SEEN.clear()
 
@@ -273,7 +290,7 @@ def test_an_async_agents_clients_are_closed_on_its_own_loop(run_agent, caplog):
 def test_a_failing_agent_is_an_infrastructure_error(run_agent, fn, error):
     completions, _, _ = run_agent(fn)
     assert all(error in c.env_error and c.env_reward is None for c in completions)
-    assert all(c.agent_stats["errors"] == 1.0 for c in completions)
+    assert all(c.info["agent/errors"] == 1.0 for c in completions)
 
 
 def test_an_agent_past_its_timeout_is_an_error_and_the_round_goes_on(run_agent):
@@ -303,11 +320,11 @@ def test_hostile_requests_are_refused_with_their_reason(run_agent):
             "good": 200,
         }
         assert "'n' must be 1" in body["error"]["message"]
-        assert c.agent_stats["calls"] == 1.0 and c.env_error is None
+        assert c.info["agent/calls"] == 1.0 and c.env_error is None
 
 
 def test_the_shipped_example_agent_runs(run_agent, monkeypatch):
-    """configs/agent-selfcheck.yaml's agent (examples/selfcheck_agent.py), found from the repository's
+    """configs/agent-selfcheck.yaml's agent (examples/selfcheck_user_loops.py), found from the repository's
     root as `plait train` finds it: every rollout calls, none fails, and a second call continues the
     first."""
     from pathlib import Path
@@ -315,29 +332,29 @@ def test_the_shipped_example_agent_runs(run_agent, monkeypatch):
     root = Path(__file__).parents[2]
     monkeypatch.chdir(root)
     cfg = load_config(str(root / "configs" / "agent-selfcheck.yaml"), [])
-    assert check_agent(cfg, probe(cfg)) == []
+    assert check_user_loops(cfg, probe(cfg)) == []
     completions, _, _ = run_agent(cfg.rollout.agent.function, max_tokens=64)
-    assert all(c.env_error is None and c.agent_stats["forks"] == 0 for c in completions)
+    assert all(c.env_error is None and c.info["agent/forks"] == 0 for c in completions)
     for c in completions:  # a second call adds the user turn, masked, to the same sample
-        assert c.agent_stats["calls"] in (1.0, 2.0) and (0 in c.sampled_mask) == (c.agent_stats["calls"] == 2.0)
+        assert c.info["agent/calls"] in (1.0, 2.0) and (0 in c.sampled_mask) == (c.info["agent/calls"] == 2.0)
 
 
 def test_plait_check_names_a_missing_agent_and_a_loop_beside_it(tiny_model_path, prompts_jsonl, tmp_path):
     sets = tiny_overrides(tiny_model_path, prompts_jsonl, tmp_path, "rollout.agent={function: 'agents:nope'}")
     cfg = load_config(None, sets)
-    problems = check_agent(cfg, probe(cfg))
+    problems = check_user_loops(cfg, probe(cfg))
     assert "has no function 'nope'" in problems[0]
     sets = tiny_overrides(
         tiny_model_path, prompts_jsonl, tmp_path, "rollout.agent={function: 'agents:chat_twice'}", "rollout.tools={}"
     )
     cfg = load_config(None, sets)
-    problems = check_agent(cfg, probe(cfg))
+    problems = check_user_loops(cfg, probe(cfg))
     assert problems and "can't run beside it" in problems[0]
 
 
 def test_a_missing_agent_function_is_called_one_with_the_nearest_names(tiny_model_path, prompts_jsonl, tmp_path):
     sets = tiny_overrides(tiny_model_path, prompts_jsonl, tmp_path, "rollout.agent={function: 'agents:chat_twcie'}")
-    (problem,) = check_agent(load_config(None, sets), probe(load_config(None, sets)))
+    (problem,) = check_user_loops(load_config(None, sets), probe(load_config(None, sets)))
     assert "agent function 'agents:chat_twcie': module 'agents' has no function 'chat_twcie'" in problem
     assert "did you mean 'chat_twice'" in problem and "tool function" not in problem
 
@@ -372,7 +389,7 @@ def test_a_failing_agent_stops_the_run_named_and_says_no_checkpoint_was_written(
     resume starts over (it said resume=auto continues from the last checkpoint)."""
     from plait.cli import main
     from plait.config.schema import AgentConfig
-    from plait.envs import agent_error_problem
+    from plait.programs.environments import agent_error_problem
 
     sets = tiny_overrides(
         tiny_model_path,

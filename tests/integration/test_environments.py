@@ -135,7 +135,7 @@ def test_a_verifier_failure_leaves_the_completion_unscored_by_every_reward(monke
     from reasoning_gym.arithmetic.basic_arithmetic import BasicArithmeticDataset
 
     from plait.config.schema import EnvironmentSpec, RewardSpec
-    from plait.envs import reasoning_gym
+    from plait.programs import reasoning_gym
     from plait.rewards.runner import bind_rewards, score_groups
     from plait.types import Completion, Group, Prompt
 

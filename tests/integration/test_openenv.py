@@ -24,8 +24,9 @@ from test_trl_env import env_config, rollouts, rows_file, scores, two_process_ru
 from plait.comm import free_port
 from plait.config.checks import check_environments, check_tools, probe
 from plait.data import DataError, build_prompts, load_rows
-from plait.tools import Tools, openenv
-from plait.tools.environments import openenv_kind
+from plait.programs import openenv
+from plait.programs.tools import Tools
+from plait.programs.trl_env import openenv_kind
 
 
 pytest.importorskip("openenv.core")
@@ -128,7 +129,7 @@ def test_a_bad_action_a_raising_step_and_a_step_after_the_end_are_the_models_doi
     assert "13 is not a number this game takes" in said[1]
     assert said[2] == "right"
     assert "the episode is over" in said[3]
-    assert c.env_error is None and c.tool_stats["errors"] == 3
+    assert c.env_error is None and c.info["tools/errors"] == 3
     assert scores(groups) == [1.0]
 
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from plait.auth import ENV, bearer, new_token
 from plait.comm import free_port
 from plait.config import load_config
 from plait.models import load_model, load_tokenizer
 from plait.rollout import make_engine
 from plait.rollout import replica as replica_process
-from plait.rollout.auth import ENV, bearer, new_token
 from plait.rollout.hf_process import HFReplica, generation_spec
 from plait.rollout.remote import RolloutServerError
 from plait.rollout.server import build_app, serve

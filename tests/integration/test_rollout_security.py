@@ -22,10 +22,10 @@ import pytest
 import torch
 from test_train import final_weights, tiny_overrides
 
+from plait.auth import ENV, bearer, new_token
 from plait.comm import free_port
 from plait.config import load_config
 from plait.rollout import replica as replica_process
-from plait.rollout.auth import ENV, bearer, new_token
 from plait.rollout.hf_process import generation_spec
 from plait.train.loop import train
 

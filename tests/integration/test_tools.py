@@ -20,11 +20,11 @@ from test_vllm import metrics_of, train_cmd
 from tool_model import made_once, teach_tool_calls
 
 from plait.config.schema import ToolsConfig
+from plait.programs.calls import Call, ToolRunner
+from plait.programs.template import ChatTurns
+from plait.programs.tool_loop import ToolLoop
 from plait.sandbox import Limits
 from plait.sandbox.box import Sandbox, SandboxSettings
-from plait.tools.calls import Call, ToolRunner
-from plait.tools.engine import ToolEngine
-from plait.tools.template import ChatTurns
 from plait.train.batch import collate
 from plait.types import Completion, Group, Prompt, SamplingParams
 
@@ -157,17 +157,17 @@ SCRIPT = [
 
 def test_tool_turns_are_masked_and_the_tokens_are_the_whole_conversation(tok, box):
     engine = Scripted(tok, SCRIPT)
-    tools = ToolEngine(engine, tok, ToolsConfig(), python_runner(box), ChatTurns(tok))
+    tools = ToolLoop(tok, ToolsConfig(), python_runner(box), ChatTurns(tok))
     prompt = chat_prompt(tok)
-    ((c1, c2),) = tools.generate([prompt], SamplingParams(max_tokens=200, seed=5), n=2)
+    ((c1, c2),) = tools.run(engine, [prompt], SamplingParams(max_tokens=200, seed=5), 2)
     assert [m["role"] for m in c1.messages] == ["assistant", "tool", "assistant", "tool", "assistant"]
     assert [m["content"] for m in c1.messages if m["role"] == "tool"] == ["", "42\n"]  # state across calls
-    assert c1.tool_stats == {
-        "calls": 2.0,
-        "errors": 0.0,
-        "timeouts": 0.0,
-        "seconds": c1.tool_stats["seconds"],
-        "turns": 3.0,
+    assert c1.info == {
+        "tools/calls": 2.0,
+        "tools/errors": 0.0,
+        "tools/timeouts": 0.0,
+        "tools/seconds": c1.info["tools/seconds"],
+        "tools/turns": 3.0,
     }
     assert c1.finish_reason == "eos" and not c1.truncated
     # the tokens are what the chat template renders for the whole conversation (and its closing newline)
@@ -199,8 +199,8 @@ def test_rewards_read_the_models_turns_not_the_tools_output(tok, box):
     from plait.rewards.runner import bind_metric, call_reward, reward_inputs
 
     script = ["```python\nprint(6 * 7)\n```\n", "Done.<eos>"]
-    tools = ToolEngine(Scripted(tok, script), tok, ToolsConfig(), python_runner(box), ChatTurns(tok))
-    ((c,),) = tools.generate([chat_prompt(tok)], SamplingParams(max_tokens=200), n=1)
+    tools = ToolLoop(tok, ToolsConfig(), python_runner(box), ChatTurns(tok))
+    ((c,),) = tools.run(Scripted(tok, script), [chat_prompt(tok)], SamplingParams(max_tokens=200), 1)
     assert c.scored_text == "```python\nprint(6 * 7)\n```\n\nDone."
     assert "42" in c.text and "42" not in c.scored_text
     inputs = reward_inputs([Group(chat_prompt(tok), [c])])
@@ -222,16 +222,16 @@ def test_hermes_calls_reach_functions_and_the_python_session(tok, box):
     ]
     cfg = ToolsConfig(format="hermes", functions=["tool_functions:multiply"], trusted_functions=True)
     runner = ToolRunner(cfg, box, {"multiply": multiply})
-    tools = ToolEngine(Scripted(tok, script), tok, cfg, runner, ChatTurns(tok))
+    tools = ToolLoop(tok, cfg, runner, ChatTurns(tok))
     prompt = chat_prompt(tok)
-    ((c,),) = tools.generate([prompt], SamplingParams(max_tokens=300), n=1)
+    ((c,),) = tools.run(Scripted(tok, script), [prompt], SamplingParams(max_tokens=300), 1)
     said = [m for m in c.messages if m["role"] == "tool"]
     assert [(m["name"], m["content"].strip()) for m in said[:2]] == [("multiply", "42"), ("python", "43")]
     assert said[2]["content"].startswith("there is no tool named 'divide'")
     assert c.messages[0]["tool_calls"] == [
         {"type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}
     ]
-    assert c.tool_stats["calls"] == 3 and c.tool_stats["errors"] == 1
+    assert c.info["tools/calls"] == 3 and c.info["tools/errors"] == 1
     rendered = [{k: v for k, v in m.items() if k != "tool_calls"} for m in c.messages]  # the raw call is the content
     whole = tok.apply_chat_template(prompt.messages + rendered, tokenize=False)
     assert tok(whole, add_special_tokens=False)["input_ids"][: len(prompt.token_ids) + len(c.token_ids)] == (
@@ -241,35 +241,33 @@ def test_hermes_calls_reach_functions_and_the_python_session(tok, box):
 
 def test_without_a_chat_template_the_output_goes_in_as_text_and_eos_ends(tok, box):
     prompt = Prompt(0, "Q: 6 * 7?\nA:", tok("Q: 6 * 7?\nA:", add_special_tokens=False)["input_ids"])
-    tools = ToolEngine(Scripted(tok, SCRIPT), tok, ToolsConfig(), python_runner(box), None)
-    ((c,),) = tools.generate([prompt], SamplingParams(max_tokens=200), n=1)
+    tools = ToolLoop(tok, ToolsConfig(), python_runner(box), None)
+    ((c,),) = tools.run(Scripted(tok, SCRIPT), [prompt], SamplingParams(max_tokens=200), 1)
     assert "```\n```output\n\n```\n```python\nprint(x)\n```\n```output\n42\n\n```\nSo \\boxed{42}." in c.text
-    eos_call = ToolEngine(
-        Scripted(tok, ["```python\nprint(1)\n```<eos>"]), tok, ToolsConfig(), python_runner(box), None
+    eos_call = ToolLoop(tok, ToolsConfig(), python_runner(box), None)
+    ((c,),) = eos_call.run(
+        Scripted(tok, ["```python\nprint(1)\n```<eos>"]), [prompt], SamplingParams(max_tokens=200), 1
     )
-    ((c,),) = eos_call.generate([prompt], SamplingParams(max_tokens=200), n=1)
-    assert c.finish_reason == "eos" and c.tool_stats["calls"] == 0  # plain text: EOS is the end
+    assert c.finish_reason == "eos" and c.info["tools/calls"] == 0  # plain text: EOS is the end
 
 
 def test_the_budget_covers_tool_output_and_max_turns_bounds_the_calls(tok, box):
     prompt = chat_prompt(tok)
     flood = ["```python\nprint('ab' * 500)\n```\n"]
-    tools = ToolEngine(
-        Scripted(tok, flood), tok, ToolsConfig(max_output_chars=2000), python_runner(box), ChatTurns(tok)
-    )
-    ((c,),) = tools.generate([prompt], SamplingParams(max_tokens=60), n=1)
+    tools = ToolLoop(tok, ToolsConfig(max_output_chars=2000), python_runner(box), ChatTurns(tok))
+    ((c,),) = tools.run(Scripted(tok, flood), [prompt], SamplingParams(max_tokens=60), 1)
     assert len(c.token_ids) == 60 and c.truncated and c.finish_reason == "length"
     assert sum(c.sampled_mask) < 60  # the tool's output took the rest of the budget
     again = ["```python\nprint(1)\n```\n"]
-    tools = ToolEngine(Scripted(tok, again), tok, ToolsConfig(max_turns=3), python_runner(box), ChatTurns(tok))
-    ((c,),) = tools.generate([prompt], SamplingParams(max_tokens=500), n=1)
-    assert c.finish_reason == "max_turns" and c.tool_stats["calls"] == 2 and c.tool_stats["turns"] == 3
+    tools = ToolLoop(tok, ToolsConfig(max_turns=3), python_runner(box), ChatTurns(tok))
+    ((c,),) = tools.run(Scripted(tok, again), [prompt], SamplingParams(max_tokens=500), 1)
+    assert c.finish_reason == "max_turns" and c.info["tools/calls"] == 2 and c.info["tools/turns"] == 3
 
 
 def test_a_stop_without_a_whole_call_resumes_the_same_turn(tok, box):
     script = ["Here:\n```\nnot python\n```\n", "and now ```python\nprint(2)\n```\n", "Done.<eos>"]
-    tools = ToolEngine(Scripted(tok, script), tok, ToolsConfig(), python_runner(box), ChatTurns(tok))
-    ((c,),) = tools.generate([chat_prompt(tok)], SamplingParams(max_tokens=300), n=1)
+    tools = ToolLoop(tok, ToolsConfig(), python_runner(box), ChatTurns(tok))
+    ((c,),) = tools.run(Scripted(tok, script), [chat_prompt(tok)], SamplingParams(max_tokens=300), 1)
     assert [m["role"] for m in c.messages] == ["assistant", "tool", "assistant"]
     # the opening fence of a plain block stopped the turn; the same turn went on from there
     assert c.messages[0]["content"] == "Here:\n```\n" + script[1] and c.messages[1]["content"] == "2\n"
@@ -292,18 +290,17 @@ def test_vllm_and_the_hf_engine_hold_the_same_conversations(tool_model, box):
     data = cfg.data.model_copy(update={"task": "multiply", "examples": []})  # the prompts tool_model was taught on
     prompts = build_prompts(load_rows(data, "eval")[:4], tok, data)
     runner, turns = python_runner(box), ChatTurns(tok)
-    hf = ToolEngine(
-        make_engine(load_config(None, ["train.precision=fp32"]), model, tok), tok, ToolsConfig(), runner, turns
-    )
-    vllm = ToolEngine(make_engine(cfg, model, tok), tok, ToolsConfig(), runner, turns)
+    loop = ToolLoop(tok, ToolsConfig(), runner, turns)
+    hf = make_engine(load_config(None, ["train.precision=fp32"]), model, tok)
+    vllm = make_engine(cfg, model, tok)
     greedy = SamplingParams(max_tokens=64, temperature=0.0)
     try:
         with vllm.weights_for_step(0):
-            ours = vllm.generate(prompts, greedy)
+            ours = loop.run(vllm, prompts, greedy, 1)
     finally:
         vllm.close()
-    theirs = hf.generate(prompts, greedy)
-    assert sum(a[0].tool_stats["calls"] for a in ours) > 0
+    theirs = loop.run(hf, prompts, greedy, 1)
+    assert sum(a[0].info["tools/calls"] for a in ours) > 0
     for a, b in zip(ours, theirs):
         assert a[0].token_ids == b[0].token_ids and a[0].sampled_mask == b[0].sampled_mask
         assert a[0].messages == b[0].messages

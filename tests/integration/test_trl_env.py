@@ -17,9 +17,9 @@ from plait.config import load_config
 from plait.config.checks import check_environments, check_tools, probe
 from plait.config.schema import RewardSpec
 from plait.data import DataError, build_prompts, load_rows
-from plait.envs import LAST_ERROR, environment, error_share_problem
+from plait.programs.environments import LAST_ERROR, environment, error_share_problem
+from plait.programs.tools import Tools
 from plait.rewards.runner import bind_rewards, reward_inputs, score_groups
-from plait.tools import Tools
 from plait.train.metrics import environment_metrics
 from plait.types import Group, SamplingParams
 
@@ -72,8 +72,7 @@ def counter(factory="CounterEnv", trusted=False, **more):
 def rollouts(cfg, tok, script=SCRIPT, n=2):
     tools = Tools.from_config(cfg, tok)
     prompts = build_prompts(load_rows(cfg.data, "train"), tok, cfg.data, tools=tools.schemas, envs=tools.envs)
-    engine = tools.wrap(Scripted(tok, script))
-    out = engine.generate(prompts, SamplingParams(max_tokens=300, seed=3), n=n)
+    out = tools.program().run(Scripted(tok, script), prompts, SamplingParams(max_tokens=300, seed=3), n)
     return prompts, [Group(p, cs) for p, cs in zip(prompts, out)]
 
 
@@ -97,7 +96,7 @@ def test_each_rollout_gets_its_own_environment_and_get_reward_scores_it(tmp_path
         for c in g.completions:
             said = [m["content"] for m in c.messages if m["role"] == "tool"]
             assert said == ["2", "5"]  # state lasts across the calls of one rollout, and only of one
-            assert c.env_error is None and c.tool_stats["calls"] == 2
+            assert c.env_error is None and c.info["tools/calls"] == 2
     assert [c.env_reward for g in groups for c in g.completions] == [1.0, 1.0, 0.0, 0.0]
     assert scores(groups) == [1.0, 1.0, 0.0, 0.0]
 
@@ -159,7 +158,7 @@ def test_a_row_picks_its_environment_and_its_prompt_shows_only_that_ones_tools(t
     # SmolLM2's template ignores `tools`: the run's log says the model is not shown them
     assert "does not show the tools' schemas to the model" in tools.check(prompts)
     script = ['<tool_call>{"name": "echo", "arguments": {"word": "hi"}}</tool_call>', "Done.<eos>"]
-    out = tools.wrap(Scripted(tok, script)).generate(prompts, SamplingParams(max_tokens=200), n=1)
+    out = tools.program().run(Scripted(tok, script), prompts, SamplingParams(max_tokens=200), 1)
     (counted,), (echoed,) = out
     assert [m["content"] for m in echoed.messages if m["role"] == "tool"] == ["HI"]
     assert [m["content"] for m in counted.messages if m["role"] == "tool"][0].startswith(

@@ -23,8 +23,8 @@ import pytest
 import torch
 from test_train import final_weights, tiny_overrides
 
+from plait.auth import bearer, resolve_token
 from plait.comm import free_port
-from plait.rollout.auth import bearer, resolve_token
 
 
 pytestmark = [

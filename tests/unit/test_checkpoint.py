@@ -120,3 +120,28 @@ def test_a_checkpoint_of_each_format_exports_as_a_model_folder(tmp_path, tiny_mo
         str(unfinished)
     )
     assert f"`plait eval` its last checkpoint, '{path}'" in model_path_problem(str(path.parent.parent))
+
+
+def test_rounds_held_ahead_load_after_the_completion_fields_changed(tmp_path):
+    """An asynchronous run's rollouts.pt pickles Completions: one written before `info` and
+    `columns` (with tool_stats, agent_stats, extra) loads with its numbers under the new names,
+    and one written now loads as it was."""
+    import dataclasses
+
+    from plait.checkpoint import ROLLOUTS, load_rollouts
+    from plait.types import Completion
+
+    now = Completion(0, [5, 6], "hi", [-0.1, -0.2], False, "eos", info={"tools/calls": 1.0}, columns={"k": 2})
+    old = Completion(0, [5, 6], "hi", [-0.1, -0.2], False, "eos")
+    del old.info, old.columns  # as a Completion of the earlier release held them
+    old.__dict__.update(tool_stats={"calls": 2.0}, agent_stats={"forks": 1.0}, extra={"turns": 2})
+    torch.save([old, now], tmp_path / ROLLOUTS)
+    old_back, now_back = load_rollouts(tmp_path)
+    assert old_back.info == {"tools/calls": 2.0, "agent/forks": 1.0} and old_back.columns == {"turns": 2}
+    assert not hasattr(old_back, "tool_stats") and not hasattr(old_back, "extra")
+    assert dataclasses.asdict(now_back) == dataclasses.asdict(now)
+    older = Completion(0, [1], "x", [0.0], False, "eos")
+    del older.model_text, older.info  # fields a still older release did not have take their defaults
+    torch.save([older], tmp_path / ROLLOUTS)
+    (back,) = load_rollouts(tmp_path)
+    assert back.model_text is None and back.info is None and back.scored_text == "x"

@@ -148,7 +148,7 @@ def test_a_worked_tool_call_shows_the_tools_output_and_the_answer_after_it():
     right, it is never a task problem, and its code block is what the python tool runs."""
     from plait.data import describe_examples, example_turns
     from plait.data.tasks import MULTIPLY_EXAMPLES, multiply
-    from plait.tools.calls import python_call
+    from plait.programs.calls import python_call
 
     turns = example_turns(DataConfig(task="multiply"), tool_role="user")
     assert [t["role"] for t in turns] == ["user", "assistant", "user", "assistant"]

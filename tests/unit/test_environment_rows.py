@@ -8,7 +8,7 @@ import pytest
 
 from plait.config import ConfigError, load_config, validate
 from plait.data import SYSTEM_COLUMN, load_rows
-from plait.envs import environment, environment_rows, train_sizes
+from plait.programs.environments import environment, environment_rows, train_sizes
 from plait.train.metrics import environment_metrics
 
 
@@ -92,7 +92,7 @@ def test_an_answer_that_breaks_the_verifier_scores_zero_where_the_verifier_score
     spec = "{type: reasoning_gym, dataset: prime_factorization, size: 2, answer_format: boxed}"
     row = environment_rows(config(spec).environments, "train", 0, None)[0]
     texts = [f"\\boxed{{{row['answer']}}}", "\\boxed{2 x 3}", "\\boxed{I don't know}", "no idea"]
-    from plait.envs.reasoning_gym import dataset
+    from plait.programs.reasoning_gym import dataset
 
     ds = dataset(row["env_source"])
     with pytest.raises(ValueError):  # the verifier itself raises on such an answer
@@ -171,7 +171,7 @@ def test_an_environment_without_a_new_held_out_problem_is_refused_when_evaluatin
 
 def test_an_environment_shows_its_own_worked_examples_before_each_of_its_prompts():
     from plait.data import build_prompts
-    from plait.envs import describe_shots
+    from plait.programs.environments import describe_shots
 
     class Chat:  # renders turns as text: enough to see what comes before the question
         chat_template = "yes"
@@ -196,7 +196,7 @@ def test_an_environment_shows_its_own_worked_examples_before_each_of_its_prompts
     assert all(r["_shots"] == shots for r in arith)
     assert all("_shots" not in r for r in train if r["environment"] == "leg_counting")  # examples: 0
     # each example's answer is the dataset's reference: its verifier gives it full marks
-    from plait.envs.reasoning_gym import BOXED_INSTRUCTION, EXAMPLE_SEED_OFFSET, dataset
+    from plait.programs.reasoning_gym import BOXED_INSTRUCTION, EXAMPLE_SEED_OFFSET, dataset
 
     source = {**arith[0]["env_source"], "seed": EXAMPLE_SEED_OFFSET, "size": 8 * 2 + 32}
     del source["problem"]  # the first row's fingerprint: these are other problems
@@ -221,7 +221,7 @@ def test_an_environment_shows_its_own_worked_examples_before_each_of_its_prompts
 
 
 def test_an_environment_shows_the_configs_own_worked_examples_with_their_working():
-    from plait.envs import describe_shots
+    from plait.programs.environments import describe_shots
 
     own = (
         "[{prompt: 'Calculate 52 + 7.', completion: '52 + 7 = \\boxed{59}'}, "

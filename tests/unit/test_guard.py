@@ -83,6 +83,12 @@ def test_a_restart_hides_the_tensorboard_events_of_the_rounds_it_reruns(tmp_path
     for step in range(0 if start == 0 else 1, 5):
         killed.log(step, {"loss": float(step)})
     killed.close()
+    # a restart is a later process: its event file's name (seconds, host, pid, a per-process count)
+    # sorts after the killed run's; in this one process both could share a second and the count
+    # could pass a digit ("9" sorts after "10"), so the killed run's file is dated a minute back
+    for f in (tmp_path / "tensorboard").iterdir():
+        secs, rest = f.name.removeprefix("events.out.tfevents.").split(".", 1)
+        f.rename(f.with_name(f"events.out.tfevents.{int(secs) - 60:010d}.{rest}"))
     rerun = TensorBoardWriter(tmp_path, start)
     for step in range(start if start == 0 else start + 1, 7):
         rerun.log(step, {"loss": 10.0 + step})

@@ -8,10 +8,10 @@ import stat
 import pytest
 import torch
 
+from plait.auth import ENV, TokenError, bearer, new_token, resolve_token, token_matches
 from plait.comm import free_port
 from plait.config import load_config
 from plait.rollout.api import ApiError, JoinRequest, Limits, UpdateRequest, check_join, check_update
-from plait.rollout.auth import ENV, TokenError, bearer, new_token, resolve_token, token_matches
 
 
 def test_the_first_side_creates_a_private_token_file_and_the_other_reads_it(tmp_path, monkeypatch):

@@ -3,9 +3,9 @@ check that a chat template renders a conversation by appending its turns."""
 
 import pytest
 
-from plait.tools import PROBE_TURNS
-from plait.tools.calls import Call, ToolRunner, cut, function_schema, hermes_calls, python_call
-from plait.tools.template import ChatTurns, TemplateMismatch, check_template
+from plait.programs.calls import Call, ToolRunner, cut, function_schema, hermes_calls, python_call
+from plait.programs.template import ChatTurns, TemplateMismatch, check_template
+from plait.programs.tools import PROBE_TURNS
 
 
 def test_a_python_call_is_a_python_block_that_ends_the_turn():
@@ -90,7 +90,7 @@ def test_a_template_whose_turn_boundary_splits_a_token_is_refused(tiny_model_pat
 def test_check_tools_turns_a_mismatch_into_a_config_error(tiny_model_path):
     from plait.config.load import config_from_dict
     from plait.data import build_prompts, load_rows
-    from plait.tools import check_tools
+    from plait.programs.tools import check_tools
 
     tok = _chatml(tiny_model_path)
     cfg = config_from_dict({"data": {"task": "multiply", "chat_template": DROPS_REASONING}, "rollout": {"tools": {}}})
@@ -157,7 +157,7 @@ def test_tool_functions_and_environment_factories_load_from_a_file_path(tmp_path
     all resolve through these two), with the module's source readable for the sandbox."""
     import inspect
 
-    from plait.tools.calls import resolve_factory, resolve_function
+    from plait.programs.calls import resolve_factory, resolve_function
 
     (tmp_path / "my_tools.py").write_text(
         "def double(x: int) -> int:\n    return 2 * x\n\n\n"

@@ -20,11 +20,11 @@ import re
 from collections import Counter
 from types import ModuleType
 
-from plait.envs import reasoning_gym
+from plait.programs import reasoning_gym
 
 
 TYPES: dict[str, ModuleType] = {"reasoning_gym": reasoning_gym}
-# the types that act on the data's rows, through tools (plait/tools/environments.py), where the
+# the types that act on the data's rows, through tools (plait/programs/trl_env.py), where the
 # others replace the rows with problems of their own
 ROW_TYPES = ("trl_env", "openenv")
 # a row's own system prompt (an environment's), used when data.system_prompt is unset
@@ -91,7 +91,7 @@ def environment_problems(specs, seed: int, evaluating: bool = False) -> list[str
             "with their own problems; one run takes one kind (train them in two runs)"
         )
     for spec, size in zip(specs, train_sizes(specs)):
-        if spec.type in ROW_TYPES:  # checked with the tools (plait/tools/environments.py)
+        if spec.type in ROW_TYPES:  # checked with the tools (plait/programs/trl_env.py)
             continue
         own = seed if spec.seed is None else spec.seed
         out += TYPES[spec.type].problems(spec, label(spec), own, size, evaluating)

@@ -13,6 +13,8 @@ refuses them, naming the turn where the renderings part.
 
 from __future__ import annotations
 
+from plait.programs.calls import tool_schemas
+
 
 SENTINEL = "PLAIT-TURN-7f3a9c"  # stands in for the model's text while rendering the turn after it
 
@@ -107,3 +109,11 @@ def check_template(turns: ChatTurns, prompt_messages: list[dict], prompt_text: s
             f"(from token {at}: {tok.convert_ids_to_tokens(ids[at : at + 4])} vs "
             f"{tok.convert_ids_to_tokens(expected[at : at + 4])}): a turn boundary falls inside a token"
         )
+
+
+def chat_turns(cfg, tokenizer) -> ChatTurns | None:
+    """Tool turns rendered by the run's chat template; None when prompts are plain text."""
+    own = cfg.data.chat_template if isinstance(cfg.data.chat_template, str) else None
+    if not cfg.data.chat_template or not (own or tokenizer.chat_template):
+        return None
+    return ChatTurns(tokenizer, own, tool_schemas(cfg.rollout.tools), cfg.rollout.tools.role)

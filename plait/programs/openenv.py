@@ -8,7 +8,7 @@ An entry names one of:
   serve`), one session per rollout on its `/ws` WebSocket, the protocol OpenEnv's own EnvClient
   speaks (messages `reset`, `step`, `close`; replies `observation` or `error`).
 
-plait drives it through its trl_env machinery (plait/tools/environments.py), as a class in TRL's
+plait drives it through its trl_env machinery (plait/programs/trl_env.py), as a class in TRL's
 environment_factory form that it writes for the entry:
 
 - `reset(**row)` is the environment's `reset(seed, episode_id, **row)`: the seed is the row's
@@ -37,7 +37,7 @@ import uuid
 import zlib
 from urllib.parse import urlsplit
 
-from plait.tools.calls import as_text, awaited, cut, resolve_factory
+from plait.programs.calls import as_text, awaited, cut, resolve_factory
 
 
 # the OpenEnv server's error codes that are the action's fault (WSErrorCode)

@@ -1,7 +1,7 @@
-"""Multi-turn rollouts with tools, on top of any rollout engine.
+"""Multi-turn rollouts with tools (the `tools` rollout program), through any rollout engine.
 
-`ToolEngine` wraps an engine (HF, vLLM colocated or servers, the async generation process)
-and keeps its interface: `generate` samples the first turn of every completion as usual, then
+`ToolLoop.run` samples the first turn of every completion through the engine (HF, vLLM
+colocated or servers, the async generation process) as a single answer would be, then
 alternates tool turns and model turns until no completion calls a tool, `max_turns` is reached
 or the token budget (`max_completion_length`, tool output included) is spent. A later model
 turn is one more `generate` call whose prompt is the token ids so far, so nothing is ever
@@ -18,8 +18,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from plait.tools.calls import HERMES_STOP, PYTHON_STOP, Call, ToolRunner, find_calls
-from plait.tools.template import ChatTurns
+from plait.programs.calls import HERMES_STOP, PYTHON_STOP, Call, ToolRunner, find_calls, tool_functions
+from plait.programs.template import ChatTurns, chat_turns
 from plait.types import Completion, Prompt, SamplingParams
 
 
@@ -46,7 +46,7 @@ class Conversation:
     model_turns: list[str] = field(default_factory=list)  # its finished turns, what rewards read
     cells: list[str] = field(default_factory=list)  # the Python session's history
     calls: list[Call] = field(default_factory=list)  # to run before the next model turn
-    env: object = None  # its trl_env Session (plait/tools/environments.py), if its row has an environment
+    env: object = None  # its trl_env Session (plait/programs/trl_env.py), if its row has an environment
     turns: ChatTurns | None = None  # its row's own tool schemas (a trl_env row), else the engine's
     generate_calls: int = 0
     finish: str | None = None  # set when done
@@ -82,20 +82,18 @@ class Conversation:
             token_versions=[v if v is not None else 0 for v in self.versions] if self.per_token_versions else None,
             sampled_mask=self.sampled,
             messages=messages,
-            tool_stats={**self.stats, "turns": float(sum(m["role"] == "assistant" for m in messages))},
+            info={f"tools/{k}": v for k, v in self.stats.items()}
+            | {"tools/turns": float(sum(m["role"] == "assistant" for m in messages))},
             env_reward=self.env_reward,
             env_error=None if self.env is None else self.env.error,
             model_text="\n".join(t for t in [*self.model_turns, self.turn_text] if t),  # a tool turn came between each
         )
 
 
-class ToolEngine:
-    """`engine` made multi-turn: the model's turns stop at tool calls, `runner` answers them."""
+class ToolLoop:
+    """The multi-turn tool loop: the model's turns stop at tool calls, `runner` answers them."""
 
-    def __init__(
-        self, engine, tokenizer, tools_cfg, runner: ToolRunner, turns: ChatTurns | None, workers: int = 2, envs=None
-    ):
-        self.engine = engine
+    def __init__(self, tokenizer, tools_cfg, runner: ToolRunner, turns: ChatTurns | None, workers: int = 2, envs=None):
         self.envs = envs  # trl_env entries (TrlEnvironments): a fresh environment per rollout
         self.tokenizer = tokenizer
         self.cfg = tools_cfg
@@ -104,29 +102,19 @@ class ToolEngine:
         self.workers = max(1, workers)
         self.stops = [PYTHON_STOP if tools_cfg.format == "python" else HERMES_STOP]
 
-    # The rest of the engine interface (rollout/base.py) is the wrapped engine's own.
-
-    @property
-    def pad_id(self) -> int:
-        return self.engine.pad_id
-
-    def weights_for_step(self, version: int):
-        return self.engine.weights_for_step(version)
-
-    def push_weights(self, weights: list, version: int) -> None:
-        """For an engine outside the training process (a RemoteEngine): see rollout/base.py."""
-        self.engine.push_weights(weights, version)
-
-    def stats(self) -> dict[str, float]:
-        return self.engine.stats()
-
-    def health(self) -> dict:
-        return self.engine.health()
+    @classmethod
+    def from_setup(cls, setup) -> ToolLoop:
+        """The run's tool loop (plait/programs/__init__.py: ProgramSetup): its tools, the sandbox
+        they run in, its chat template's turns and its trl_env/OpenEnv environments."""
+        cfg = setup.cfg
+        runner = ToolRunner(cfg.rollout.tools, setup.sandbox, tool_functions(cfg.rollout.tools))
+        turns = chat_turns(cfg, setup.tokenizer)
+        return cls(setup.tokenizer, cfg.rollout.tools, runner, turns, workers=cfg.sandbox.workers, envs=setup.envs)
 
     def close(self) -> None:
-        self.engine.close()
+        pass
 
-    def generate(self, prompts: list[Prompt], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
+    def run(self, sampler, prompts: list[Prompt], params: SamplingParams, n: int) -> list[list[Completion]]:
         user_stops = list(params.stop)
         params = replace(params, stop=[*user_stops, *(s for s in self.stops if s not in user_stops)])
         convs = [
@@ -146,7 +134,7 @@ class ToolEngine:
                     conv.env = env
                     if env is not None and self.turns is not None:
                         conv.turns = self.turns.with_tools(self.envs.schemas_for(conv.prompt))
-        firsts = self.engine.generate(prompts, params, n)
+        firsts = sampler.generate(prompts, params, n)
         for conv, c in zip(convs, [c for row in firsts for c in row]):
             self._model_turn(conv, c, user_stops)
         turn = 1
@@ -159,7 +147,7 @@ class ToolEngine:
             if not going:
                 break
             later = replace(params, max_tokens=max(c.budget for c in going), seed=params.seed + TURN_SEED * turn)
-            outs = self.engine.generate([c.as_prompt() for c in going], later, 1)
+            outs = sampler.generate([c.as_prompt() for c in going], later, 1)
             for conv, row in zip(going, outs):
                 self._model_turn(conv, row[0], user_stops)
             turn += 1

@@ -23,7 +23,7 @@ import time
 from fastapi import FastAPI, Request  # at module level: the routes' annotations are resolved here
 from fastapi.responses import JSONResponse
 
-from plait.rollout.auth import new_token, token_matches
+from plait.auth import new_token, token_matches
 
 
 MODEL = "plait-policy"  # the model name /v1/models lists (any name is accepted)

@@ -6,7 +6,7 @@ text, which is appended to the last user message; its public methods are the too
 calls (their type hints and Google-style docstrings are the schemas); an optional `get_reward()`
 scores the finished rollout from the environment's state. Methods may be async.
 
-plait runs them on its multi-turn tool loop (plait/tools), hermes calls, in one of two places:
+plait runs them on its multi-turn tool loop (plait/programs), hermes calls, in one of two places:
 
 - `trusted: true`: in the trainer's process, one live instance per rollout, as TRL does; a call
   past `rollout.tools.timeout_s` is abandoned and reported as a timeout.
@@ -36,10 +36,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from plait.envs import ROW_TYPES
 from plait.imports import import_module
-from plait.tools import openenv
-from plait.tools.calls import (
+from plait.programs import openenv
+from plait.programs.calls import (
     Call,
     ToolResult,
     as_text,
@@ -50,6 +49,7 @@ from plait.tools.calls import (
     resolve_factory,
     sandbox_output,
 )
+from plait.programs.environments import ROW_TYPES
 
 
 RESERVED = ("reset", "get_reward")
@@ -83,7 +83,7 @@ class EnvKind:
     trusted: bool
     max_error_share: float
     reset_timeout_s: float | None = None  # None: the tool timeout
-    # an OpenEnv entry (plait/tools/openenv.py): its instance holds a session to close, reports its
+    # an OpenEnv entry (plait/programs/openenv.py): its instance holds a session to close, reports its
     # own failures in `infrastructure_error`, and a call past the time limit loses the session
     episodic: bool = False
 
@@ -275,7 +275,7 @@ class TrlEnvironments:
 
     @classmethod
     def from_config(cls, cfg, standalone_schemas=None) -> TrlEnvironments | None:
-        from plait.envs import label
+        from plait.programs.environments import label
 
         specs = [e for e in cfg.environments if e.type in ROW_TYPES]
         if not specs:
@@ -370,7 +370,7 @@ def problems(spec, label: str) -> list[str]:
 
 
 def openenv_kind(spec, label: str, timeout_s: float) -> EnvKind:
-    """An openenv entry (plait/tools/openenv.py) as an EnvKind: one tool, `step`, with the action's
+    """An openenv entry (plait/programs/openenv.py) as an EnvKind: one tool, `step`, with the action's
     schema (an MCP environment: its own tools); an Episode per rollout, whose return is its reward."""
     open_session, schema, tools, where = openenv.opener(spec, timeout_s)
     schemas = tools if tools is not None else [openenv.step_schema(schema)]

@@ -5,7 +5,8 @@ and records every token the agent's calls sample.
         client = task.client()               # openai.OpenAI(base_url=task.base_url, api_key=task.api_key)
         reply = client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": task.prompt}])
         ...                                   # any loop: tools, feedback, several calls
-        return 1.0                            # optional: the rollout's reward (the `environment` reward reads it)
+        return 1.0                            # optional: the rollout's reward (the `environment` reward reads it),
+                                              # or {"reward": 1.0, "steps": 3}: other keys are reward columns
 
 One agent call per rollout (prompts x num_generations per round), all running at once, each
 with a base URL of its own (`.../rollouts/<key>/v1`, so every request is tagged with its
@@ -61,11 +62,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from plait.envs import LAST_ERROR
-from plait.tools.calls import find_calls
-from plait.tools.endpoint import MODEL, AgentRequestError, Endpoint
-from plait.tools.engine import model_words, unsampled
-from plait.tools.template import ChatTurns, TemplateMismatch
+from plait.programs.calls import find_calls
+from plait.programs.endpoint import MODEL, AgentRequestError, Endpoint
+from plait.programs.environments import LAST_ERROR
+from plait.programs.template import ChatTurns, TemplateMismatch
+from plait.programs.tool_loop import model_words, unsampled
 from plait.types import Completion, Prompt, SamplingParams
 
 
@@ -244,6 +245,7 @@ class Recording:
         self.finished = False
         self.error: str | None = None
         self.reward: float | None = None
+        self.columns: dict[str, Any] | None = None  # what the agent returned beside its reward
         self.out_of_budget = 0  # calls the budget left no token for
         self.started = time.monotonic()
 
@@ -383,11 +385,11 @@ class Round:
                 self.cond.notify_all()
         return fut
 
-    def finish(self, rec: Recording, error: str | None = None, reward: float | None = None) -> None:
+    def finish(self, rec: Recording, error: str | None = None, reward: float | None = None, columns=None) -> None:
         with self.cond:
             if rec.finished:
                 return
-            rec.finished, rec.error, rec.reward = True, error, reward
+            rec.finished, rec.error, rec.reward, rec.columns = True, error, reward, columns
             self._refuse_pending(rec, AgentRequestError(f"rollout {rec.index} has finished", 409))
             self.cond.notify_all()
 
@@ -419,27 +421,34 @@ class Round:
             call.future.set_exception(err)
 
 
-# ---------------------------------------------------------------- the engine
+# ---------------------------------------------------------------- the program
 
 
-class AgentEngine:
-    """`engine` whose generate runs the user's agent once per rollout, serving its calls."""
+class AgentProgram:
+    """The `agent` rollout program: the user's agent runs once per rollout, its calls served."""
 
-    def __init__(self, engine, tokenizer, fn: Callable, name: str, timeout_s: float, max_prompt: int, turns, endpoint):
-        self.engine, self.tokenizer, self.fn, self.name = engine, tokenizer, fn, name
+    def __init__(self, tokenizer, fn: Callable, name: str, timeout_s: float, max_prompt: int, turns, endpoint):
+        self.tokenizer, self.fn, self.name = tokenizer, fn, name
         self.timeout_s, self.max_prompt = timeout_s, max_prompt
         self.turns = turns  # ChatTurns of the run's chat template (None: /v1/chat/completions is refused)
-        self.endpoint = endpoint  # plait.tools.endpoint.Endpoint
+        self.endpoint = endpoint  # plait.programs.endpoint.Endpoint
         self.told_budget_spent = False  # the warning on a call the budget left nothing for: once per run
 
-    def __getattr__(self, attr: str) -> Any:  # pad_id, weights_for_step, push_weights, stats, health
-        return getattr(self.engine, attr)
+    @classmethod
+    def from_setup(cls, setup) -> AgentProgram:
+        """The run's agent, its chat calls rendered with the run's chat template, and its endpoint."""
+        from plait.programs.calls import resolve_function
+
+        cfg, tokenizer, a = setup.cfg, setup.tokenizer, setup.cfg.rollout.agent
+        own = cfg.data.chat_template if isinstance(cfg.data.chat_template, str) else None
+        turns = ChatTurns(tokenizer, own) if cfg.data.chat_template and (own or tokenizer.chat_template) else None
+        fn = resolve_function(a.function, "agent function")
+        return cls(tokenizer, fn, a.function, a.timeout_s, cfg.data.max_prompt_length, turns, Endpoint(a.host, a.port))
 
     def close(self) -> None:
         self.endpoint.close()
-        self.engine.close()
 
-    def generate(self, prompts: list[Prompt], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
+    def run(self, sampler, prompts: list[Prompt], params: SamplingParams, n: int) -> list[list[Completion]]:
         recs = [
             Recording(p, i * n + j, self.endpoint.new_key(), params.max_tokens)
             for i, p in enumerate(prompts)
@@ -451,7 +460,7 @@ class AgentEngine:
             for rec in recs:  # daemons: an agent past its timeout can't be stopped, only left behind
                 threading.Thread(target=self._run_agent, args=(round_, rec), name="plait-agent", daemon=True).start()
             while (batch := round_.next_batch()) is not None:
-                self._answer(batch, params)
+                self._answer(sampler, batch, params)
         finally:
             self.endpoint.serve(None)
         completions = [self._completion(r) for r in recs]
@@ -483,16 +492,16 @@ class AgentEngine:
             rec.budget,
         )
         try:
-            reward = _reward(_call_agent(self.fn, task))
+            reward, columns = _returned(_call_agent(self.fn, task))
         except Exception as err:  # noqa: BLE001 - the agent's failure is this rollout's infrastructure error
             round_.finish(rec, error=f"agent {self.name} raised {type(err).__name__}: {err}")
             return
         if rec.calls == 0:
             round_.finish(rec, error=f"agent {self.name} made no call to its endpoint (task.base_url)")
         else:
-            round_.finish(rec, reward=reward)
+            round_.finish(rec, reward=reward, columns=columns)
 
-    def _answer(self, batch: list[Call], params: SamplingParams) -> None:
+    def _answer(self, sampler, batch: list[Call], params: SamplingParams) -> None:
         """Check each call, link it to its sample, generate them (one engine call per stop list), reply."""
         by_stop: dict[tuple, list] = {}
         for call in batch:
@@ -507,9 +516,9 @@ class AgentEngine:
                 continue
             by_stop.setdefault(stops, []).append((call, sample, ids, asked))
         for stops, items in by_stop.items():
-            self._generate(items, params, list(stops))
+            self._generate(sampler, items, params, list(stops))
 
-    def _generate(self, items, params: SamplingParams, stops: list[str]) -> None:
+    def _generate(self, sampler, items, params: SamplingParams, stops: list[str]) -> None:
         going = []
         for call, sample, ids, asked in items:
             rec = call.recording
@@ -528,7 +537,7 @@ class AgentEngine:
             return
         p = replace(params, max_tokens=max(g[2] for g in going), stop=stops)
         try:
-            outs = self.engine.generate([g[3] for g in going], p, 1)
+            outs = sampler.generate([g[3] for g in going], p, 1)
         except Exception as err:
             for call, *_ in going:
                 call.future.set_exception(AgentRequestError(f"generation failed: {type(err).__name__}: {err}", 503))
@@ -638,14 +647,15 @@ class AgentEngine:
             sampled_mask=s.sampled,
             messages=list(s.messages) if s.kind == "chat" and s.messages else None,
             env_reward=rec.reward,
+            columns=rec.columns,
             env_error=error,
             prompt_ids=prompt_ids,
-            agent_stats={
-                "calls": float(rec.calls),
-                "forks": float(max(0, len(rec.samples) - 1)),
-                "forked_calls": float(forked),
-                "errors": float(error is not None),
-                "calls_out_of_budget": float(rec.out_of_budget),
+            info={
+                "agent/calls": float(rec.calls),
+                "agent/forks": float(max(0, len(rec.samples) - 1)),
+                "agent/forked_calls": float(forked),
+                "agent/errors": float(error is not None),
+                "agent/calls_out_of_budget": float(rec.out_of_budget),
             },
         )
 
@@ -669,12 +679,24 @@ async def _closing(awaitable, task: AgentTask):
         await task.aclose_clients()
 
 
-def _reward(out: Any) -> float | None:
+def _returned(out: Any) -> tuple[float | None, dict[str, Any] | None]:
+    """(reward, columns) from what an agent returned: None, a number (its reward), or a dict of
+    `reward` (optional) and columns the reward functions get by name."""
+    columns = None
+    if isinstance(out, dict):
+        bad = [k for k in out if not isinstance(k, str) or not k.isidentifier()]
+        if bad:
+            raise TypeError(f"returned a dict with keys {bad!r}; its keys name reward-function parameters")
+        columns = {k: v for k, v in out.items() if k != "reward"} or None
+        out = out.get("reward")
     if out is None:
-        return None
+        return None, columns
     if isinstance(out, bool) or not isinstance(out, (int, float)):
-        raise TypeError(f"returned {type(out).__name__}; return a number (the rollout's reward) or None")
-    return float(out)
+        raise TypeError(
+            f"returned {type(out).__name__}; return a number (the rollout's reward), None, or a dict of 'reward' "
+            "and columns for the reward functions"
+        )
+    return float(out), columns
 
 
 def _options(body: dict) -> tuple[int | None, tuple[str, ...]]:
@@ -717,7 +739,7 @@ def budget_note(cfg) -> str | None:
     a = cfg.rollout.agent
     if a is None:
         return None
-    from plait.tools.calls import resolve_function
+    from plait.programs.calls import resolve_function
 
     try:
         asked = _asked_tokens(resolve_function(a.function, "agent function"))
@@ -752,18 +774,3 @@ def _asked_tokens(fn: Callable) -> list[int]:
         and type(kw.value.value) is int
     ]
     return [n for *_, n in sorted(found)]
-
-
-def wrap(cfg, engine, tokenizer):
-    """`engine` as it is without rollout.agent, else an AgentEngine around it (chat calls rendered
-    with the run's chat template)."""
-    a = cfg.rollout.agent
-    if a is None:
-        return engine
-    from plait.tools.calls import resolve_function
-
-    own = cfg.data.chat_template if isinstance(cfg.data.chat_template, str) else None
-    turns = ChatTurns(tokenizer, own) if cfg.data.chat_template and (own or tokenizer.chat_template) else None
-    fn = resolve_function(a.function, "agent function")
-    endpoint = Endpoint(a.host, a.port)
-    return AgentEngine(engine, tokenizer, fn, a.function, a.timeout_s, cfg.data.max_prompt_length, turns, endpoint)

@@ -12,7 +12,7 @@ The function gets the round's prompts and a context, and returns what was sample
             "completion_ids": [...],  # prompts x num_generations lists of token ids, completion j of prompt i at i*n+j
             "logprobs": [...],        # the sampling log-prob of each of those tokens
             "env_mask": [...],        # optional: 1 where the model sampled the token, 0 where your loop added it
-            "prompt_ids": [...],      # optional: if given, must be ctx.prompt_ids (a completion continues its prompt)
+            "prompt_ids": [...],      # optional: the tokens each completion continues (default ctx.prompt_ids[i])
             "truncated": [...],       # optional: True where the completion was cut (default: it reached max_tokens)
             "anything_else": [...],   # one value per completion: a column the reward functions get by that name
         }
@@ -32,8 +32,8 @@ from dataclasses import dataclass, replace
 from itertools import groupby
 from typing import Any, Callable
 
-from plait.tools.calls import resolve_function
-from plait.tools.engine import TURN_SEED, model_words  # the k-th generate call: the round's seed + TURN_SEED x k
+from plait.programs.calls import resolve_function
+from plait.programs.tool_loop import TURN_SEED, model_words  # the k-th generate call: the round's seed + TURN_SEED x k
 from plait.types import Completion, Prompt, SamplingParams
 
 
@@ -81,18 +81,22 @@ class RolloutContext:
         return [[Sample(c.token_ids, c.logprobs, c.finish_reason, c.text) for c in row] for row in out]
 
 
-class RolloutFuncEngine:
-    """`engine` whose generate is the user's rollout function (the rest of the engine interface
-    is the wrapped engine's own)."""
+class RolloutFuncProgram:
+    """The `rollout_func` rollout program: the user's function samples the round."""
 
-    def __init__(self, engine, tokenizer, fn: Callable, name: str):
-        self.engine, self.tokenizer, self.fn, self.name = engine, tokenizer, fn, name
+    def __init__(self, tokenizer, fn: Callable, name: str):
+        self.tokenizer, self.fn, self.name = tokenizer, fn, name
 
-    def __getattr__(self, attr: str) -> Any:  # pad_id, weights_for_step, push_weights, stats, health, close
-        return getattr(self.engine, attr)
+    @classmethod
+    def from_setup(cls, setup) -> RolloutFuncProgram:
+        spec = setup.cfg.rollout.rollout_func
+        return cls(setup.tokenizer, resolve_function(spec, "rollout function"), spec)
 
-    def generate(self, prompts: list[Prompt], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
-        ctx = RolloutContext(self.engine, self.tokenizer, prompts, params, n)
+    def close(self) -> None:
+        pass
+
+    def run(self, sampler, prompts: list[Prompt], params: SamplingParams, n: int) -> list[list[Completion]]:
+        ctx = RolloutContext(sampler, self.tokenizer, prompts, params, n)
         sources = [p.text if p.source is None else p.source for p in prompts]
         out = self.fn(sources, ctx)
         completions = self._completions(out, prompts, ctx)
@@ -128,11 +132,11 @@ class RolloutFuncEngine:
                     f"{where}: completion {k} has {len(ids)} tokens, {len(logprobs)} logprobs and {len(mask)} env_mask "
                     "entries; each token needs one of each"
                 )
-            if "prompt_ids" in out and list(out["prompt_ids"][k]) != ctx.prompt_ids[i]:
+            own = [int(t) for t in out["prompt_ids"][k]] if "prompt_ids" in out else ctx.prompt_ids[i]
+            if not own:
                 raise RolloutFuncError(
-                    f"{where}: completion {k}'s prompt_ids differ from prompt {i}'s tokens (ctx.prompt_ids[{i}]); a "
-                    "completion continues the prompt plait rendered: put what your loop adds in the completion, "
-                    "with env_mask 0"
+                    f"{where}: completion {k}'s prompt_ids are empty; give the tokens it continues "
+                    f"(ctx.prompt_ids[{i}] for the prompt plait rendered), or leave prompt_ids out"
                 )
             if len(ids) > ctx.max_tokens:
                 raise RolloutFuncError(
@@ -150,7 +154,8 @@ class RolloutFuncEngine:
                     finish_reason="length" if truncated else "eos",
                     weight_version=version,
                     sampled_mask=mask if "env_mask" in out else None,
-                    extra={key: out[key][k] for key in extra_keys} or None,
+                    columns={key: out[key][k] for key in extra_keys} or None,
+                    prompt_ids=None if own == ctx.prompt_ids[i] else own,
                     model_text=self._model_text(ids, mask) if "env_mask" in out else None,
                 )
             )
@@ -160,11 +165,3 @@ class RolloutFuncEngine:
         """The tokens the model sampled (env_mask 1), decoded run by run: what rewards read."""
         runs = [(m, [t for t, _ in run]) for m, run in groupby(zip(ids, mask), key=lambda tm: tm[1])]
         return model_words([(self.tokenizer.decode(run, skip_special_tokens=True), bool(m)) for m, run in runs])
-
-
-def wrap(cfg, engine, tokenizer):
-    """`engine` as it is without rollout.rollout_func, else a RolloutFuncEngine around it."""
-    spec = cfg.rollout.rollout_func
-    if spec is None:
-        return engine
-    return RolloutFuncEngine(engine, tokenizer, resolve_function(spec, "rollout function"), spec)

@@ -1,32 +1,21 @@
-"""Multi-turn tool use (docs/tools.md): the model calls tools mid-answer and learns from it.
-
-calls.py     finding calls in a turn (python blocks, hermes <tool_call>), running them
-template.py  the text between turns, and the check that the chat template appends
-engine.py    ToolEngine: any rollout engine, made multi-turn (token in, token out)
-environments.py  environment classes in TRL's environment_factory form (`type: trl_env`)
-openenv.py   OpenEnv environments (`type: openenv`), in this process or on their server
-rollout_func.py  your own rollout loop (`rollout.rollout_func`), TRL's rollout_func
-agent.py     any agent program as the rollout (`rollout.agent`): its calls recorded and linked
-endpoint.py  the OpenAI-compatible endpoint those agents call
-"""
+"""A run's rollout setup from its config (`Tools`): the sandbox model-written code runs in, the
+tool schemas the chat template shows, the template check, and the run's rollout program
+(plait/programs/__init__.py). Multi-turn tool use: docs/tools.md."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from plait.tools.calls import PYTHON_TOOL_DOC, ToolRunner, function_schema, resolve_function
-from plait.tools.engine import ToolEngine
-from plait.tools.template import ChatTurns, TemplateMismatch, check_template
+from plait.programs.calls import tool_schemas
+from plait.programs.template import ChatTurns, TemplateMismatch, chat_turns, check_template
 
 
 __all__ = [
     "Tools",
-    "ToolEngine",
     "ChatTurns",
     "TemplateMismatch",
-    "with_tools",
     "tool_schemas",
     "chat_turns",
     "check_tools",
@@ -51,32 +40,9 @@ def tools_need_sandbox(tools_cfg) -> bool:
     )
 
 
-def tool_functions(tools_cfg) -> dict[str, Callable]:
-    """The configured function tools by name."""
-    fns = [resolve_function(spec) for spec in tools_cfg.functions]
-    return {fn.__name__: fn for fn in fns}
-
-
-def tool_schemas(tools_cfg) -> list[dict] | None:
-    """What the chat template describes to the model: the JSON schema of every tool (format
-    hermes); None for format python (the prompt says how to write a python block)."""
-    if tools_cfg is None or tools_cfg.format != "hermes":
-        return None
-    schemas = [PYTHON_TOOL_DOC] if tools_cfg.python else []
-    return schemas + [function_schema(fn) for fn in tool_functions(tools_cfg).values()]
-
-
 def tool_role(cfg) -> str:
     """The chat role tool outputs are given (a worked example's too)."""
     return cfg.rollout.tools.role if cfg.rollout.tools is not None else "tool"
-
-
-def chat_turns(cfg, tokenizer) -> ChatTurns | None:
-    """Tool turns rendered by the run's chat template; None when prompts are plain text."""
-    own = cfg.data.chat_template if isinstance(cfg.data.chat_template, str) else None
-    if not cfg.data.chat_template or not (own or tokenizer.chat_template):
-        return None
-    return ChatTurns(tokenizer, own, tool_schemas(cfg.rollout.tools), cfg.rollout.tools.role)
 
 
 def check_tools(cfg, tokenizer, prompts, envs=None) -> str | None:
@@ -118,33 +84,22 @@ def tool_sandbox(cfg):
     return Sandbox(settings)
 
 
-def with_tools(cfg, engine, tokenizer, sandbox=None, envs=None):
-    """`engine` as it is without rollout.tools, else wrapped in a ToolEngine (with `envs`, the
-    run's trl_env environments, one per rollout)."""
-    t = cfg.rollout.tools
-    if t is None:
-        return engine
-    runner = ToolRunner(t, sandbox, tool_functions(t))
-    turns = chat_turns(cfg, tokenizer)
-    return ToolEngine(engine, tokenizer, t, runner, turns, workers=cfg.sandbox.workers, envs=envs)
-
-
 @dataclass
 class Tools:
-    """A run's tool use, set up once from its config: the sandbox tool calls run in (built, and
+    """A run's rollouts, set up once from its config: the sandbox tool calls run in (built, and
     its tier checked, by `from_config`: fail closed before any model loads), the tool schemas
-    the chat template describes, the template check, and the wrapping of engines. Without
-    rollout.tools it is inert: no schemas, no check, engines returned as they are."""
+    the chat template describes, the template check, and the rollout program. Without
+    rollout.tools: no schemas, no check."""
 
     cfg: Any
     tokenizer: Any
     sandbox: Any = None  # plait.sandbox.box.Sandbox, when something the model writes runs
     schemas: list[dict] | None = None
-    envs: Any = None  # plait.tools.environments.TrlEnvironments: the run's trl_env entries
+    envs: Any = None  # plait.programs.trl_env.TrlEnvironments: the run's trl_env entries
 
     @classmethod
     def from_config(cls, cfg, tokenizer) -> Tools:
-        from plait.tools.environments import TrlEnvironments
+        from plait.programs.trl_env import TrlEnvironments
 
         t = cfg.rollout.tools
         schemas = tool_schemas(t)
@@ -160,10 +115,12 @@ class Tools:
         return self.cfg.rollout.tools is not None
 
     def describe(self) -> str | None:
-        """One line for the run's header (None without tools or an agent)."""
+        """One line for the run's header (None without tools, an agent or a program of your own)."""
+        if self.cfg.rollout.program is not None:
+            return f"rollout program: {self.cfg.rollout.program} (your own: docs/environments.md)"
         a = self.cfg.rollout.agent
         if a is not None:
-            from plait.tools.agent import budget_note
+            from plait.programs.agent import budget_note
 
             port = a.port or "a free port"
             line = f"agent: {a.function}, a call per rollout, through an OpenAI-compatible endpoint on {a.host}:{port}"
@@ -180,11 +137,9 @@ class Tools:
         Returns a warning for the run's log, if any."""
         return check_tools(self.cfg, self.tokenizer, prompts, self.envs) if self.enabled else None
 
-    def wrap(self, engine):
-        """`engine` made multi-turn (a ToolEngine), or driven by the user's rollout_func or agent, or as it is."""
-        from plait.tools import agent, rollout_func
+    def program(self):
+        """The run's rollout program (a fresh one per call: the trainer's and an asynchronous
+        producer's each hold their own)."""
+        from plait.programs import ProgramSetup, make_program
 
-        engine = rollout_func.wrap(
-            self.cfg, with_tools(self.cfg, engine, self.tokenizer, self.sandbox, self.envs), self.tokenizer
-        )
-        return agent.wrap(self.cfg, engine, self.tokenizer)
+        return make_program(ProgramSetup(self.cfg, self.tokenizer, self.sandbox, self.envs))

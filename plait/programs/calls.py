@@ -321,3 +321,18 @@ def as_text(value) -> str:
         return json.dumps(value)
     except (TypeError, ValueError):
         return repr(value)
+
+
+def tool_functions(tools_cfg) -> dict[str, Callable]:
+    """The configured function tools by name."""
+    fns = [resolve_function(spec) for spec in tools_cfg.functions]
+    return {fn.__name__: fn for fn in fns}
+
+
+def tool_schemas(tools_cfg) -> list[dict] | None:
+    """What the chat template describes to the model: the JSON schema of every tool (format
+    hermes); None for format python (the prompt says how to write a python block)."""
+    if tools_cfg is None or tools_cfg.format != "hermes":
+        return None
+    schemas = [PYTHON_TOOL_DOC] if tools_cfg.python else []
+    return schemas + [function_schema(fn) for fn in tool_functions(tools_cfg).values()]
