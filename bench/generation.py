@@ -52,7 +52,7 @@ def sync_per_gb(engine, model, reps) -> tuple[float, float]:
         with torch.no_grad():
             next(model.parameters()).add_(1e-3)
         t0 = time.perf_counter()
-        engine.weights_for_step(v)
+        engine.weights_for_round(v)
         secs = time.perf_counter() - t0
         gb = (
             engine.stats().get("weight_sync/gb")
@@ -149,7 +149,7 @@ def main() -> None:
                 ],
             )
             remote = make_engine(cfg, model, tok, device=device)
-            remote.weights_for_step(0)
+            remote.weights_for_round(0)
             secs, tps = throughput(remote, prompts, params, args.n, args.reps)
             per_gb, gb = sync_per_gb(remote, model, args.reps)
             rows.append(("vllm server (1 replica)", f"{secs:.2f}", f"{tps:.0f}", f"{per_gb:.2f} s/GB ({gb:.2f} GB)"))

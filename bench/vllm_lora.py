@@ -49,7 +49,7 @@ def one_way(model_name: str, push: str, r: int, reps: int) -> dict:
                 for n, p in model.named_parameters():
                     if "lora_B" in n:
                         p.normal_(0, 0.02)
-            with engine.weights_for_step(version):
+            with engine.weights_for_round(version):
                 stats = engine.stats()
                 pushes.append(stats["weight_sync/seconds"])
                 gb = stats.get("weight_sync/gb", 0.0)

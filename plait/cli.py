@@ -473,13 +473,16 @@ def cmd_check(args) -> int:
     )
     r = cfg.rollout
     ahead = f"; asynchronous, up to {r.max_staleness} round(s) ahead" if r.max_staleness else ""
-    if r.engine == "vllm":
-        where = f"servers {', '.join(r.vllm.servers)}" if r.vllm.mode == "server" else "one engine per training process"
-        print(f"generation: vllm ({r.vllm.mode}: {where}{ahead})")
-    elif r.max_staleness or r.generation_process:
+    from plait.rollout import generation_site
+
+    site = generation_site(cfg)  # the one place that decides where completions are sampled
+    if site == "server":
+        print(f"generation: vllm (server: servers {', '.join(r.vllm.servers)}{ahead})")
+    elif site == "process":
         print(f"generation: hf (a generation process of its own, started by training rank 0{ahead})")
     else:
-        print("generation: hf (in the training processes)")
+        where = "one engine per training process" if r.engine == "vllm" else "in the training processes"
+        print(f"generation: {r.engine} ({'colocated: ' if r.engine == 'vllm' else ''}{where}{ahead})")
     from plait.rewards import uses_sandbox
     from plait.sandbox.box import Sandbox
 
@@ -543,7 +546,7 @@ def cmd_eval(args) -> int:
     model = load_model(args.model, cfg.model.dtype).to(device)
     cfg.model.name_or_path = args.model  # a colocated vLLM engine loads the same weights
     engine, program = make_engine(cfg, model, tok, device=device), tools.program()
-    with engine.weights_for_step(0), decoding_in(cfg.train.precision):  # rollout servers get this model's weights
+    with engine.weights_for_round(0), decoding_in(cfg.train.precision):  # rollout servers get this model's weights
         res = evaluate(
             program,
             engine,

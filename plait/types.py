@@ -65,7 +65,7 @@ class Completion:
     logprobs: list[float]
     truncated: bool
     finish_reason: str  # "eos" | "stop" | "length"
-    # optimizer steps applied to the weights that sampled it (engines with a copy of the
+    # rounds of updates applied to the weights that sampled it (engines with a copy of the
     # weights report it; None: sampled from the trainer's live weights)
     weight_version: int | None = None
     # with in-flight weight updates: the version of the weights that sampled each token

@@ -458,8 +458,13 @@ def render(p: Placement, cfg) -> list[str]:
         "local": "local: one process",
     }[p.backend]
     replicas = f"{len(p.replicas)} replica{'s' if len(p.replicas) > 1 else ''}"
+    from plait.rollout import generation_site
+
+    own_process = generation_site(cfg) == "process"  # the one place that decides where sampling runs
     gen = {
-        "hf": "generation in the training processes (hf)",
+        "hf": "generation: the HF engine's own process, started by training rank 0 (hf)"
+        if own_process
+        else "generation in the training processes (hf)",
         "vllm colocate": "generation: one colocated vLLM engine per training process",
         "vllm external": f"generation: the rollout servers at {', '.join(cfg.rollout.vllm.servers)}",
         "vllm server": f"{len(p.replicas) * tp} generate (vLLM: {replicas} x tp {tp})",

@@ -16,9 +16,10 @@ from plait.types import Completion, Prompt, SamplingParams
 class RolloutEngine(Protocol):
     pad_id: int
 
-    def weights_for_step(self, version: int) -> ContextManager:
-        """Make the engine sample from the trainer's weights after `version` optimizer steps, for
-        the duration of the returned context. Every training process calls it (sharded backends
+    def weights_for_round(self, version: int) -> ContextManager:
+        """Make the engine sample from the trainer's weights after `version` rounds (the weight
+        version: a round's updates, one or several optimizer steps, make one), for the duration
+        of the returned context. Every training process calls it (sharded backends
         gather weights collectively). The HF engine gathers them for the context; vLLM engines
         copy them in once per version and return an empty context."""
 
@@ -26,7 +27,7 @@ class RolloutEngine(Protocol):
         """`n` completions for each prompt, in prompt order; deterministic for a given params.seed."""
 
     def stats(self) -> dict[str, float]:
-        """Metrics of the weight sync done by the last `weights_for_step` call (e.g.
+        """Metrics of the weight sync done by the last `weights_for_round` call (e.g.
         weight_sync/gb, weight_sync/seconds_per_gb), to log with the step; {} when it copied
         nothing or the engine measures nothing."""
 

@@ -150,7 +150,7 @@ class HFEngine:
         self.eos_ids = sorted({e for e in [*eos, tokenizer.eos_token_id] if e is not None})
         self.pad_id = pad_id_of(tokenizer, self.eos_ids)
 
-    def weights_for_step(self, version: int):
+    def weights_for_round(self, version: int):
         """It samples from the trainer's own module: gather the weights (sharded backends) for
         the step's sampling, once, instead of per generate call."""
         return self.view()

@@ -160,7 +160,7 @@ class RemoteEngine:
         self.instances: dict[str, str] = {}  # replica -> instance id it had when it last got the weights
         self.group = None
         self.pool = ThreadPoolExecutor(max(2, len(self.urls)))
-        self._last_sync: dict[str, float] = {}  # metrics of the last weights_for_step: stats()
+        self._last_sync: dict[str, float] = {}  # metrics of the last weights_for_round: stats()
         self.lora_push = cfg.rollout.lora_push
         self.shared = SharedWeights(shared_weights) if shared_weights else None
 
@@ -225,8 +225,8 @@ class RemoteEngine:
 
     # -------------------------------------------------------------- weights
 
-    def weights_for_step(self, version: int):
-        """Make the servers hold the trainer's weights after `version` optimizer steps.
+    def weights_for_round(self, version: int):
+        """Make the servers hold the trainer's weights after `version` rounds.
         Collective: every training process calls it (gathering sharded weights is)."""
         healths = self._healths() if comm.is_main() else []
         needed = comm.broadcast_object(self.version != version or self._restarted(healths))
@@ -291,7 +291,7 @@ class RemoteEngine:
         )
 
     def stats(self) -> dict[str, float]:
-        """The last weights_for_step's broadcast: gigabytes sent and seconds per gigabyte (on
+        """The last weights_for_round's broadcast: gigabytes sent and seconds per gigabyte (on
         training rank 0, which sends them; {} elsewhere and when the servers were up to date)."""
         return dict(self._last_sync)
 

@@ -289,8 +289,8 @@ class VLLMEngine:
         self.adapters = Adapters() if kw.get("enable_lora") else None
         self._last_sync: dict[str, float] = {}
 
-    def weights_for_step(self, version: int):
-        """Load the trainer's weights after `version` optimizer steps (once per version): the
+    def weights_for_round(self, version: int):
+        """Load the trainer's weights after `version` rounds (once per version): the
         LoRA adapter alone where vLLM's LoRA is on and the adapter is all that trains, else the
         whole model (an adapter merged in)."""
         self._last_sync = {}

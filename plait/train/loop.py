@@ -232,7 +232,7 @@ def run_eval(run: Run, tag: str, version: int) -> float:
     process decodes its share, the counts are summed."""
     cfg = run.cfg
     tokens = cfg.eval.max_completion_length or cfg.rollout.max_completion_length
-    with run.engine.weights_for_step(version), decoding_in(cfg.train.precision):
+    with run.engine.weights_for_round(version), decoding_in(cfg.train.precision):
         res = evaluate(
             run.program,
             run.engine,
@@ -346,7 +346,7 @@ def _summary(run: Run) -> None:
     cfg, result, run_dir, say = run.cfg, run.result, run.run_dir, run.say
     total, shares = phase_summary(result.history)
     say(
-        f"[bold]done[/]: {len(result.history)} steps in {total:.0f}s; time per phase: "
+        f"[bold]done[/]: {len(result.history)} rounds in {total:.0f}s; time per phase: "
         + ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1]))
     )
     tip = suggestion(shares, cfg)

@@ -135,7 +135,7 @@ class SyncRollouts:
             return RoundBatch(*ahead.shares[comm.rank()], ahead.version)
         with ExitStack() as weights:
             with run.timer("weight_sync"):  # HF: gather sharded weights once for the round; vLLM: copy them in
-                weights.enter_context(run.engine.weights_for_step(round_ - 1))
+                weights.enter_context(run.engine.weights_for_round(round_ - 1))
             sampler = Sampler(run.engine, run.program, run.cfg, run.rewards, run.timer, run.sandbox)
             groups, sampling = sampler.collect(run.take_prompts, run.prompts_per_round, round_)
         return RoundBatch(groups, sampling, round_ - 1)

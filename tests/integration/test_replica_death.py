@@ -174,7 +174,7 @@ class ServedReplica:
 @pytest.fixture
 def served(tiny_model_path, monkeypatch):
     s = ServedReplica(tiny_model_path, monkeypatch)
-    with s.remote.weights_for_step(0):  # joins the weight group, sends the weights
+    with s.remote.weights_for_round(0):  # joins the weight group, sends the weights
         assert all(len(g) == 2 for g in s.generate())
     yield s
     s.remote.close()

@@ -295,7 +295,7 @@ def test_vllm_and_the_hf_engine_hold_the_same_conversations(tool_model, box):
     vllm = make_engine(cfg, model, tok)
     greedy = SamplingParams(max_tokens=64, temperature=0.0)
     try:
-        with vllm.weights_for_step(0):
+        with vllm.weights_for_round(0):
             ours = loop.run(vllm, prompts, greedy, 1)
     finally:
         vllm.close()

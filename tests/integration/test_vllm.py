@@ -155,7 +155,7 @@ def test_colocated_engine_matches_the_trainer_before_and_after_an_update(vllm_mo
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
 
     def compare(version):
-        with engine.weights_for_step(version):
+        with engine.weights_for_round(version):
             ours = engine.generate(prompts, greedy)
         theirs = hf.generate(prompts, greedy)
         for a, b in zip(ours, theirs):
@@ -265,7 +265,7 @@ def test_server_mode_two_trainers_share_two_replicas(vllm_model, prompts_jsonl, 
         remote = make_engine(cfg, final, tok)
         prompts = [Prompt(i, "", tok(f"What is {i} times {i + 2}?")["input_ids"]) for i in range(6)]
         greedy = SamplingParams(max_tokens=12, temperature=0.0)
-        with remote.weights_for_step(3):
+        with remote.weights_for_round(3):
             served = remote.generate(prompts, greedy)
         own = make_engine(load_config(None, ["train.precision=fp32"]), final, tok).generate(prompts, greedy)
         assert [c[0].token_ids for c in served] == [c[0].token_ids for c in own]
@@ -558,7 +558,7 @@ def _an_update_sent_mid_request_waits_for_it(server, final):
         return answer if into is None else into.setdefault("answer", answer)
 
     try:
-        remote.weights_for_step(10)  # joined and holding known weights before the pause
+        remote.weights_for_round(10)  # joined and holding known weights before the pause
         before = ask()
         assert before["version"] == 10
         torch.manual_seed(0)
@@ -567,7 +567,7 @@ def _an_update_sent_mid_request_waits_for_it(server, final):
                 p.add_(torch.randn_like(p), alpha=0.05)
         during: dict = {}
         asking = threading.Thread(target=ask, args=(during,))
-        pushing = threading.Thread(target=remote.weights_for_step, args=(11,))
+        pushing = threading.Thread(target=remote.weights_for_round, args=(11,))
         core = server.engine_core_pid()
         os.kill(core, signal.SIGSTOP)  # first: the request then cannot end before the push comes
         try:
@@ -616,7 +616,7 @@ def _an_adapter_push_makes_the_server_decode_as_the_adapted_model(vllm_model, se
     remote = make_engine(load_config(None, [*sets, "train.precision=fp32"]), model, tok)
     prompts = [Prompt(i, "", tok(f"What is {i} plus {i + 3}?")["input_ids"]) for i in range(6)]
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
-    with remote.weights_for_step(10):
+    with remote.weights_for_round(10):
         served = remote.generate(prompts, greedy)
     assert remote.stats()["weight_sync/adapter"] == 1.0
     hf = make_engine(load_config(None, ["train.precision=fp32"]), model, tok)  # samples from the model itself
@@ -632,7 +632,7 @@ def _an_adapter_push_makes_the_server_decode_as_the_adapted_model(vllm_model, se
     for step, push in ((11, "merged"), (12, "auto")):
         cfg = load_config(None, [*sets, "train.precision=fp32", f"rollout.lora_push={push}"])
         trainer = make_engine(cfg, model, tok)
-        with trainer.weights_for_step(step):
+        with trainer.weights_for_round(step):
             served = trainer.generate(prompts, greedy)
         assert trainer.stats()["weight_sync/adapter"] == 0.0
         assert [c[0].token_ids for c in served] == [c[0].token_ids for c in own]
