@@ -169,6 +169,7 @@ def test_two_stage_spends_the_rest_of_the_group_only_where_it_can_teach(tiny_mod
 def test_two_stage_fills_up_with_skipped_prompts_when_too_few_pass(tiny_model_path, prompts_jsonl, tmp_path):
     from plait.data import build_prompts, load_rows
     from plait.models import load_model, load_tokenizer
+    from plait.programs import Single
     from plait.rewards.runner import bind_rewards
     from plait.rollout import make_engine
     from plait.telemetry import PhaseTimer
@@ -189,7 +190,8 @@ def test_two_stage_fills_up_with_skipped_prompts_when_too_few_pass(tiny_model_pa
     prompts = build_prompts(load_rows(cfg.data, "train", 0), tok, cfg.data)
     odd = [p for p in prompts if p.columns["a"] % 2 == 1][:3]  # every one fails the rule
     engine = make_engine(cfg, load_model(str(tiny_model_path)), tok)
-    groups, stats = Sampler(engine, cfg, bind_rewards(cfg.rewards), PhaseTimer()).collect(lambda k: odd[:k], 3, 1)
+    sampler = Sampler(engine, Single(), cfg, bind_rewards(cfg.rewards), PhaseTimer())
+    groups, stats = sampler.collect(lambda k: odd[:k], 3, 1)
     assert [len(g.completions) for g in groups] == [4, 4, 4]  # completed to full size
     assert stats.prompts_skipped == 0 and stats.generations_saved == 0
 
