@@ -248,7 +248,7 @@ def test_an_async_run_under_a_junk_flood_ends_with_the_undisturbed_weights(
     from 4 threads for the whole run; the run's final weights equal an undisturbed run's. The
     run's token is in no file of its run directory (config.yaml among them) and not on the
     generation process's command line."""
-    from plait.rollout import auth
+    from plait import auth
 
     made = []  # the tokens the runs make for their generation process
 

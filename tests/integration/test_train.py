@@ -387,7 +387,7 @@ def test_keep_best_keeps_the_best_evaluated_model(tiny_model_path, prompts_jsonl
 
     scores = iter([0.1, 0.6, 0.3, 0.2])
 
-    def fake_evaluate(engine, prompts, metric, tokens, stop):
+    def fake_evaluate(program, engine, prompts, metric, tokens, stop):
         return EvalResult(next(scores), 10)
 
     monkeypatch.setattr(loop, "evaluate", fake_evaluate)
