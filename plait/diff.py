@@ -55,7 +55,8 @@ def stage_of(metric: str) -> str:
 
 
 def compared(metric: str) -> bool:
-    return not (metric.startswith(MEASURED) or metric.endswith("/seconds") or metric in ("round", "step"))
+    timed = metric.endswith(("/seconds", "_seconds"))  # a reward's seconds, the tool calls' (tools/call_seconds)
+    return not (metric.startswith(MEASURED) or timed or metric in ("round", "step"))
 
 
 def same(a, b, rtol: float) -> bool:

@@ -120,3 +120,12 @@ def test_metrics_only_one_run_logged_are_named_not_compared(two_runs, tmp_path):
     parting = diff_runs(a, changed)
     assert parting.round is None and parting.unshared == {"A": [], "B": ["a/new_metric"]}
     assert "only run B logged (not compared): a/new_metric" in plait_diff(a, changed).stdout
+
+
+def test_times_are_not_compared_and_everything_else_is():
+    from plait.diff import compared
+
+    timed = ["time/generate", "reward/accuracy/seconds", "tools/call_seconds", "comm/seconds", "mfu/step"]
+    assert not any(compared(k) for k in timed)
+    counted = ["tools/calls_per_completion", "grad_norm", "reward/accuracy/mean", "agent/calls", "logprob_gap"]
+    assert all(compared(k) for k in counted)
