@@ -480,9 +480,10 @@ def cmd_check(args) -> int:
         print(f"generation: vllm (server: servers {', '.join(r.vllm.servers)}{ahead})")
     elif site == "process":
         print(f"generation: hf (a generation process of its own, started by training rank 0{ahead})")
+    elif r.engine == "vllm":
+        print(f"generation: vllm (colocated: one engine per training process{ahead})")
     else:
-        where = "one engine per training process" if r.engine == "vllm" else "in the training processes"
-        print(f"generation: {r.engine} ({'colocated: ' if r.engine == 'vllm' else ''}{where}{ahead})")
+        print("generation: hf (in the training processes)")
     from plait.rewards import uses_sandbox
     from plait.sandbox.box import Sandbox
 
@@ -546,16 +547,12 @@ def cmd_eval(args) -> int:
     model = load_model(args.model, cfg.model.dtype).to(device)
     cfg.model.name_or_path = args.model  # a colocated vLLM engine loads the same weights
     engine, program = make_engine(cfg, model, tok, device=device), tools.program()
-    with engine.weights_for_round(0), decoding_in(cfg.train.precision):  # rollout servers get this model's weights
-        res = evaluate(
-            program,
-            engine,
-            prompts,
-            metric,
-            cfg.eval.max_completion_length or cfg.rollout.max_completion_length,
-            cfg.rollout.stop,
-        )
-    program.close()
+    tokens = cfg.eval.max_completion_length or cfg.rollout.max_completion_length
+    try:
+        with engine.weights_for_round(0), decoding_in(cfg.train.precision):  # rollout servers get these weights
+            res = evaluate(program, engine, prompts, metric, tokens, cfg.rollout.stop)
+    finally:
+        program.close()  # an agent's endpoint, also when the evaluation fails
     for s in res.samples[: args.show]:
         print(f"--- score {s['score']}  answer {s['answer']}\n{s['completion']}")
     print(f"{cfg.eval.metric}: {res.accuracy:.3f} on {res.n} prompts ({args.model})")
