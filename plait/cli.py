@@ -746,6 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     from plait.rewards.runner import RewardError
     from plait.rollout.remote import RolloutServerError
     from plait.sandbox import SandboxUnavailable
+    from plait.train.teacher import TeacherFailed
 
     _enable_faulthandler()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # plait never reaches a hub at run time
@@ -767,7 +768,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("plait: interrupted (no checkpoint written for the step in progress)", file=sys.stderr)
         return 130
-    except (ConfigError, DataError, RewardError, EnvironmentFailed, SandboxUnavailable, RolloutServerError) as err:
+    except (
+        ConfigError,
+        DataError,
+        RewardError,
+        EnvironmentFailed,
+        SandboxUnavailable,
+        RolloutServerError,
+        TeacherFailed,
+    ) as err:
         rank = os.environ.get("RANK", "0")
         if isinstance(err, ConfigError) and rank != "0":
             # under torchrun every process usually finds the same config problem: give rank 0

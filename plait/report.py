@@ -30,6 +30,7 @@ PHASE_COLORS = {
     "weight_sync": "#64b5cd",
     "score": "#55a868",
     "logprobs": "#8172b3",
+    "teacher": "#a6761d",
     "train": "#c44e52",
     "optimizer": "#dd8452",
     "checkpoint": "#937860",
@@ -149,7 +150,12 @@ def fig_policy(history) -> bytes | None:
     clips = [("clip/fraction", "clipped"), ("clip/low", "clipped low"), ("clip/high", "clipped high")]
     _lines(ax, history, clips, "share of tokens")
     ax.set_title("clip fraction")
-    per_token = [("kl", "KL to reference"), ("entropy", "entropy"), ("logprob_gap", "|engine - trainer| log-prob")]
+    per_token = [
+        ("kl", "KL to reference"),
+        ("teacher/kl", "KL to teacher"),
+        ("entropy", "entropy"),
+        ("logprob_gap", "|engine - trainer| log-prob"),
+    ]
     drawn = _lines(ax2, history, per_token, "nats / token")
     ax2.set_title("KL, entropy, engine mismatch" if drawn else "KL (beta = 0: no reference)")
     return _png(fig)

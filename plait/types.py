@@ -141,7 +141,7 @@ class Batch:
     completion_mask: [B, C] which completion positions are real tokens that count in the loss.
     advantages: [B] one scalar per completion, broadcast over its tokens, or [B, C] per token
         (REINFORCE++ with the KL in the reward).
-    old_logprobs / ref_logprobs / sampling_logprobs: [B, C] or None.
+    old_logprobs / ref_logprobs / sampling_logprobs / teacher_logprobs: [B, C] or None.
     """
 
     input_ids: torch.Tensor
@@ -152,6 +152,7 @@ class Batch:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     sampling_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None  # the distillation teacher's, of the sampled tokens
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -163,6 +164,7 @@ class Batch:
         "old_logprobs",
         "ref_logprobs",
         "sampling_logprobs",
+        "teacher_logprobs",
     )
     ROW_FIELDS: ClassVar[tuple[str, ...]] = ("advantages",)
 

@@ -208,3 +208,25 @@ def whiten(values: torch.Tensor, sums: tuple[float, float, float], scale: str) -
     elif scale != "none":
         raise ValueError(f"REINFORCE++ whitens over the batch's tokens: scale must be batch or none, got {scale!r}")
     return out
+
+
+def teacher_advantages(
+    student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor, weight: float = 1.0
+) -> torch.Tensor:
+    """On-policy distillation's per-token advantage, [B, C] without gradient:
+
+        A_t = weight x (log pi_teacher(y_t) - log pi_student(y_t)),   0 off the loss tokens
+
+    the negated one-sample estimate of the reverse KL KL(pi_student || pi_teacher) at each token
+    the student sampled (Agarwal et al. 2024, GKD, arXiv:2306.13649; Thinking Machines' "On-policy
+    distillation", 2025). A token the teacher finds likelier than the student is pushed up, one it
+    finds unlikely is pushed down; no group is needed."""
+    return (weight * (teacher_logp - student_logp) * mask).detach()
+
+
+def with_teacher(
+    advantages: torch.Tensor, student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor, weight: float
+) -> torch.Tensor:
+    """The rewards' advantages ([B] per completion, or [B, C] per token) plus the teacher's, per token: [B, C]."""
+    per_token = advantages[:, None] if advantages.dim() == 1 else advantages
+    return per_token + teacher_advantages(student_logp, teacher_logp, mask, weight)

@@ -268,8 +268,11 @@ def check_restarts(cfg: Config, env: Env) -> list[str]:
 def check_sampling(cfg: Config, env: Env) -> list[str]:
     """Group-relative advantages need several different completions per prompt."""
     r, out = cfg.rollout, []
-    if r.num_generations < 2:
-        out.append("rollout.num_generations must be >= 2: GRPO's advantages compare completions of the same prompt")
+    if r.num_generations < 2 and cfg.teacher is None:  # the teacher's advantage needs no group
+        out.append(
+            "rollout.num_generations must be >= 2: GRPO's advantages compare completions of the same prompt "
+            "(1 works with a teacher, whose per-token advantage needs no group)"
+        )
     if r.temperature == 0 and r.num_generations > 1:
         out.append(
             "rollout.temperature=0 (greedy) makes all completions of a prompt identical, so every advantage is 0; "
@@ -404,8 +407,11 @@ def check_rewards(cfg: Config, env: Env) -> list[str]:
     from plait.rewards.runner import process_target, untaken_keywords
 
     out = []
-    if not cfg.rewards:
-        out.append("rewards is empty: name at least one reward function (e.g. [{name: accuracy}])")
+    if not cfg.rewards and cfg.teacher is None:
+        out.append(
+            "rewards is empty: name at least one reward function (e.g. [{name: accuracy}]), or a teacher to "
+            "distill from (teacher.name_or_path)"
+        )
     names = [s.name for s in cfg.rewards]
     if len(set(names)) != len(names):
         out.append(f"rewards: each reward may appear once, got {names}")
@@ -696,6 +702,62 @@ def check_lora_targets(cfg: Config, env: Env) -> list[str]:
     ]
 
 
+def check_teacher(cfg: Config, env: Env) -> list[str]:
+    """The teacher is a whole model (not LoRA adapters) that reads the student's tokens as the
+    student does: the same vocabulary, token for token. Reads config and tokenizer files only."""
+    from plait.models import local_model_folder, model_path_problem
+
+    t = cfg.teacher
+    if t is None:
+        return []
+    folder = local_model_folder(t.name_or_path)
+    if folder is not None and (folder / "adapter_config.json").is_file():
+        return [
+            f"teacher.name_or_path: '{folder}' holds LoRA adapters (adapter_config.json): a teacher is a whole "
+            "model; merge the adapters into their base (peft's merge_and_unload, then save_pretrained) or use the "
+            "run's final/, which plait exports merged"
+        ]
+    why = model_path_problem(t.name_or_path, "teacher.name_or_path")
+    if why:
+        return [why]
+    out = []
+    if t.site == "process" and env.training > 1:
+        out.append(
+            f"teacher.site=process with {env.training} training processes: the teacher's own process serves one "
+            "trainer; use teacher.site=trainer (each process holds it, sharded as the backend shards)"
+        )
+    student = local_model_folder(cfg.model.name_or_path)
+    if student is not None and folder is not None:
+        why = vocabulary_mismatch(student, folder)
+        if why:
+            out.append(
+                f"teacher.name_or_path: {why}; the teacher scores the student's token ids, so it must use the "
+                "student's tokenizer: pick a teacher of the same family (or distill from its outputs as data)"
+            )
+    return out
+
+
+def vocabulary_mismatch(student: Path, teacher: Path) -> str | None:
+    """How the teacher's vocabulary differs from the student's (None: token for token the same,
+    and the teacher's output head covers every id)."""
+    from transformers import AutoTokenizer
+
+    try:
+        mine, theirs = (AutoTokenizer.from_pretrained(f).get_vocab() for f in (student, teacher))
+    except Exception as err:  # noqa: BLE001 - any tokenizer that does not load is the problem to report
+        return f"the tokenizers could not be compared ({type(err).__name__}: {err})"
+    if mine != theirs:
+        differ = sorted((set(mine.items()) ^ set(theirs.items())), key=lambda kv: kv[1])[:3]
+        return (
+            f"the teacher's vocabulary differs from the student's ({len(theirs)} tokens against {len(mine)}; "
+            f"e.g. {', '.join(f'{tok!r}={i}' for tok, i in differ)})"
+        )
+    rows = json.loads((teacher / "config.json").read_text()).get("vocab_size") or 0
+    if rows and rows < len(mine):
+        return f"the teacher's output head has {rows} rows for the tokenizer's {len(mine)} tokens"
+    return None
+
+
 def _model_max_positions(name_or_path: str) -> int | None:
     """max_position_embeddings from config.json, read without loading anything heavy."""
     from plait.models import local_model_folder
@@ -867,6 +929,7 @@ CHECKS: tuple[Check, ...] = (
     check_device,
     check_model,
     check_lora_targets,
+    check_teacher,
     check_launch,
     check_backend,
     check_output_dir,

@@ -45,6 +45,10 @@ def known_only(raw: Any, model: type[BaseModel] = Config, prefix: str = "") -> t
     problems: list[str] = []
     for key, value in raw.items():
         where = f"{prefix}{key}"
+        refused = getattr(model, "REFUSED_KEYS", {}).get(key)
+        if refused:
+            problems.append(f"'{where}' is not an option: {refused}; remove it")
+            continue
         if key not in model.model_fields:
             problems.append(f"unknown key '{where}'.{did_you_mean(str(key), fields)}")
             continue

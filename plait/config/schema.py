@@ -12,7 +12,7 @@ above it (data, models, rewards, plan, train, rollout).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -556,6 +556,33 @@ class AlgoConfig(Section):
     )
 
 
+class TeacherConfig(Section):
+    """On-policy distillation: a frozen teacher scores every token the student sampled."""
+
+    # keys users reach for that a frozen teacher has no use for: refused with the reason (config.load)
+    REFUSED_KEYS: ClassVar[dict[str, str]] = {
+        "lora": "the teacher is frozen, so it trains no adapters; LoRA on the student is model.lora, and a "
+        "teacher trained with LoRA is its run's final/ (plait exports merged weights)",
+    }
+
+    name_or_path: str = Field(
+        description="The teacher model: a Hugging Face model folder, a plait run directory (its final/), or a "
+        "run's best/. It must use the student's tokenizer (plait check compares the vocabularies)."
+    )
+    weight: float = Field(
+        1.0,
+        gt=0.0,
+        description="Coefficient of the distillation advantage: weight x (teacher log-prob - student log-prob) on "
+        "every sampled token, added to the rewards' advantages (docs/algorithms.md, 'On-policy distillation').",
+    )
+    site: Literal["trainer", "process"] = Field(
+        "trainer",
+        description="Where the teacher runs: in every training process, held as the backend holds the reference "
+        "(sharded by fsdp2 and ZeRO-3), or in a process of its own (its own threads, or train.device's device).",
+    )
+    dtype: Literal["float32", "bfloat16"] | None = Field(None, description="The teacher's dtype (null = model.dtype).")
+
+
 class FsdpConfig(Section):
     reshard_after_forward: bool = Field(
         True,
@@ -981,6 +1008,12 @@ class Config(Section):
     log: LogConfig = Field(default_factory=LogConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    teacher: TeacherConfig | None = Field(
+        None,
+        description="A teacher model for on-policy distillation (null = none): its per-token log-probs of the "
+        "student's samples become an advantage, alone (rollout.num_generations may be 1, rewards empty) or beside "
+        "the rewards.",
+    )
     environments: list[EnvironmentSpec] = Field(
         default_factory=list,
         description="Environments (docs/environments.md): reasoning_gym entries are a mixture of problems that "

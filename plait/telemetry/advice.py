@@ -234,6 +234,14 @@ TRENDS = (
         ),
     ),
     (
+        "teacher/kl",
+        lambda first, last: last > first > 0 or (first <= 0 < last),
+        lambda first, last, lr, history, metric=None: (
+            f"the KL to the teacher rose ({first:.4f} -> {last:.4f}, first vs last third): the student moves away "
+            f"from the teacher. Try {lr} or a smaller teacher.weight beside the rewards"
+        ),
+    ),
+    (
         "grad_norm",
         lambda first, last: first > 0 and last > 3 * first,
         lambda first, last, lr, history, metric=None: (
@@ -252,6 +260,8 @@ def early_note(history: list[dict], metric: str | None = None) -> str | None:
     mostly all wrong, or whose reward has not risen since round 1, is not learning yet."""
     if len(history) != EARLY_ROUND:
         return None
+    if history[0].get("teacher/kl") is not None:  # distillation: equal groups still carry the teacher's gradient
+        return _early_teacher_note(history)
     rewards = [m.get("reward/total/mean") for m in history]
     equal = [m.get("groups/all_equal") for m in history]
     if None in rewards or None in equal:
@@ -275,6 +285,19 @@ def early_note(history: list[dict], metric: str | None = None) -> str | None:
         ": the policy is not learning yet. Read samples.jsonl; then try worked examples (data.examples), easier "
         "prompts, more rollout.num_generations or a higher rollout.temperature, algo.dynamic_sampling=true, and "
         "check that the reward can pay a completion the model writes"
+    )
+
+
+def _early_teacher_note(history: list[dict]) -> str | None:
+    """A distillation run whose KL to the teacher has not fallen since round 1."""
+    kl = [m["teacher/kl"] for m in history]
+    late = _mean(kl[-2:])
+    if late < kl[0]:
+        return None
+    return (
+        f"rounds 1-{EARLY_ROUND}: the KL to the teacher has not fallen ({kl[0]:.4f} in round 1, {late:.4f} over the "
+        "last two): the student is not moving toward the teacher yet. Try a higher train.learning_rate or "
+        "teacher.weight, and check that the teacher answers the prompts well (plait eval on its folder)"
     )
 
 
@@ -313,7 +336,10 @@ def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None
                 f"checkpoint.keep_best=true keeps the best model; try {lower_lr}"
             )
     notes += takeover_notes(history, cfg)
+    distilling = any(m.get("teacher/kl") is not None for m in history)
     for key, fires, note in TRENDS:
+        if distilling and key == "groups/all_equal":  # the teacher's advantage needs no differing group
+            continue
         values = [m[key] for m in history if m.get(key) is not None]
         if len(values) >= MIN_ROUNDS and fires(*_thirds(values)):
             notes.append(note(*_thirds(values), lower_lr, history, metric))

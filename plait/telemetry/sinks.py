@@ -22,6 +22,7 @@ CONSOLE_COLUMNS = [
     ("tools/calls_per_completion", "tools", "{:.2f}"),
     ("loss", "loss", "{:+.4f}"),
     ("kl", "kl", "{:.4f}"),
+    ("teacher/kl", "tkl", "{:.4f}"),
     ("clip/fraction", "clip", "{:.3f}"),
     ("grad_norm", "gnorm", "{:.3f}"),
     ("time/generate", "gen", "{:.1f}s"),

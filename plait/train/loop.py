@@ -4,6 +4,7 @@
     -> collate into a padded batch             (plait.train.batch)
     -> log-prob prepass                         (old / reference log-probs: plait.train.update)
     -> group-relative advantages                (plait.algo.advantages)
+    -> the teacher's log-probs                  (distillation: plait.train.teacher)
     -> policy update                            (num_iterations x steps_per_generation optimizer updates)
 
 A *round* is one generation batch; an *update* is one optimizer step (a round holds
@@ -48,6 +49,7 @@ from plait.train.recovery import defend, end_on_best, reward_score, watched
 from plait.train.rollouts import SyncRollouts, staleness
 from plait.train.sampling import SamplingStats
 from plait.train.setup import Run, TrainResult, open_run, trainer_state
+from plait.train.teacher import TeacherFailed
 from plait.train.update import advantages_first, logprob_prepass, policy_update, step_advantages
 from plait.types import Group
 
@@ -110,6 +112,9 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
             except RewardError:
                 keep_rounds_done(run, round_ - 1, saved, consumed)
                 raise
+            except TeacherFailed as err:
+                kept = keep_rounds_done(run, round_ - 1, saved, consumed)
+                raise TeacherFailed(f"round {round_}: {err}; {resume_advice(max(saved, kept))}") from None
             stopping, due = _save_due(cfg, round_, stop, last_save)
             log_round(run, round_, out, saved)
             score = None
@@ -153,6 +158,9 @@ def train_round(run: Run, round_: int) -> RoundResult:
         forwards = logprob_prepass(batch, cfg, run.backend)
     if not advantages_first(cfg):  # the KL in the reward: from the prepass's log-probs
         batch.advantages = step_advantages(groups, batch, cfg, names, weights)
+    if run.teacher is not None:  # whatever weights sampled them: the update compares its own
+        with timer("teacher"):
+            batch.teacher_logprobs = run.teacher.logprobs(batch)
     hashes = rollout_hashes(groups, batch)  # what was sampled, scored and advantaged, for `plait diff`
     deep = hashes if cfg.train.deterministic else None  # ... and the trainer's gradient and weights
     update = policy_update(batch, cfg, run.backend, run.guard, round_, timer, deep, run.recovery.lr_scale)
@@ -298,17 +306,25 @@ def save(run: Run, round_: int, blocking: bool = True) -> None:
     )
 
 
-def keep_rounds_done(run: Run, done: int, saved: int, consumed: int) -> None:
+def resume_advice(saved: int) -> str:
+    """What to run after a failure, given the last round in a checkpoint."""
+    if not saved:
+        return "no round was checkpointed yet: fix it and start again"
+    return f"rounds 1-{saved} are in a checkpoint: fix it, then `--set resume=auto` continues from round {saved + 1}"
+
+
+def keep_rounds_done(run: Run, done: int, saved: int, consumed: int) -> int:
     """A reward failed in round done+1, before its update: checkpoint rounds saved+1..done, so
     that fixing the reward and resume=auto loses none of them. The data position goes back to
     the failed round's start (`consumed`), whose prompts the resumed run draws again. Only for
     one process generating its own rounds: another process may be waiting in a collective this
     one will not join, and an async producer has already drawn rounds ahead."""
     if done <= saved or comm.world_size() > 1 or not isinstance(run.rollouts, SyncRollouts):
-        return
+        return saved
     run.order.consumed = consumed
     save(run, done)
-    run.say(f"rounds {saved + 1}-{done} kept in a checkpoint: fix the reward, then resume=auto continues from there")
+    run.say(f"rounds {saved + 1}-{done} kept in a checkpoint: fix the failure, then resume=auto continues from there")
+    return done
 
 
 def _save_due(cfg: Config, round_: int, stop: StopSignal, last_save: float) -> tuple[bool, bool]:

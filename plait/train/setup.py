@@ -43,6 +43,7 @@ from plait.train.metrics import describe_processes
 from plait.train.recovery import RecoveryState, watched
 from plait.train.rollouts import RolloutSource, SourceState, make_rollout_source
 from plait.train.rundir import prepare_run_dir
+from plait.train.teacher import Teacher, make_teacher
 from plait.train.update import why_nothing_is_skipped
 from plait.types import Prompt
 
@@ -74,6 +75,7 @@ class Run:
     order: PromptOrder  # which prompts this process takes next
     engine: RolloutEngine | None = None  # generates (synchronous runs) and evaluates
     program: RolloutProgram | None = None  # what a rollout is (plait/programs), sampling through `engine`
+    teacher: Teacher | None = None  # scores every sampled token for distillation (None: no teacher)
     rollouts: RolloutSource | None = None  # where each round's groups come from
     meter: StepMeter | None = None
     start: int = 0
@@ -127,6 +129,8 @@ def open_run(cfg: Config, plan: BatchPlan, backend: Backend, console: str | None
             close_rewards([*run.rewards, run.metric])
             if run.program is not None:  # a run that failed, too: its endpoint and engine must not outlive it
                 run.program.close()
+            if run.teacher is not None:
+                run.teacher.close()
             if run.engine is not None:
                 run.engine.close()
         sink.finish()
@@ -273,6 +277,9 @@ def build_run(
 
     run.rollouts = make_rollout_source(run, generator)
     run.engine, run.program = engine, tools.program()
+    run.teacher = make_teacher(cfg, backend)
+    if run.teacher is not None:
+        say(f"teacher: {run.teacher.describe()}; weight {cfg.teacher.weight} on its per-token advantage")
     run.guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
     run.result = TrainResult(run_dir)
     return run

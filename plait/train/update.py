@@ -28,6 +28,7 @@ from plait.algo.advantages import (
     reinforce_pp_returns,
     weighted_total,
     whiten,
+    with_teacher,
 )
 from plait.algo.kl import KL_ESTIMATORS, sequence_kl
 from plait.algo.logprobs import (
@@ -93,6 +94,21 @@ def sequence_logprobs(
     return completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature, with_entropy)
 
 
+@torch.no_grad()
+def frozen_logprobs(model, batch: Batch, cfg, backend: Backend) -> torch.Tensor:
+    """[B, C] float32 log-probs of `batch`'s completions under a frozen model the backend holds
+    (the teacher), micro-batch by micro-batch, computed as the reference's are."""
+    out = torch.zeros_like(batch.completion_mask, dtype=torch.float32)
+    size, sharing = cfg.train.micro_batch_size, prompt_sharing(cfg, backend)
+    temperature = cfg.rollout.temperature or 1.0
+    for start, mb in zip(range(0, len(batch), size), micro_batches(batch, size)):
+        mb = mb.to(backend.device)
+        with backend.autocast():
+            logp = sequence_logprobs(model, mb, temperature, sharing=sharing)
+        out[start : start + len(mb), : logp.shape[1]] = logp.float().cpu()
+    return out
+
+
 def reference_logprobs(model, ref_model, mb: Batch, temperature: float, sharing: str | None = None) -> torch.Tensor:
     """log-probs under the reference: a separate copy, or the base model under LoRA."""
     ctx = model.disable_adapter() if ref_model is None else nullcontext()
@@ -153,6 +169,8 @@ def step_advantages(
     groups are gathered first, so batch statistics see the whole round, exactly as in one
     process. With `kl_in_reward` the KL penalty is one more reward (weight beta, summed over the
     completion), or for REINFORCE++ a reward on every token."""
+    if not reward_names:  # a teacher alone (plait check allows no reward only then): its advantage is all
+        return torch.zeros(len(batch))
     nan = float("nan")
     per_reward = torch.tensor(
         [[[nan if v is None else v for v in g.rewards[name]] for g in groups] for name in reward_names],
@@ -203,6 +221,9 @@ class MicroBatchStats:
     entropy_tokens: torch.Tensor = stat("entropy", per="measured_tokens")  # always logged, as TRL does
     # tokens whose policy term counts, of all the update's (train.top_entropy_quantile drops some)
     trained_tokens: torch.Tensor = stat("tokens/trained_share", per="real_tokens")
+    # log pi_student - log pi_teacher of the sampled tokens: the reverse KL to the teacher, estimated
+    # under the student's samples (None: no teacher)
+    teacher_kl_tokens: torch.Tensor | None = stat("teacher/kl", per="measured_tokens", optional=True)
 
 
 @dataclass(kw_only=True)
@@ -277,8 +298,12 @@ def train_micro_batch(
             old, mb.sampling_logprobs, mask, a.engine_is_mode, a.engine_is_cap, a.engine_is_min
         )
     bonus = entropy if with_entropy is True else None
+    advantages, teacher_kl = mb.advantages, None
+    if mb.teacher_logprobs is not None:  # the student's log-probs before this round's updates
+        advantages = with_teacher(advantages, old, mb.teacher_logprobs, mask, cfg.teacher.weight)
+        teacher_kl = ((old - mb.teacher_logprobs) * mask).sum()
     outputs = policy_loss(
-        logp, old, mb.advantages, mask, counts, settings, mb.ref_logprobs, bonus, weights, policy_mask=keep
+        logp, old, advantages, mask, counts, settings, mb.ref_logprobs, bonus, weights, policy_mask=keep
     )
     backend.backward(outputs.loss)
     real = mb.completion_mask.float()
@@ -286,6 +311,7 @@ def train_micro_batch(
         logprob_gap_tokens=((logp.detach() - mb.sampling_logprobs).abs() * real).sum(),
         entropy_tokens=(entropy.detach() * real).sum(),
         trained_tokens=(mask if keep is None else keep).float().sum(),
+        teacher_kl_tokens=teacher_kl,
     )
     return outputs, measured, engine_mismatch(old, mb.sampling_logprobs, real, weights, a.engine_is_mode)
 
@@ -318,6 +344,8 @@ def why_nothing_is_skipped(cfg) -> str | None:
     a = cfg.algo
     if not cfg.train.skip_zero_advantage:
         return "train.skip_zero_advantage is off"
+    if cfg.teacher is not None:
+        return "the teacher's advantage is on every token"
     if a.beta > 0:
         return "the KL penalty in the loss (algo.beta) has a gradient on every row"
     if a.entropy_coeff > 0:
@@ -332,8 +360,11 @@ def why_nothing_is_skipped(cfg) -> str | None:
 
 
 def signal_rows(chunk: Batch) -> torch.Tensor:
-    """Which of `chunk`'s rows carry a gradient: a non-zero advantage on a loss token."""
+    """Which of `chunk`'s rows carry a gradient: a non-zero advantage on a loss token (with a
+    teacher, every row with a loss token: its advantage is on every token)."""
     adv = chunk.advantages if chunk.advantages.dim() == 2 else chunk.advantages[:, None]
+    if chunk.teacher_logprobs is not None:
+        adv = torch.ones_like(adv)
     return ((adv != 0) & (chunk.completion_mask != 0)).any(-1)
 
 

@@ -32,6 +32,7 @@ class Backend(Protocol):
     model: torch.nn.Module  # forward with gradients (wrapped by DDP / DeepSpeed where they wrap)
     module: torch.nn.Module  # the plain HF model: no-grad forwards, generation, export
     ref_model: torch.nn.Module | None  # frozen reference (None: beta = 0, or LoRA's base model)
+    teacher_model: torch.nn.Module | None  # frozen teacher held here (None: no teacher, or one in its own process)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler  # saved in checkpoints; stepped by `step()`
 

@@ -16,7 +16,7 @@ import torch
 from plait import comm
 from plait.models import save_model
 from plait.train.backends.base import StepOutcome
-from plait.train.backends.local import LocalBackend
+from plait.train.backends.local import LocalBackend, held_teacher
 from plait.train.optim import make_optimizer
 
 
@@ -84,12 +84,19 @@ class DeepSpeedBackend(LocalBackend):
         self.module = self.model.module
         self.module.train()
         if cfg.algo.beta > 0:
-            ref = load_model(m.name_or_path, m.dtype).eval().requires_grad_(False)
-            if self.stage == 3:  # a ZeRO-3 engine without optimizer: sharded, forward only (placed by DeepSpeed)
-                ref_cfg = {k: v for k, v in self.ds_config.items() if k != "gradient_clipping"}
-                self.ref_model = deepspeed.initialize(model=ref, config=ref_cfg)[0].module.eval()
-            else:  # ZeRO-2 shards no parameter: a plain frozen copy in every process
-                self.ref_model = ref.to(self.device)
+            self.ref_model = self._frozen(load_model(m.name_or_path, m.dtype))
+        if held_teacher(cfg):
+            self.teacher_model = self._frozen(load_model(cfg.teacher.name_or_path, cfg.teacher.dtype or m.dtype))
+
+    def _frozen(self, model):
+        """A model that only runs forward (reference, teacher), held as this ZeRO stage holds weights."""
+        import deepspeed
+
+        model.eval().requires_grad_(False)
+        if self.stage == 3:  # a ZeRO-3 engine without optimizer: sharded, forward only (placed by DeepSpeed)
+            frozen_cfg = {k: v for k, v in self.ds_config.items() if k != "gradient_clipping"}
+            return deepspeed.initialize(model=model, config=frozen_cfg)[0].module.eval()
+        return model.to(self.device)  # ZeRO-2 shards no parameter: a plain frozen copy in every process
 
     def describe(self) -> dict:
         local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in self.module.parameters())

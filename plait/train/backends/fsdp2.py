@@ -23,7 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from plait import comm
 from plait.models import save_model
-from plait.train.backends.local import LocalBackend
+from plait.train.backends.local import LocalBackend, held_teacher
 from plait.train.optim import make_optimizer
 
 
@@ -72,9 +72,12 @@ class FSDP2Backend(LocalBackend):
         self.model = self.module
         if cfg.algo.beta > 0:
             self.ref_model = self._load_sharded(False).eval().requires_grad_(False)
+        if held_teacher(cfg):
+            t = cfg.teacher
+            self.teacher_model = self._load_sharded(False, t.name_or_path, t.dtype).eval().requires_grad_(False)
         self.optimizer, self.scheduler = make_optimizer(self.module, cfg)
 
-    def _load_sharded(self, gradient_checkpointing: bool):
+    def _load_sharded(self, gradient_checkpointing: bool, name_or_path: str | None = None, dtype: str | None = None):
         """Only rank 0 reads the weights; the others build the model on the meta device (no
         memory), everyone shards it, and rank 0 broadcasts each weight into the shards. So one
         process, not N, holds a full CPU copy while loading, and a GPU never holds more than
@@ -84,13 +87,14 @@ class FSDP2Backend(LocalBackend):
         from plait.models import DTYPES, enable_activation_checkpointing, load_model, resolve_model_path
 
         m = self.cfg.model
+        name_or_path, dtype = name_or_path or m.name_or_path, dtype or m.dtype  # the policy's unless said
         if comm.is_main():
-            module = load_model(m.name_or_path, m.dtype, None, gradient_checkpointing)
+            module = load_model(name_or_path, dtype, None, gradient_checkpointing)
             full = module.state_dict()
         else:
-            folder = resolve_model_path(m.name_or_path)
+            folder = resolve_model_path(name_or_path)
             with torch.device("meta"):
-                module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=DTYPES[m.dtype])
+                module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=DTYPES[dtype])
             if (folder / "generation_config.json").is_file():
                 module.generation_config = GenerationConfig.from_pretrained(folder)
             module.generation_config.pad_token_id = module.generation_config.pad_token_id or module.config.eos_token_id

@@ -53,6 +53,11 @@ def load_trainable(model, weights: dict[str, torch.Tensor], where: Path) -> None
         raise RuntimeError(f"checkpoint {where} lacks trained weights: {lost[:5]}")
 
 
+def held_teacher(cfg) -> bool:
+    """The training processes hold the teacher (teacher.site=trainer)."""
+    return cfg.teacher is not None and cfg.teacher.site == "trainer"
+
+
 def _to_cpu(tree):
     """A copy of a (nested) state dict with every tensor on the CPU."""
     if isinstance(tree, torch.Tensor):
@@ -75,7 +80,7 @@ class LocalBackend:
         self.cfg = cfg
         self.precision = cfg.train.precision
         self.device = torch.device(device)
-        self.model = self.module = self.ref_model = self.optimizer = self.scheduler = None
+        self.model = self.module = self.ref_model = self.teacher_model = self.optimizer = self.scheduler = None
         self.ref_sync_steps, self.ref_mixup_alpha = cfg.algo.ref_model_sync_steps, cfg.algo.ref_model_mixup_alpha
 
     @classmethod
@@ -86,6 +91,7 @@ class LocalBackend:
         self.device = next(model.parameters()).device
         self.model = self.module = model
         self.ref_model, self.optimizer, self.scheduler = ref_model, optimizer, scheduler
+        self.teacher_model = None
         self.ref_sync_steps, self.ref_mixup_alpha = 0, 1.0
         return self
 
@@ -99,6 +105,10 @@ class LocalBackend:
         # beta = 0 loads no reference model; with LoRA the reference is the base model itself
         if cfg.algo.beta > 0 and cfg.model.lora is None:
             self.ref_model = copy.deepcopy(self.module).eval().requires_grad_(False)
+        if held_teacher(cfg):
+            t = cfg.teacher
+            self.teacher_model = load_model(t.name_or_path, t.dtype or m.dtype).to(self.device).eval()
+            self.teacher_model.requires_grad_(False)
         self.optimizer, self.scheduler = make_optimizer(self.module, cfg)
 
     def _wrap(self, module):

@@ -1,0 +1,188 @@
+"""The distillation teacher: a frozen model that scores every token the student sampled.
+
+    batch (the round's samples) -> Teacher.logprobs -> [B, C] log pi_teacher(y_t)
+                                -> the update: advantage + weight x (teacher - student) per token
+
+Where it runs is `teacher.site`:
+
+    trainer   each training process holds it beside the policy, as the reference is held
+              (fsdp2 and ZeRO-3 shard it): `HeldTeacher`
+    process   a process of its own that loads it once and answers batches over a socket
+              (`python -m plait.train.teacher`): `ProcessTeacher`
+
+Both compute the log-probs as the reference's are (plait.train.update.sequence_logprobs, at the
+sampling temperature). The teacher is frozen, so nothing of it goes into checkpoints: a resumed
+run asks the same teacher the same questions.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+from typing import Protocol
+
+import torch
+
+from plait.train.backends.base import Backend
+from plait.types import Batch
+
+
+class TeacherFailed(RuntimeError):
+    """The teacher could not score a round (its process died or failed)."""
+
+
+# Plain pickles over the socket: multiprocessing's own pickler (torch registers tensors with it)
+# would hand tensors over as shared-memory handles, which a process not started by
+# multiprocessing cannot open. A round's batch is a few MB.
+def _send(conn: Connection, message) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection):
+    return pickle.loads(conn.recv_bytes())
+
+
+class Teacher(Protocol):
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        """[B, C] float32 log-probs of `batch`'s completion tokens under the teacher (CPU)."""
+
+    def describe(self) -> str:
+        """Where the teacher runs, for the run header."""
+
+    def close(self) -> None: ...
+
+
+class HeldTeacher:
+    """The teacher the backend holds in this training process."""
+
+    def __init__(self, cfg, backend: Backend):
+        self.cfg, self.backend = cfg, backend
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        from plait.train.update import frozen_logprobs
+
+        return frozen_logprobs(self.backend.teacher_model, batch, self.cfg, self.backend)
+
+    def describe(self) -> str:
+        return f"{self.cfg.teacher.name_or_path}, held in every training process ({self.backend.name})"
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessTeacher:
+    """The teacher in a child process of its own: it loads the model once, then answers one
+    batch at a time (input ids, attention mask, prompt length) with its completion log-probs."""
+
+    def __init__(self, cfg, device: torch.device):
+        t = cfg.teacher
+        ours, theirs = socket.socketpair()
+        self.conn = Connection(ours.detach())
+        fd = theirs.detach()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "plait.train.teacher", str(fd)], pass_fds=(fd,), env=os.environ.copy()
+        )
+        os.close(fd)
+        spec = dict(
+            name_or_path=t.name_or_path,
+            dtype=t.dtype or cfg.model.dtype,
+            device=str(device),
+            temperature=cfg.rollout.temperature or 1.0,
+            micro_batch_size=cfg.train.micro_batch_size,
+            precision=cfg.train.precision,
+            threads=torch.get_num_threads(),
+        )
+        self.name = t.name_or_path
+        self._ask(spec)  # answers once the model is loaded
+
+    def _ask(self, message):
+        try:
+            _send(self.conn, message)
+            answer = _recv(self.conn)
+        except (EOFError, OSError) as err:
+            code = self.process.wait(timeout=30)
+            raise TeacherFailed(
+                f"the teacher's process (pid {self.process.pid}, {self.name}) died (exit code {code}): "
+                f"{type(err).__name__}"
+            ) from None
+        if isinstance(answer, str):  # its own error, with the traceback's last line
+            raise TeacherFailed(f"the teacher's process failed: {answer}")
+        return answer
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        return self._ask((batch.input_ids, batch.attention_mask, batch.completion_mask, batch.prompt_len))
+
+    def describe(self) -> str:
+        return f"{self.name}, in its own process (pid {self.process.pid})"
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                _send(self.conn, None)
+            except OSError:
+                pass
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.conn.close()
+
+
+def make_teacher(cfg, backend: Backend) -> Teacher | None:
+    """The run's teacher where `teacher.site` puts it (None: no teacher)."""
+    if cfg.teacher is None:
+        return None
+    if cfg.teacher.site == "process":
+        return ProcessTeacher(cfg, backend.device)
+    return HeldTeacher(cfg, backend)
+
+
+# ---------------------------------------------------------------- the teacher's own process
+
+
+def serve(conn: Connection) -> None:
+    """Load the teacher the first message names, answer True, then answer each batch with its
+    log-probs until None arrives (or the trainer goes away)."""
+    from types import SimpleNamespace
+
+    from plait.models import load_model
+    from plait.train.backends.local import LocalBackend
+
+    spec = _recv(conn)
+    torch.set_num_threads(spec["threads"])
+    try:
+        model = load_model(spec["name_or_path"], spec["dtype"]).to(spec["device"]).eval().requires_grad_(False)
+    except Exception as err:  # noqa: BLE001 - the trainer reports it and stops
+        _send(conn, f"loading {spec['name_or_path']}: {type(err).__name__}: {err}")
+        return
+    backend = LocalBackend.wrap(model, precision=spec["precision"])
+    cfg = SimpleNamespace(  # what frozen_logprobs reads of a config
+        train=SimpleNamespace(micro_batch_size=spec["micro_batch_size"], shared_prompt_pass=True),
+        model=SimpleNamespace(gradient_checkpointing=False),
+        rollout=SimpleNamespace(temperature=spec["temperature"]),
+    )
+    _send(conn, True)
+    from plait.train.update import frozen_logprobs
+
+    while True:
+        try:
+            message = _recv(conn)
+        except EOFError:
+            return
+        if message is None:
+            return
+        input_ids, attention_mask, completion_mask, prompt_len = message
+        batch = Batch(input_ids, attention_mask, completion_mask, torch.zeros(len(input_ids)), prompt_len)
+        try:
+            answer = frozen_logprobs(model, batch, cfg, backend)
+        except Exception as err:  # noqa: BLE001 - the trainer reports it and stops
+            answer = f"{type(err).__name__}: {err}"
+        _send(conn, answer)
+
+
+if __name__ == "__main__":
+    serve(Connection(int(sys.argv[1])))
