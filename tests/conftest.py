@@ -90,6 +90,14 @@ def tiny_model_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def teacher_model_path(tmp_path_factory):
+    """Another 2-layer random Llama with the same tokenizer: a distillation teacher."""
+    from plait.models import tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("teacher") / "model", seed=1)
+
+
+@pytest.fixture(scope="session")
 def vllm_model(tmp_path_factory):
     """A tiny Llama vLLM's CPU attention supports (head_dim 32), for the vLLM and Ray tests."""
     from plait.models import tiny_model

@@ -144,3 +144,19 @@ def vowel_share_then_less(completions, trainer_state=None, **kwargs):
     done = trainer_state.global_step if trainer_state is not None else 0
     bonus = 2.0 * (done + 1) if done < 3 else 0.0
     return [v + bonus for v in vowel_share(completions)]
+
+
+def vowel_share_killing_teacher(completions, **kwargs):
+    """vowel_share, but in round CALLS['crash_at'] it SIGKILLs the distillation teacher's own
+    process (a child of this one running `plait.train.teacher`): a teacher dying mid-run."""
+    import os
+    import signal
+
+    import psutil
+
+    state = kwargs.get("trainer_state")
+    if CALLS["crash_at"] is not None and state is not None and state.global_step + 1 >= CALLS["crash_at"]:
+        for child in psutil.Process().children():
+            if "plait.train.teacher" in " ".join(child.cmdline()):
+                os.kill(child.pid, signal.SIGKILL)  # not reaped here: the trainer sees its exit code
+    return vowel_share(completions, **kwargs)
