@@ -230,9 +230,15 @@ VARIANTS = {  # backend options, model/algorithm options that change what each b
             "algo.kl_in_reward=true",
             "algo.advantage_estimator=reinforce_pp_baseline",
             "model.gradient_checkpointing=true",
+            "teacher.name_or_path={teacher}",
+            "teacher.weight=0.5",
         ],
     ),
-    "zero3-kl-checkpointing": (BACKENDS["zero3"], ["algo.beta=0.1", "model.gradient_checkpointing=true"]),
+    # with a distillation teacher beside the reference, sharded the same way
+    "zero3-kl-teacher-checkpointing": (
+        BACKENDS["zero3"],
+        ["algo.beta=0.1", "model.gradient_checkpointing=true", "teacher.name_or_path={teacher}", "teacher.weight=0.5"],
+    ),
     # and a reasoning-gym mixture as the prompts, its verifier as a reward and eval metric
     "ddp-lora-environments": (
         BACKENDS["ddp"],
@@ -250,13 +256,15 @@ VARIANTS = {  # backend options, model/algorithm options that change what each b
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_reference_model_checkpointing_and_lora_match_one_process(
-    variant, tiny_model_path, prompts_jsonl, tmp_path, helper_env
+    variant, tiny_model_path, teacher_model_path, prompts_jsonl, tmp_path, helper_env
 ):
-    """A sharded reference model (KL in the loss, or in REINFORCE++'s token rewards), activation
-    checkpointing, and LoRA under ddp train the same as in one process."""
+    """A sharded reference model (KL in the loss, or in REINFORCE++'s token rewards) and a
+    sharded distillation teacher, activation checkpointing, and LoRA under ddp train the same as
+    in one process."""
     import shutil
 
     backend, extra = VARIANTS[variant]
+    extra = [e.replace("{teacher}", str(teacher_model_path)) for e in extra]
     shutil.copy(tiny_model_path / "model.safetensors", tmp_path / "start.safetensors")
     single, run = tmp_path / "single", tmp_path / "run"
     train(load_config(None, _options(tiny_model_path, prompts_jsonl, single, *extra)))
@@ -265,6 +273,9 @@ def test_reference_model_checkpointing_and_lora_match_one_process(
     if "algo.beta=0.1" in extra and "algo.kl_in_reward=true" not in extra:
         kl = [m["kl"] for m in _metrics(run)]
         assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 1e-4  # the policy moved away from the reference
+    if any(e.startswith("teacher.") for e in extra):  # the sharded teacher scores as the whole one
+        got, want = ([m["teacher/kl"] for m in _metrics(d)] for d in (run, single))
+        assert got == pytest.approx(want, abs=1e-5) and all(abs(k) > 1e-3 for k in want)
     assert_same_run(run, single)
 
 
