@@ -27,6 +27,10 @@ from plait.train.loop import train
 pytestmark = pytest.mark.slow
 
 WEIGHT_ATOL = 2e-5  # measured: ddp/fsdp2 1.3e-6, deepspeed 7.9e-7 after 3 steps at lr 1e-3
+# with a distillation teacher (its advantage on every token of every row), ZeRO-3 vs one process:
+# 4.3e-5 on 3 of 49152 embedding rows (Zen 3), weights that moved 2.5e-3: the tied head gives every
+# row a gradient, and Adam turns a rounding-sized one on a token nobody sampled into a visible step
+TEACHER_WEIGHT_ATOL = 2e-4
 BACKENDS = {
     "ddp": ["train.backend=ddp"],
     "fsdp2": ["train.backend=fsdp2"],
@@ -77,7 +81,7 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def assert_same_run(run, reference):
+def assert_same_run(run, reference, atol=WEIGHT_ATOL):
     """The same completions (token ids), rewards, losses and grad norms per step, and the same
     final weights."""
     got, want = _metrics(run), _metrics(reference)
@@ -93,9 +97,9 @@ def assert_same_run(run, reference):
     assert a.keys() == b.keys()
     start = load_file(str(reference.parent / "start.safetensors"))
     changed = max((b[k] - start[k]).abs().max().item() for k in b)
-    assert changed > 100 * WEIGHT_ATOL  # training moved the weights far more than the tolerance
+    assert changed > max(100 * WEIGHT_ATOL, 10 * atol)  # training moved the weights far more than the tolerance
     for k in a:
-        assert torch.allclose(a[k], b[k], atol=WEIGHT_ATOL, rtol=0), k
+        assert torch.allclose(a[k], b[k], atol=atol, rtol=0), k
 
 
 @pytest.fixture(scope="module")
@@ -273,10 +277,11 @@ def test_reference_model_checkpointing_and_lora_match_one_process(
     if "algo.beta=0.1" in extra and "algo.kl_in_reward=true" not in extra:
         kl = [m["kl"] for m in _metrics(run)]
         assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 1e-4  # the policy moved away from the reference
-    if any(e.startswith("teacher.") for e in extra):  # the sharded teacher scores as the whole one
+    teacher = any(e.startswith("teacher.") for e in extra)
+    if teacher:  # the sharded teacher scores as the whole one
         got, want = ([m["teacher/kl"] for m in _metrics(d)] for d in (run, single))
         assert got == pytest.approx(want, abs=1e-5) and all(abs(k) > 1e-3 for k in want)
-    assert_same_run(run, single)
+    assert_same_run(run, single, TEACHER_WEIGHT_ATOL if teacher else WEIGHT_ATOL)
 
 
 def test_fsdp2_checkpoint_resumes_with_another_number_of_processes(
