@@ -721,6 +721,12 @@ def check_teacher(cfg: Config, env: Env) -> list[str]:
     if why:
         return [why]
     out = []
+    if (t.site == "server") != (t.url is not None):
+        out.append(
+            "teacher.site=server needs teacher.url (the `plait rollout-server --model TEACHER` to ask)"
+            if t.url is None
+            else f"teacher.url is set but teacher.site={t.site}: set teacher.site=server to ask that server"
+        )
     if t.site == "process" and env.training > 1:
         out.append(
             f"teacher.site=process with {env.training} training processes: the teacher's own process serves one "

@@ -575,10 +575,16 @@ class TeacherConfig(Section):
         description="Coefficient of the distillation advantage: weight x (teacher log-prob - student log-prob) on "
         "every sampled token, added to the rewards' advantages (docs/algorithms.md, 'On-policy distillation').",
     )
-    site: Literal["trainer", "process"] = Field(
+    site: Literal["trainer", "process", "server"] = Field(
         "trainer",
         description="Where the teacher runs: in every training process, held as the backend holds the reference "
-        "(sharded by fsdp2 and ZeRO-3), or in a process of its own (its own threads, or train.device's device).",
+        "(sharded by fsdp2 and ZeRO-3); in a process of its own (its own threads, or train.device's device); or "
+        "on a `plait rollout-server --model TEACHER` (vLLM) at teacher.url, which scores with its prompt log-probs.",
+    )
+    url: str | None = Field(
+        None,
+        description="teacher.site=server: the server's URL (any replica; the token as for rollout servers: "
+        "PLAIT_ROLLOUT_TOKEN or rollout.vllm.token_file).",
     )
     dtype: Literal["float32", "bfloat16"] | None = Field(None, description="The teacher's dtype (null = model.dtype).")
 

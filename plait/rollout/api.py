@@ -90,6 +90,18 @@ class GenerateRequest(_Strict):
     n: int | None = Field(None, ge=1)
 
 
+class ScoredSequence(_Strict):
+    """One sequence to score: the log-prob of token_ids[t] after token_ids[:t], for t >= start."""
+
+    token_ids: list[int] = Field(min_length=2)
+    start: int = Field(ge=1)
+
+
+class LogprobsRequest(_Strict):
+    sequences: list[ScoredSequence] = Field(min_length=1)
+    temperature: float = Field(1.0, gt=0.0)
+
+
 class JoinRequest(_Strict):
     host: str = Field(min_length=1, max_length=255)
     port: int = Field(ge=1, le=65535)
@@ -142,6 +154,26 @@ def check_generate(req: GenerateRequest, limits: Limits, max_model_len: int, voc
         _stops(req.params.stop, limits)
     if total > limits.max_sequences:
         raise ApiError(413, f"{total} completions in one request; this server takes at most {limits.max_sequences}")
+
+
+def check_logprobs(req: LogprobsRequest, limits: Limits, max_model_len: int, vocab_size: int) -> None:
+    """A scoring request's bounds: as many sequences as a generation's completions, each within the
+    served model's length and vocabulary, scoring at least its last token."""
+    if len(req.sequences) > limits.max_sequences:
+        raise ApiError(
+            413, f"{len(req.sequences)} sequences in one request; this server takes at most {limits.max_sequences}"
+        )
+    for i, seq in enumerate(req.sequences):
+        if seq.start >= len(seq.token_ids):
+            raise ApiError(
+                400, f"sequences[{i}]: start={seq.start} leaves no token of its {len(seq.token_ids)} to score"
+            )
+        if len(seq.token_ids) > max_model_len:
+            raise ApiError(
+                400, f"sequences[{i}]: {len(seq.token_ids)} tokens exceed the served model's length {max_model_len}"
+            )
+        if min(seq.token_ids) < 0 or max(seq.token_ids) >= vocab_size:
+            raise ApiError(400, f"sequences[{i}]: token ids must lie in [0, {vocab_size})")
 
 
 def check_join(req: JoinRequest, client: str, limits: Limits, tensor_parallel_size: int) -> str:

@@ -16,6 +16,9 @@ the engine (rollout/api.py): sizes, sampling parameters, and who may join the we
                         503 {detail} once the replica's engine has died
   POST /generate        {prompts: [{token_ids, sampling}]}
                         -> {version, outputs: [[{token_ids, text, logprobs, finish_reason, stop_reason}]]}
+  POST /logprobs        {sequences: [{token_ids, start}], temperature}
+                        -> {version, logprobs: [[log p(token_ids[t] | token_ids[:t]) for t >= start]]}
+                        (a distillation teacher's scores, vLLM replicas only: plait.train.teacher)
   POST /weights/join    {host, port, rank_offset, world, backend, timeout_s}: join the trainer's weight
                         group; `host` must be the caller's own address (or one allowed by --weights-from)
   POST /weights/update  {version, metas, buckets, shared}: receive the broadcast, only from the client that
@@ -56,9 +59,11 @@ from plait.rollout.api import (
     Guard,
     JoinRequest,
     Limits,
+    LogprobsRequest,
     UpdateRequest,
     check_generate,
     check_join,
+    check_logprobs,
     check_update,
     log,
 )
@@ -161,6 +166,26 @@ class VllmReplica:
 
     async def generate(self, body: dict) -> list:
         return await asyncio.gather(*(self._one(r) for r in body["prompts"]))
+
+    async def _score(self, seq: dict) -> list[float]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        # prompt_logprobs=0: each prompt position's log-prob of the token that is there, nothing more
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+        ids = seq["token_ids"]
+        async for out in self.engine.generate({"prompt_token_ids": ids}, params, uuid.uuid4().hex):
+            final = out
+        scored = final.prompt_logprobs  # [None, {token: Logprob}, ...], one per prompt position
+        return [scored[t][ids[t]].logprob for t in range(seq["start"], len(ids))]
+
+    async def logprobs(self, body: dict) -> list:
+        if body["temperature"] != 1.0:  # vLLM's prompt log-probs are the model's own distribution
+            raise ValueError(
+                f"a vLLM replica scores at temperature 1 only (asked {body['temperature']}): sample at "
+                "rollout.temperature=1, or hold the teacher in the trainer (teacher.site=trainer or process)"
+            )
+        return await asyncio.gather(*(self._score(seq) for seq in body["sequences"]))
 
     async def join(self, args: tuple) -> None:
         await self.engine.collective_rpc("plait_join_weight_group", args=args)
@@ -315,6 +340,35 @@ def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits
             finally:
                 state["running"] -= 1
         return dict(version=version, outputs=outputs)
+
+    @app.post("/logprobs")
+    async def logprobs(req: LogprobsRequest):
+        alive()
+        if not hasattr(engine, "logprobs"):
+            raise ApiError(
+                404,
+                "this replica does not score sequences (the HF generation process); serve the teacher "
+                "with `plait rollout-server --model TEACHER`",
+            )
+        check_logprobs(req, limits, *engine.limits())
+        async with gate.generating():
+            version = state["version"]
+            state["running"] += 1
+            try:
+                scores = await unless_dead(engine.logprobs(req.model_dump()))
+            except ApiError:
+                raise
+            except ValueError as e:
+                raise ApiError(400, f"the engine rejected a request: {e}") from e
+            except Exception as e:
+                cause = engine.failure()
+                if cause is not None:
+                    died(cause)
+                    alive()
+                raise ApiError(500, f"scoring failed: {type(e).__name__}: {e}") from e
+            finally:
+                state["running"] -= 1
+        return dict(version=version, logprobs=scores)
 
     @app.post("/weights/join")
     async def join(req: JoinRequest, request: Request):

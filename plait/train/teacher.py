@@ -9,6 +9,8 @@ Where it runs is `teacher.site`:
               (fsdp2 and ZeRO-3 shard it): `HeldTeacher`
     process   a process of its own that loads it once and answers batches over a socket
               (`python -m plait.train.teacher`): `ProcessTeacher`
+    server    `plait rollout-server --model TEACHER` (vLLM's prompt log-probs), asked over
+              HTTP (POST /logprobs): `ServerTeacher`
 
 Both compute the log-probs as the reference's are (plait.train.update.sequence_logprobs, at the
 sampling temperature). The teacher is frozen, so nothing of it goes into checkpoints: a resumed
@@ -24,6 +26,7 @@ import subprocess
 import sys
 from multiprocessing.connection import Connection
 from typing import Protocol
+from urllib.parse import urlsplit
 
 import torch
 
@@ -132,12 +135,85 @@ class ProcessTeacher:
         self.conn.close()
 
 
+class ServerTeacher:
+    """The teacher served by `plait rollout-server --model TEACHER` (vLLM's prompt log-probs):
+    each round's rows go to its replicas as token sequences, split evenly, and come back as the
+    log-probs of their completion tokens."""
+
+    def __init__(self, cfg):
+        import httpx
+
+        from plait.auth import TokenError, bearer, resolve_token
+
+        v, self.cfg = cfg.rollout.vllm, cfg
+        try:
+            token, self.token_source = resolve_token(v.token_file)
+        except TokenError as e:
+            raise TeacherFailed(str(e)) from None
+        self.http = httpx.Client(
+            timeout=httpx.Timeout(v.request_timeout_s, connect=min(10.0, v.connect_timeout_s)), headers=bearer(token)
+        )
+        self.url = cfg.teacher.url.rstrip("/")
+        health = self._call("GET", self.url, "/health")
+        host = urlsplit(self.url)
+        self.urls = [f"{host.scheme}://{host.hostname}:{p}" for p in health["replicas"]]
+        self.model = health.get("model", "?")
+
+    def _call(self, method: str, url: str, path: str, body: dict | None = None) -> dict:
+        import httpx
+
+        try:
+            r = self.http.request(method, url + path, json=body)
+        except httpx.HTTPError as e:
+            raise TeacherFailed(f"the teacher's server {url} is unreachable ({type(e).__name__}: {e})") from None
+        if r.status_code == 401:
+            raise TeacherFailed(
+                f"the teacher's server {url} refused this trainer's token (from {self.token_source}): give the "
+                "trainer the server's token (PLAIT_ROLLOUT_TOKEN, or rollout.vllm.token_file)"
+            )
+        if r.status_code != 200:
+            detail = r.json().get("detail", r.text) if "json" in r.headers.get("content-type", "") else r.text
+            raise TeacherFailed(f"the teacher's server {url} answered {path} with HTTP {r.status_code}: {detail}")
+        return r.json()
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        from concurrent.futures import ThreadPoolExecutor
+
+        real = batch.attention_mask.bool()
+        sequences = [
+            {"token_ids": batch.input_ids[i][real[i]].tolist(), "start": int(real[i, : batch.prompt_len].sum())}
+            for i in range(len(batch))
+        ]
+        temperature = self.cfg.rollout.temperature or 1.0
+        shares = [sequences[k :: len(self.urls)] for k in range(len(self.urls))]
+
+        def ask(url: str, share: list[dict]) -> dict:
+            return self._call("POST", url, "/logprobs", {"sequences": share, "temperature": temperature})
+
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            answers = list(pool.map(ask, self.urls, shares))
+        out = torch.zeros_like(batch.completion_mask, dtype=torch.float32)
+        for k, answer in enumerate(answers):
+            for j, scores in enumerate(answer["logprobs"]):
+                i = k + j * len(self.urls)
+                out[i, : len(scores)] = torch.tensor(scores, dtype=torch.float32)
+        return out
+
+    def describe(self) -> str:
+        return f"{self.model}, on the server at {self.url} ({len(self.urls)} replica(s))"
+
+    def close(self) -> None:
+        self.http.close()
+
+
 def make_teacher(cfg, backend: Backend) -> Teacher | None:
     """The run's teacher where `teacher.site` puts it (None: no teacher)."""
     if cfg.teacher is None:
         return None
     if cfg.teacher.site == "process":
         return ProcessTeacher(cfg, backend.device)
+    if cfg.teacher.site == "server":
+        return ServerTeacher(cfg)
     return HeldTeacher(cfg, backend)
 
 

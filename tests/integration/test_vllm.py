@@ -35,6 +35,7 @@ pytestmark = [
 ]
 
 SYNCED_GAP = 1e-4  # fp32 engine vs fp32 trainer on the same weights: measured ~4e-7
+TEACHER_ATOL = 1e-4  # vLLM's prompt log-probs vs the trainer's forward pass, fp32, same weights
 REPLICA_EXIT_S = 600  # a replica whose engine died exits on its own: seconds before the test calls it hung
 
 
@@ -638,3 +639,46 @@ def _an_adapter_push_makes_the_server_decode_as_the_adapted_model(vllm_model, se
         assert [c[0].token_ids for c in served] == [c[0].token_ids for c in own]
         assert not server.health()["adapters"]
         trainer.close()
+
+
+def test_a_teacher_on_a_rollout_server_scores_as_the_held_one(vllm_model, prompts_jsonl, tmp_path, helper_env):
+    """`plait rollout-server --model TEACHER` scores a round's completions with vLLM's prompt
+    log-probs (POST /logprobs): the same numbers as the teacher held in the trainer, within
+    TEACHER_ATOL; a temperature vLLM can't score at is refused with the reason; and a run
+    distilling from the server logs, in round 1, a KL near 0 to a teacher that is its own model."""
+    from test_distillation import sampled_batch
+
+    from plait.config import load_config
+    from plait.models import load_model
+    from plait.train.backends.local import LocalBackend
+    from plait.train.loop import train
+    from plait.train.teacher import HeldTeacher, ServerTeacher, TeacherFailed
+
+    server = RolloutServer(vllm_model, dp=1, env=helper_env)
+    try:
+        sets = [f"teacher.name_or_path={vllm_model}", "teacher.site=server", f"teacher.url={server.url}"]
+        cfg = load_config(None, [*sets, "train.micro_batch_size=4", "rollout.temperature=1.0"])
+        batch = sampled_batch()
+        far = ServerTeacher(cfg)
+        try:
+            got = far.logprobs(batch)
+        finally:
+            far.close()
+        backend = LocalBackend.wrap(load_model(str(vllm_model)))
+        backend.teacher_model = load_model(str(vllm_model)).eval()
+        want = HeldTeacher(cfg, backend).logprobs(batch)
+        real = batch.completion_mask.bool()
+        assert torch.allclose(got[real], want[real], atol=TEACHER_ATOL, rtol=0), (got - want)[real].abs().max()
+        assert got[~real].abs().max() == 0 and want[real].abs().min() > 0
+
+        hot = ServerTeacher(load_config(None, [*sets, "rollout.temperature=0.7"]))
+        with pytest.raises(TeacherFailed, match="a vLLM replica scores at temperature 1 only"):
+            hot.logprobs(batch)
+        hot.close()
+
+        out = tmp_path / "run"
+        train(load_config(None, tiny_overrides(vllm_model, prompts_jsonl, out, *sets, "train.max_steps=2")))
+        kl = [m["teacher/kl"] for m in metrics_of(out)]
+        assert len(kl) == 2 and abs(kl[0]) < TEACHER_ATOL  # round 1: the student is the teacher
+    finally:
+        server.stop()

@@ -159,3 +159,14 @@ def test_plait_check_refuses_lora_adapters_and_teacher_lora(tiny_model_path, tmp
         "'teacher.lora' is not an option: the teacher is frozen, so it trains no adapters; LoRA on the student is "
         "model.lora, and a teacher trained with LoRA is its run's final/ (plait exports merged weights); remove it"
     ]
+
+
+def test_a_teacher_server_needs_its_url_and_a_url_needs_the_server_site(tiny_model_path, tmp_path):
+    teacher = f"teacher.name_or_path={tiny_model_path}"
+    assert problems(tmp_path, teacher, "teacher.site=server") == [
+        "teacher.site=server needs teacher.url (the `plait rollout-server --model TEACHER` to ask)"
+    ]
+    assert problems(tmp_path, teacher, "teacher.url=http://127.0.0.1:8000") == [
+        "teacher.url is set but teacher.site=trainer: set teacher.site=server to ask that server"
+    ]
+    assert problems(tmp_path, teacher, "teacher.site=server", "teacher.url=http://127.0.0.1:8000") == []
