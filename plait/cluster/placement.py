@@ -191,16 +191,18 @@ def estimate_memory(cfg, shape: ModelShape, n_train: int, tp: int, backend: str,
     trainable = shape.params * 0.01 if lora else shape.params  # LoRA adapters: ~1% of the weights
     weights, grads, optim = shape.params * w, trainable * w, 2 * trainable * w
     reference = shape.params * w if cfg.algo.beta > 0 and not lora else 0
+    teacher = held_teacher_bytes(cfg)
     t = cfg.train
     if backend == "fsdp2":
         keep = 0 if t.fsdp.cpu_offload else 1 / n_train
         weights, grads, optim, reference = weights * keep, grads * keep, optim * keep, reference * keep
+        teacher = teacher * keep
     elif backend == "deepspeed":
         ds = t.deepspeed
         grads, optim = grads / n_train, (0 if ds.offload_optimizer else optim / n_train)
         if ds.zero_stage == 3:
             weights = 0 if ds.offload_params else weights / n_train
-            reference = reference / n_train
+            reference, teacher = reference / n_train, teacher / n_train
     tokens = t.micro_batch_size * (cfg.data.max_prompt_length + cfg.rollout.max_completion_length)
     act_bytes = (2 if t.precision == "bf16" else 4) / 2
     per_layer = 2 * shape.hidden if cfg.model.gradient_checkpointing else 34 * shape.hidden
@@ -211,6 +213,8 @@ def estimate_memory(cfg, shape: ModelShape, n_train: int, tp: int, backend: str,
         train["ddp buckets"] = grads  # DDP's gradient buckets beside the gradients
     if reference:
         train["reference"] = reference
+    if teacher:
+        train["teacher"] = teacher
     train |= {"activations": activations, "logits": logits}
     v = cfg.rollout.vllm
     engine_w = shape.params * (2 if t.precision == "bf16" else 4)
@@ -221,6 +225,28 @@ def estimate_memory(cfg, shape: ModelShape, n_train: int, tp: int, backend: str,
         budget = (v.kv_cache_gb * GiB + engine_w / tp) if v.kv_cache_gb else v.gpu_memory_utilization * device_gb * GiB
         generation = {"weights": engine_w / tp, "kv cache": budget - engine_w / tp}
     return MemoryEstimate(shape, train, generation, device_gb)
+
+
+def held_teacher_bytes(cfg) -> float:
+    """The distillation teacher's weights in each training process (teacher.site=trainer; 0
+    without a teacher, or one elsewhere, or one not on this machine)."""
+    t = cfg.teacher
+    if t is None or t.site != "trainer":
+        return 0.0
+    shape = model_shape(t.name_or_path)
+    return 0.0 if shape is None else shape.params * (2 if (t.dtype or cfg.model.dtype) == "bfloat16" else 4)
+
+
+def teacher_line(cfg) -> str | None:
+    """Where the distillation teacher runs, for the placement (None: no teacher)."""
+    t = cfg.teacher
+    if t is None:
+        return None
+    return {
+        "trainer": f"teacher: {t.name_or_path}, held in every training process beside the policy",
+        "process": f"teacher: {t.name_or_path}, in its own process started by the trainer",
+        "server": f"teacher: the rollout server at {t.url}",
+    }[t.site]
 
 
 def render_memory(m: MemoryEstimate, backend: str, n_train: int, tp: int) -> list[str]:
@@ -470,6 +496,9 @@ def render(p: Placement, cfg) -> list[str]:
         "vllm server": f"{len(p.replicas) * tp} generate (vLLM: {replicas} x tp {tp})",
     }[p.generation]
     lines = [f"placement: {n_train} train ({shard}) + {gen}"]
+    teacher = teacher_line(cfg)
+    if teacher:
+        lines.append(f"  {teacher}")
     if p.generation == "vllm external":
         where = cfg.rollout.vllm.token_file or "~/.cache/plait/rollout-token"
         lines.append(

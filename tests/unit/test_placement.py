@@ -198,6 +198,25 @@ def test_model_shape_counts_the_real_model_on_the_meta_device(tiny_model_path):
     assert pl.model_shape("/nonexistent/model") is None
 
 
+def test_the_plan_places_the_teacher_and_counts_its_weights_where_they_are_held(tiny_model_path, teacher_model_path):
+    """A held teacher adds its own weights (its own parameter count, its dtype) to every training
+    process, sharded as the reference is; in its own process or on a server it adds nothing there.
+    The placement says where it runs."""
+    shape = pl.shape_from_count(7e9)
+    teacher = pl.model_shape(str(teacher_model_path)).params
+    held = cfg_of(f"teacher.name_or_path={teacher_model_path}")
+    assert pl.estimate_memory(held, shape, 8, 0, "ddp", 80).train["teacher"] == teacher * 4
+    assert pl.estimate_memory(held, shape, 8, 0, "fsdp2", 80).train["teacher"] == pytest.approx(teacher * 4 / 8)
+    bf16 = cfg_of(f"teacher.name_or_path={teacher_model_path}", "teacher.dtype=bfloat16")
+    assert pl.estimate_memory(bf16, shape, 8, 0, "ddp", 80).train["teacher"] == teacher * 2
+    own = cfg_of(f"teacher.name_or_path={teacher_model_path}", "teacher.site=process")
+    assert "teacher" not in pl.estimate_memory(own, shape, 8, 0, "ddp", 80).train
+    assert pl.teacher_line(own) == f"teacher: {teacher_model_path}, in its own process started by the trainer"
+    served = cfg_of(f"teacher.name_or_path={teacher_model_path}", "teacher.site=server", "teacher.url=http://h:8000")
+    assert pl.teacher_line(served) == "teacher: the rollout server at http://h:8000"
+    assert pl.teacher_line(cfg_of()) is None
+
+
 def run_plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "plait", "plan", *args], capture_output=True, text=True, timeout=120)
 
