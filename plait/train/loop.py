@@ -27,7 +27,7 @@ from plait.config import Config, resolve_backend, validate
 from plait.config.checks import reward_parameter_problems
 from plait.data import data_problems
 from plait.evaluate import evaluate
-from plait.programs.environments import EnvironmentFailed, agent_error_problem, error_share_problem
+from plait.programs.environments import EnvironmentFailed, agent_error_problem, error_share_problem, resume_advice
 from plait.rewards.runner import BoundReward, RewardError, call_rewards, reward_inputs
 from plait.rollout.hf import decoding_in
 from plait.telemetry.advice import EARLY_ROUND, early_note, health_notes, suggestion
@@ -114,7 +114,9 @@ def run_rounds(run: Run, stop: StopSignal) -> TrainResult:
                 raise
             except TeacherFailed as err:
                 kept = keep_rounds_done(run, round_ - 1, saved, consumed)
-                raise TeacherFailed(f"round {round_}: {err}; {resume_advice(max(saved, kept))}") from None
+                raise TeacherFailed(
+                    f"round {round_}: {err}; fix the teacher; {resume_advice(max(saved, kept))}"
+                ) from None
             stopping, due = _save_due(cfg, round_, stop, last_save)
             log_round(run, round_, out, saved)
             score = None
@@ -304,13 +306,6 @@ def save(run: Run, round_: int, blocking: bool = True) -> None:
         blocking=blocking,
         rollouts=source.ahead,
     )
-
-
-def resume_advice(saved: int) -> str:
-    """What to run after a failure, given the last round in a checkpoint."""
-    if not saved:
-        return "no round was checkpointed yet: fix it and start again"
-    return f"rounds 1-{saved} are in a checkpoint: fix it, then `--set resume=auto` continues from round {saved + 1}"
 
 
 def keep_rounds_done(run: Run, done: int, saved: int, consumed: int) -> int:

@@ -212,9 +212,10 @@ def build_run(
     why = why_nothing_is_skipped(cfg)
     say("zero-advantage completions: " + ("left out of the update" if why is None else f"trained ({why})"))
     if cfg.train.lr_by_signal:
+        every = "; with the teacher's advantage every completion has one, so the full rate" if cfg.teacher else ""
         say(
             "learning rate: each update's times the share of its completions with a non-zero advantage "
-            "(train.lr_by_signal)"
+            f"(train.lr_by_signal){every}"
         )
     if cfg.recovery.enabled:
         r = cfg.recovery

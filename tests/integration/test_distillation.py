@@ -151,7 +151,7 @@ def test_a_teacher_that_dies_stops_the_run_and_the_resumed_run_ends_as_the_unbro
         plait_test_rewards.CALLS["crash_at"] = None
     message = str(stop.value)
     assert message.startswith("round 3: the teacher's process (pid ") and "died (exit code -9)" in message, message
-    assert "rounds 1-2 are in a checkpoint: fix it, then `--set resume=auto` continues from round 3" in message
+    assert "fix the teacher; then resume=auto continues from the last checkpoint (round 2)" in message
     assert not (crashed / "final").exists()
     result = train(
         load_config(None, tiny_overrides(tiny_model_path, prompts_jsonl, crashed, *extra, reward, "resume=auto"))

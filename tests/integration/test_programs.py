@@ -82,14 +82,24 @@ def test_the_example_retries_an_unboxed_answer_after_a_hint_left_out_of_the_loss
     assert retried > 0  # the untrained tiny model does not box: its answers are retried
 
 
-@pytest.mark.parametrize("staleness", [0, 1], ids=["sync", "async"])
-def test_a_run_trains_through_a_program_of_your_own(tiny_model_path, prompts_jsonl, tmp_path, staleness):
+@pytest.mark.parametrize(
+    "staleness, teacher", [(0, False), (1, False), (0, True)], ids=["sync", "async", "sync with a teacher"]
+)
+def test_a_run_trains_through_a_program_of_your_own(
+    tiny_model_path, teacher_model_path, prompts_jsonl, tmp_path, staleness, teacher
+):
     """Synchronous, and asynchronous (k = 1: the program runs in rank 0's producer thread, its
-    samples come from the generation process)."""
+    samples come from the generation process); and with a distillation teacher, which scores the
+    joined trajectories (the hints are context to it, out of its advantage as out of the loss)."""
     run = tmp_path / "run"
     short = "rollout.stop=[' ']"  # short answers: room for a retry
     every = "log.sample_every_steps=1"
-    result = two_rounds(tiny_model_path, prompts_jsonl, run, staleness, f"rollout.program={EXAMPLE}", short, every)
+    extra = [f"teacher.name_or_path={teacher_model_path}"] if teacher else []
+    result = two_rounds(
+        tiny_model_path, prompts_jsonl, run, staleness, f"rollout.program={EXAMPLE}", short, every, *extra
+    )
+    if teacher:
+        assert all(m["teacher/kl"] != 0 and m["update/signal_share"] == 1.0 for m in result.history)
     assert len(result.history) == 2
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert any(HINT.strip() in s["completion"] for s in samples)  # retried rollouts were trained on
