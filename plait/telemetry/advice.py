@@ -338,7 +338,9 @@ def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None
     notes += takeover_notes(history, cfg)
     distilling = any(m.get("teacher/kl") is not None for m in history)
     for key, fires, note in TRENDS:
-        if distilling and key == "groups/all_equal":  # the teacher's advantage needs no differing group
+        # the teacher's advantage needs no differing group, and a student that takes on a confident
+        # teacher's distribution loses entropy on the way: neither says what they say of RL alone
+        if distilling and key in ("groups/all_equal", "entropy"):
             continue
         values = [m[key] for m in history if m.get(key) is not None]
         if len(values) >= MIN_ROUNDS and fires(*_thirds(values)):

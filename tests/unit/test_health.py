@@ -234,3 +234,28 @@ def test_a_run_not_learning_by_round_4_is_told_so_then():
     dead = rounds(reward__total__mean=[0.0] * 4, groups__all_equal=[1.0] * 4, groups__all_wrong=[1.0] * 4)
     assert early_note(dead, "accuracy").startswith("rounds 1-4: 100% of the groups gave equal rewards, nearly all")
     assert early_note(dead[:3], "accuracy") is None and early_note(high_lr_collapse()[:5], "accuracy") is None
+
+
+def test_a_distillation_run_is_read_by_its_kl_to_the_teacher():
+    """With a teacher, equal groups and falling entropy are the student taking on a confident
+    teacher, not a dead run: those notes stay quiet. A KL to the teacher that does not fall by
+    round 4, or rises over the run, is what is said."""
+    from plait.telemetry.advice import EARLY_ROUND, early_note
+
+    falling = [1.0, 0.6, 0.4, 0.3, 0.2, 0.15, 0.1, 0.08, 0.07, 0.06, 0.05, 0.05]
+    history = rounds(
+        reward__total__mean=[0.0] * 12,
+        groups__all_equal=[1.0] * 12,
+        groups__all_wrong=[1.0] * 12,
+        entropy=[1.0] * 4 + [0.5] * 4 + [0.1] * 4,
+        teacher__kl=falling,
+    )
+    assert health_notes(history, [], CFG, "accuracy") == []
+    assert early_note(history[:EARLY_ROUND], "accuracy") is None
+    stuck = rounds(reward__total__mean=[0.0] * 4, groups__all_equal=[1.0] * 4, teacher__kl=[0.5, 0.6, 0.55, 0.6])
+    assert "the KL to the teacher has not fallen (0.5000 in round 1, 0.5750 over the last two)" in early_note(
+        stuck, "accuracy"
+    )
+    rising = rounds(reward__total__mean=[0.0] * 12, teacher__kl=[0.1] * 4 + [0.2] * 4 + [0.4] * 4)
+    (note,) = health_notes(rising, [], CFG, "accuracy")
+    assert note.startswith("the KL to the teacher rose (0.1000 -> 0.4000, first vs last third)")
