@@ -269,6 +269,28 @@ def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits
             alive()
         return task.result()
 
+    async def engine_request(start, what: str):
+        """One request's work on the engine (`start()` begins it), under the gate (a weight update
+        waits for it): (the weight version it ran on, its result). The engine refusing it is a 400
+        naming why; the engine dying under it, a 503; any other failure, a 500."""
+        async with gate.generating():
+            version = state["version"]
+            state["running"] += 1
+            try:
+                return version, await unless_dead(start())
+            except ApiError:
+                raise
+            except ValueError as e:  # the engine rejects a request (prompt too long, bad parameter): say why
+                raise ApiError(400, f"the engine rejected a request: {e}") from e
+            except Exception as e:
+                cause = engine.failure()
+                if cause is not None:  # the engine died under this request
+                    died(cause)
+                    alive()
+                raise ApiError(500, f"{what} failed: {type(e).__name__}: {e}") from e
+            finally:
+                state["running"] -= 1
+
     async def watch() -> None:
         while state["dead"] is None:
             cause = engine.failure()
@@ -322,23 +344,7 @@ def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits
         alive()
         check_generate(req, limits, *engine.limits())
         body = req.model_dump()
-        async with gate.generating():
-            version = state["version"]
-            state["running"] += 1
-            try:
-                outputs = await unless_dead(engine.generate(body))
-            except ApiError:
-                raise
-            except ValueError as e:  # the engine rejects a request (prompt too long, bad parameter): say why
-                raise ApiError(400, f"the engine rejected a request: {e}") from e
-            except Exception as e:
-                cause = engine.failure()
-                if cause is not None:  # the engine died under this request
-                    died(cause)
-                    alive()
-                raise ApiError(500, f"generation failed: {type(e).__name__}: {e}") from e
-            finally:
-                state["running"] -= 1
+        version, outputs = await engine_request(lambda: engine.generate(body), "generation")
         return dict(version=version, outputs=outputs)
 
     @app.post("/logprobs")
@@ -351,23 +357,7 @@ def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits
                 "with `plait rollout-server --model TEACHER`",
             )
         check_logprobs(req, limits, *engine.limits())
-        async with gate.generating():
-            version = state["version"]
-            state["running"] += 1
-            try:
-                scores = await unless_dead(engine.logprobs(req.model_dump()))
-            except ApiError:
-                raise
-            except ValueError as e:
-                raise ApiError(400, f"the engine rejected a request: {e}") from e
-            except Exception as e:
-                cause = engine.failure()
-                if cause is not None:
-                    died(cause)
-                    alive()
-                raise ApiError(500, f"scoring failed: {type(e).__name__}: {e}") from e
-            finally:
-                state["running"] -= 1
+        version, scores = await engine_request(lambda: engine.logprobs(req.model_dump()), "scoring")
         return dict(version=version, logprobs=scores)
 
     @app.post("/weights/join")
