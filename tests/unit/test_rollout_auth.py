@@ -170,3 +170,24 @@ def test_the_replica_process_takes_the_token_out_of_its_environment(monkeypatch)
     monkeypatch.setattr(server, "serve", serve)
     server.serve_replica({"engine": "hf"}, 0, "127.0.0.1", [1])
     assert seen == {"engine": "engine", "token": "the-run-s-token", "inherited": None}
+
+
+@pytest.mark.parametrize(
+    "sequences, why",
+    [
+        ([{"token_ids": [1, 2, 3], "start": 3}], "start=3 leaves no token of its 3 to score"),
+        ([{"token_ids": [1] * 50, "start": 1}], "50 tokens exceed the served model's length 40"),
+        ([{"token_ids": [1, 2, 100], "start": 1}], "token ids must lie in [0, 100)"),
+        ([{"token_ids": [1, 2], "start": 1}] * 9, "9 sequences in one request; this server takes at most 8"),
+    ],
+)
+def test_a_scoring_request_is_bounded_by_the_model_and_the_server(sequences, why):
+    """POST /logprobs (a distillation teacher's scores): each sequence within the served model's
+    length and vocabulary, scoring at least one token, and no more sequences than the server takes."""
+    from plait.rollout.api import LogprobsRequest, check_logprobs
+
+    limits = Limits(max_sequences=8)
+    check_logprobs(LogprobsRequest(sequences=[{"token_ids": [1, 2, 3], "start": 2}]), limits, 40, 100)
+    with pytest.raises(ApiError) as err:
+        check_logprobs(LogprobsRequest(sequences=sequences), limits, 40, 100)
+    assert why in err.value.message
