@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_train import final_weights, tiny_overrides
 
+from plait.compare import compare, describe
 from plait.config import load_config
 from plait.models import load_model
 from plait.train.backends.local import LocalBackend
@@ -131,6 +132,11 @@ def test_a_run_with_a_teacher(case, tiny_model_path, teacher_model_path, prompts
     assert all(m["update/skipped_rows"] == 0 and m["update/signal_share"] == 1.0 for m in rows)
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["teacher/kl"] for m in logged] == [m["teacher/kl"] for m in rows]
+    if case == next(iter(RUNS)):  # plait compare shows it per round, among its headline metrics
+        summary, _ = compare([out], tmp_path / "compare")
+        (group,) = summary["groups"].values()
+        assert sorted(group["rounds"]["teacher/kl"]) == [1, 2, 3, 4]
+        assert "  teacher/kl " in describe(summary)
 
 
 def test_a_teacher_that_dies_stops_the_run_and_the_resumed_run_ends_as_the_unbroken_one(
