@@ -12,9 +12,10 @@ Where it runs is `teacher.site`:
     server    `plait rollout-server --model TEACHER` (vLLM's prompt log-probs), asked over
               HTTP (POST /logprobs): `ServerTeacher`
 
-Both compute the log-probs as the reference's are (plait.train.update.sequence_logprobs, at the
-sampling temperature). The teacher is frozen, so nothing of it goes into checkpoints: a resumed
-run asks the same teacher the same questions.
+The held teacher and its own process compute the log-probs as the reference's are (the same
+plait.train.update.frozen_logprobs, with the run's config, at the sampling temperature). The
+teacher is frozen, so nothing of it goes into checkpoints: a resumed run asks the same teacher the
+same questions.
 """
 
 from __future__ import annotations
@@ -90,17 +91,9 @@ class ProcessTeacher:
             [sys.executable, "-m", "plait.train.teacher", str(fd)], pass_fds=(fd,), env=os.environ.copy()
         )
         os.close(fd)
-        spec = dict(
-            name_or_path=t.name_or_path,
-            dtype=t.dtype or cfg.model.dtype,
-            device=str(device),
-            temperature=cfg.rollout.temperature or 1.0,
-            micro_batch_size=cfg.train.micro_batch_size,
-            precision=cfg.train.precision,
-            threads=torch.get_num_threads(),
-        )
         self.name = t.name_or_path
-        self._ask(spec)  # answers once the model is loaded
+        # the run's own config: the child computes exactly as a held teacher would
+        self._ask(dict(cfg=cfg, device=str(device), threads=torch.get_num_threads()))  # answers once loaded
 
     def _ask(self, message):
         try:
@@ -223,26 +216,20 @@ def make_teacher(cfg, backend: Backend) -> Teacher | None:
 def serve(conn: Connection) -> None:
     """Load the teacher the first message names, answer True, then answer each batch with its
     log-probs until None arrives (or the trainer goes away)."""
-    from types import SimpleNamespace
-
     from plait.models import load_model
     from plait.train.backends.local import LocalBackend
+    from plait.train.update import frozen_logprobs
 
     spec = _recv(conn)
+    cfg, t = spec["cfg"], spec["cfg"].teacher
     torch.set_num_threads(spec["threads"])
     try:
-        model = load_model(spec["name_or_path"], spec["dtype"]).to(spec["device"]).eval().requires_grad_(False)
+        model = load_model(t.name_or_path, t.dtype or cfg.model.dtype).to(spec["device"]).eval().requires_grad_(False)
     except Exception as err:  # noqa: BLE001 - the trainer reports it and stops
-        _send(conn, f"loading {spec['name_or_path']}: {type(err).__name__}: {err}")
+        _send(conn, f"loading {t.name_or_path}: {type(err).__name__}: {err}")
         return
-    backend = LocalBackend.wrap(model, precision=spec["precision"])
-    cfg = SimpleNamespace(  # what frozen_logprobs reads of a config
-        train=SimpleNamespace(micro_batch_size=spec["micro_batch_size"], shared_prompt_pass=True),
-        model=SimpleNamespace(gradient_checkpointing=False),
-        rollout=SimpleNamespace(temperature=spec["temperature"]),
-    )
+    backend = LocalBackend.wrap(model, precision=cfg.train.precision)
     _send(conn, True)
-    from plait.train.update import frozen_logprobs
 
     while True:
         try:

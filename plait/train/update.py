@@ -362,9 +362,9 @@ def why_nothing_is_skipped(cfg) -> str | None:
 def signal_rows(chunk: Batch) -> torch.Tensor:
     """Which of `chunk`'s rows carry a gradient: a non-zero advantage on a loss token (with a
     teacher, every row with a loss token: its advantage is on every token)."""
-    adv = chunk.advantages if chunk.advantages.dim() == 2 else chunk.advantages[:, None]
     if chunk.teacher_logprobs is not None:
-        adv = torch.ones_like(adv)
+        return (chunk.completion_mask != 0).any(-1)
+    adv = chunk.advantages if chunk.advantages.dim() == 2 else chunk.advantages[:, None]
     return ((adv != 0) & (chunk.completion_mask != 0)).any(-1)
 
 
