@@ -39,7 +39,7 @@ def test_the_teachers_logprobs_equal_the_references_wherever_it_runs(tiny_model_
     """The teacher's log-probs of the sampled tokens are the same model's log-probs computed as
     the reference model's are (plait's log-prob prepass with beta > 0): bit for bit when the
     training process holds it, within 1e-6 from its own process (the same code in another
-    process; measured equal on a Zen 3)."""
+    process)."""
     cfg = load_config(
         None,
         [
