@@ -115,61 +115,37 @@ def remote_engine(engine):
     return engine if isinstance(engine, RemoteEngine) else None
 
 
-class RemoteEngine:
-    def __init__(
-        self,
-        cfg,
-        tokenizer,
-        view,
-        device: torch.device,
-        servers: list[str] | None = None,
-        own_process: bool = False,
-        token: str | None = None,
-        shared_weights: str | None = None,
-    ):
-        """`own_process`: the server is the HF generation process this trainer started.
-        `token`: the servers' token (default: $PLAIT_ROLLOUT_TOKEN or rollout.vllm.token_file).
-        `shared_weights`: the /dev/shm file that process reads pushes from (else: the broadcast)."""
+class ServerClient:
+    """HTTP to `plait rollout-server`s: the bearer token, one connection pool, and errors that name
+    the server, the request and what to do. `label` names the server in them ("rollout server",
+    "the teacher's server"); `token`: the servers' token (default: $PLAIT_ROLLOUT_TOKEN or
+    rollout.vllm.token_file)."""
+
+    def __init__(self, settings, label: str, token: str | None = None):
         import httpx
 
         from plait.auth import TokenError, bearer, resolve_token
 
-        self.own_process = own_process
-        self.label = "the HF generation process" if own_process else "rollout server"
-
-        v = cfg.rollout.vllm
-        self.inflight = cfg.rollout.inflight_updates  # versions then change mid-request: taken per token
-        self.settings = v
-        self.view = view
-        self.pad_id = pad_id_of(tokenizer)
-        self.dtype = torch.bfloat16 if rollout_precision(cfg, device) == "bf16" else torch.float32
-        self.backend = v.sync_backend if v.sync_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-        self.device = device
+        self.settings, self.label = settings, label
         if token is None:
             try:
-                token, self.token_source = resolve_token(v.token_file)
+                token, self.token_source = resolve_token(settings.token_file)
             except TokenError as e:
                 raise RolloutServerError(str(e)) from None
         else:
             self.token_source = "this run's own token"
         self.http = httpx.Client(
-            timeout=httpx.Timeout(v.request_timeout_s, connect=min(10.0, v.connect_timeout_s)), headers=bearer(token)
+            timeout=httpx.Timeout(settings.request_timeout_s, connect=min(10.0, settings.connect_timeout_s)),
+            headers=bearer(token),
         )
-        self.urls = self._discover(servers or v.servers)
-        self.version: int | None = None
-        self.instances: dict[str, str] = {}  # replica -> instance id it had when it last got the weights
-        self.group = None
-        self.pool = ThreadPoolExecutor(max(2, len(self.urls)))
-        self._last_sync: dict[str, float] = {}  # metrics of the last weights_for_round: stats()
-        self.lora_push = cfg.rollout.lora_push
-        self.shared = SharedWeights(shared_weights) if shared_weights else None
 
-    # -------------------------------------------------------------- HTTP
-
-    def _call(self, method: str, url: str, path: str, body: dict | None = None, hint: bool = True) -> dict:
+    def call(self, method: str, url: str, path: str, body: dict | None = None, after: str = "") -> dict:
+        """The JSON answer of one request; RolloutServerError (TokenRefused for a 401) naming the
+        server and the cause otherwise. `after`: what to do, added where waiting for the server
+        can help (a time-out, an unreachable or failed replica)."""
         import httpx
 
-        after = f" {_resume_hint(self.own_process)}" if hint else ""
+        after = f" {after}" if after else ""
         try:
             r = self.http.request(method, url + path, json=body)
         except httpx.TimeoutException as e:
@@ -195,15 +171,16 @@ class RemoteEngine:
             raise RolloutServerError(f"{self.label} {url} answered {path} with HTTP {r.status_code}: {_detail(r)}")
         return r.json()
 
-    def _discover(self, servers: list[str]) -> list[str]:
-        """Every replica behind the configured URLs, waiting up to connect_timeout_s for them."""
+    def discover(self, servers: list[str], start: str) -> list[str]:
+        """Every replica behind the URLs, waiting up to connect_timeout_s for them. `start`: how
+        to start a missing server, for the error."""
         deadline = time.monotonic() + self.settings.connect_timeout_s
         urls: list[str] = []
         for base in servers:
             base = base.rstrip("/")
             while True:
                 try:
-                    health = self._call("GET", base, "/health", hint=False)
+                    health = self.call("GET", base, "/health")
                     break
                 except TokenRefused:
                     raise
@@ -211,13 +188,59 @@ class RemoteEngine:
                     if time.monotonic() > deadline:
                         raise RolloutServerError(
                             f"no rollout server at {base} after {self.settings.connect_timeout_s:.0f} s "
-                            f"(rollout.vllm.connect_timeout_s): {e} Start one with `plait rollout-server CONFIG` "
-                            "on the generation devices, or set rollout.vllm.servers"
+                            f"(rollout.vllm.connect_timeout_s): {e} {start}"
                         ) from None
                     time.sleep(1.0)
             host = urlsplit(base)
             urls += [f"{host.scheme}://{host.hostname}:{p}" for p in health["replicas"]]
         return list(dict.fromkeys(urls))
+
+    def close(self) -> None:
+        self.http.close()
+
+
+class RemoteEngine:
+    def __init__(
+        self,
+        cfg,
+        tokenizer,
+        view,
+        device: torch.device,
+        servers: list[str] | None = None,
+        own_process: bool = False,
+        token: str | None = None,
+        shared_weights: str | None = None,
+    ):
+        """`own_process`: the server is the HF generation process this trainer started.
+        `token`: the servers' token (default: $PLAIT_ROLLOUT_TOKEN or rollout.vllm.token_file).
+        `shared_weights`: the /dev/shm file that process reads pushes from (else: the broadcast)."""
+        self.own_process = own_process
+        v = cfg.rollout.vllm
+        self.inflight = cfg.rollout.inflight_updates  # versions then change mid-request: taken per token
+        self.settings = v
+        self.view = view
+        self.pad_id = pad_id_of(tokenizer)
+        self.dtype = torch.bfloat16 if rollout_precision(cfg, device) == "bf16" else torch.float32
+        self.backend = v.sync_backend if v.sync_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        self.device = device
+        self.client = ServerClient(v, "the HF generation process" if own_process else "rollout server", token)
+        self.label = self.client.label
+        self.urls = self.client.discover(
+            servers or v.servers,
+            "Start one with `plait rollout-server CONFIG` on the generation devices, or set rollout.vllm.servers",
+        )
+        self.version: int | None = None
+        self.instances: dict[str, str] = {}  # replica -> instance id it had when it last got the weights
+        self.group = None
+        self.pool = ThreadPoolExecutor(max(2, len(self.urls)))
+        self._last_sync: dict[str, float] = {}  # metrics of the last weights_for_round: stats()
+        self.lora_push = cfg.rollout.lora_push
+        self.shared = SharedWeights(shared_weights) if shared_weights else None
+
+    # -------------------------------------------------------------- HTTP
+
+    def _call(self, method: str, url: str, path: str, body: dict | None = None) -> dict:
+        return self.client.call(method, url, path, body, after=_resume_hint(self.own_process))
 
     def _post_all(self, path: str, bodies: list[dict]) -> list:
         """POST one body to each replica at once; the futures of their answers."""
@@ -405,6 +428,6 @@ class RemoteEngine:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
-        self.http.close()
+        self.client.close()
         if self.shared is not None:
             self.shared.close()

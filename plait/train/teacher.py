@@ -27,7 +27,6 @@ import subprocess
 import sys
 from multiprocessing.connection import Connection
 from typing import Protocol
-from urllib.parse import urlsplit
 
 import torch
 
@@ -134,40 +133,24 @@ class ServerTeacher:
     log-probs of their completion tokens."""
 
     def __init__(self, cfg):
-        import httpx
+        from plait.rollout.remote import RolloutServerError, ServerClient
 
-        from plait.auth import TokenError, bearer, resolve_token
-
-        v, self.cfg = cfg.rollout.vllm, cfg
+        self.cfg, self.url = cfg, cfg.teacher.url.rstrip("/")
+        start = "Start it with `plait rollout-server --model TEACHER CONFIG` and set teacher.url to its address"
         try:
-            token, self.token_source = resolve_token(v.token_file)
-        except TokenError as e:
+            self.client = ServerClient(cfg.rollout.vllm, "the teacher's server")
+            self.urls = self.client.discover([self.url], start)
+            self.model = self.client.call("GET", self.url, "/health").get("model", "?")
+        except RolloutServerError as e:
             raise TeacherFailed(str(e)) from None
-        self.http = httpx.Client(
-            timeout=httpx.Timeout(v.request_timeout_s, connect=min(10.0, v.connect_timeout_s)), headers=bearer(token)
-        )
-        self.url = cfg.teacher.url.rstrip("/")
-        health = self._call("GET", self.url, "/health")
-        host = urlsplit(self.url)
-        self.urls = [f"{host.scheme}://{host.hostname}:{p}" for p in health["replicas"]]
-        self.model = health.get("model", "?")
 
-    def _call(self, method: str, url: str, path: str, body: dict | None = None) -> dict:
-        import httpx
+    def _call(self, url: str, path: str, body: dict) -> dict:
+        from plait.rollout.remote import RolloutServerError
 
         try:
-            r = self.http.request(method, url + path, json=body)
-        except httpx.HTTPError as e:
-            raise TeacherFailed(f"the teacher's server {url} is unreachable ({type(e).__name__}: {e})") from None
-        if r.status_code == 401:
-            raise TeacherFailed(
-                f"the teacher's server {url} refused this trainer's token (from {self.token_source}): give the "
-                "trainer the server's token (PLAIT_ROLLOUT_TOKEN, or rollout.vllm.token_file)"
-            )
-        if r.status_code != 200:
-            detail = r.json().get("detail", r.text) if "json" in r.headers.get("content-type", "") else r.text
-            raise TeacherFailed(f"the teacher's server {url} answered {path} with HTTP {r.status_code}: {detail}")
-        return r.json()
+            return self.client.call("POST", url, path, body)
+        except RolloutServerError as e:
+            raise TeacherFailed(str(e)) from None
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
         from concurrent.futures import ThreadPoolExecutor
@@ -181,7 +164,7 @@ class ServerTeacher:
         shares = [sequences[k :: len(self.urls)] for k in range(len(self.urls))]
 
         def ask(url: str, share: list[dict]) -> dict:
-            return self._call("POST", url, "/logprobs", {"sequences": share, "temperature": temperature})
+            return self._call(url, "/logprobs", {"sequences": share, "temperature": temperature})
 
         with ThreadPoolExecutor(len(self.urls)) as pool:
             answers = list(pool.map(ask, self.urls, shares))
@@ -196,7 +179,7 @@ class ServerTeacher:
         return f"{self.model}, on the server at {self.url} ({len(self.urls)} replica(s))"
 
     def close(self) -> None:
-        self.http.close()
+        self.client.close()
 
 
 def make_teacher(cfg, backend: Backend) -> Teacher | None:

@@ -2,6 +2,7 @@
 IW-OPD loss; the checks that refuse a teacher that can't score the student's tokens."""
 
 import ast
+import socket
 import textwrap
 from collections import defaultdict
 from types import SimpleNamespace
@@ -170,3 +171,26 @@ def test_a_teacher_server_needs_its_url_and_a_url_needs_the_server_site(tiny_mod
         "teacher.url is set but teacher.site=trainer: set teacher.site=server to ask that server"
     ]
     assert problems(tmp_path, teacher, "teacher.site=server", "teacher.url=http://127.0.0.1:8000") == []
+
+
+def test_a_teacher_server_that_never_answers_fails_with_where_and_how_to_start_it(tiny_model_path, monkeypatch):
+    from plait.train.teacher import ServerTeacher, TeacherFailed
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("PLAIT_ROLLOUT_TOKEN", "t" * 32)
+    cfg = load_config(
+        None,
+        [
+            f"teacher.name_or_path={tiny_model_path}",
+            "teacher.site=server",
+            f"teacher.url=http://127.0.0.1:{port}/",
+            "rollout.vllm.connect_timeout_s=0.5",
+        ],
+    )
+    with pytest.raises(TeacherFailed) as err:
+        ServerTeacher(cfg)
+    msg = str(err.value)
+    assert f"no rollout server at http://127.0.0.1:{port} after" in msg and "the teacher's server" in msg
+    assert "plait rollout-server --model TEACHER" in msg and "teacher.url" in msg
