@@ -436,7 +436,7 @@ def cmd_plan(args) -> int:
     checked = cfg.model_copy(deep=True)
     checked.cluster.devices = len(placed.train) + sum(len(r) for r in placed.replicas)
     try:
-        validate(checked, world_size=len(placed.train))
+        validate(checked, world_size=len(placed.train), needs=("config", "machine", "files"))  # no tokenizer loads
     except ConfigError as err:
         print(f"the config itself has {len(err.problems)} problem(s) to fix before training:")
         print("\n".join(f"  - {p}" for p in err.problems))
@@ -445,16 +445,11 @@ def cmd_plan(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from plait.config import ConfigError, validate
-    from plait.config.checks import reward_parameter_problems
-    from plait.data import data_problems, data_warnings, environment_prompt_problems
+    from plait.config import validate
+    from plait.data import data_warnings
 
     cfg = _load(args)
-    # the data too (no model loads), in the same pass as the config's own problems
-    plan = validate(cfg, args.world_size, also=data_problems(cfg.data) + reward_parameter_problems(cfg))
-    problems = environment_prompt_problems(cfg)  # the tokenizer only
-    if problems:
-        raise ConfigError(problems)
+    plan = validate(cfg, args.world_size)  # the checks plait train runs (the data's too; no model loads)
     print(
         f"ok: {plan.training_processes} training process(es); {plan.prompts_per_step} prompts x "
         f"{plan.num_generations} generations = {plan.completions_per_step} completions per step; "

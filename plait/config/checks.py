@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Literal
 
 from plait.algo.advantages import TOKEN_WHITENED
 from plait.config.load import did_you_mean
@@ -905,55 +905,99 @@ def _changes_the_checkpoint_overrides(cfg: Config, ckpt: Path) -> list[str]:
 # ---------------------------------------------------------------- all of them
 
 
-Check = Callable[[Config, Env], list[str]]
+def check_data(cfg: Config, env: Env) -> list[str]:
+    """The data files' rows (plait.data.data_problems)."""
+    from plait.data import data_problems
 
+    return data_problems(cfg.data)
+
+
+def check_reward_parameters(cfg: Config, env: Env) -> list[str]:
+    """Reward parameters no data column fills (reward_parameter_problems)."""
+    return reward_parameter_problems(cfg)
+
+
+def check_environment_prompts(cfg: Config, env: Env) -> list[str]:
+    """Environments whose every prompt is too long for data.max_prompt_length (the tokenizer's count)."""
+    from plait.data import environment_prompt_problems
+
+    return environment_prompt_problems(cfg)
+
+
+Need = Literal["config", "machine", "files", "tokenizer"]
+NEEDS: tuple[Need, ...] = ("config", "machine", "files", "tokenizer")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One entry of the registry. `needs`: what it reads beside the config: nothing (config),
+    the launch and the machine (machine: devices, packages, CUDA), files and user code named by
+    the config (files), a tokenizer loaded from the model's folder (tokenizer). Tokenizer checks
+    run only when every other check passed: a config with problems may name no usable model."""
+
+    run: Callable[[Config, Env], list[str]]
+    needs: Need
+
+
+# `plait check`, `plait train`, `plait plan` and the Ray launcher all run these, in this order
+# (the data's rows first: a bad file is the first thing to fix)
 CHECKS: tuple[Check, ...] = (
-    check_devices,
-    check_batch_plan,
-    check_generation_devices,
-    check_vllm,
-    check_async,
-    check_rollout_precision,
-    check_keep_best,
-    check_recovery,
-    check_log_sinks,
-    check_restarts,
-    check_sampling,
-    check_reference_model,
-    check_objective,
-    check_advantages,
-    check_prompt_filters,
-    check_clip_higher,
-    check_warmup,
-    check_rewards,
-    check_tools,
-    check_user_loops,
-    check_eval_metric,
-    check_task,
-    check_environments,
-    check_data_files,
-    check_device,
-    check_model,
-    check_lora_targets,
-    check_teacher,
-    check_launch,
-    check_backend,
-    check_output_dir,
-    check_resume,
+    Check(check_data, "files"),
+    Check(check_reward_parameters, "files"),
+    Check(check_devices, "machine"),
+    Check(check_batch_plan, "machine"),
+    Check(check_generation_devices, "config"),
+    Check(check_vllm, "machine"),
+    Check(check_async, "config"),
+    Check(check_rollout_precision, "machine"),
+    Check(check_keep_best, "config"),
+    Check(check_recovery, "config"),
+    Check(check_log_sinks, "machine"),
+    Check(check_restarts, "machine"),
+    Check(check_sampling, "config"),
+    Check(check_reference_model, "config"),
+    Check(check_objective, "config"),
+    Check(check_advantages, "config"),
+    Check(check_prompt_filters, "config"),
+    Check(check_clip_higher, "config"),
+    Check(check_warmup, "config"),
+    Check(check_rewards, "files"),
+    Check(check_tools, "files"),
+    Check(check_user_loops, "files"),
+    Check(check_eval_metric, "files"),
+    Check(check_task, "config"),
+    Check(check_environments, "files"),
+    Check(check_data_files, "files"),
+    Check(check_device, "machine"),
+    Check(check_model, "files"),
+    Check(check_lora_targets, "files"),
+    Check(check_teacher, "files"),
+    Check(check_launch, "machine"),
+    Check(check_backend, "machine"),
+    Check(check_output_dir, "files"),
+    Check(check_resume, "files"),
+    Check(check_environment_prompts, "tokenizer"),
 )
 
 
-def validate(cfg: Config, world_size: int | None = None, also: list[str] | None = None) -> BatchPlan:
-    """Check the whole config against itself and the machine; return the BatchPlan.
+def validate(
+    cfg: Config, world_size: int | None = None, also: list[str] | None = None, needs: tuple[Need, ...] = NEEDS
+) -> BatchPlan:
+    """Check the whole config against itself, the machine, the files it names and the model's
+    tokenizer; return the BatchPlan.
 
     Runs before any model is loaded and raises one ConfigError listing *every* problem,
     each with the numbers involved and values that would work; `also`: problems found before
-    (the config's unknown keys) or beside it (the data's), reported in the same pass.
+    (the config's unknown keys), reported in the same pass. `needs`: the kinds of check to run
+    (`plait plan` for another machine leaves out what only that machine can say).
     """
     from plait.plan import BatchPlan
 
     env = probe(cfg, world_size)
-    problems = [*(also or []), *(problem for check in CHECKS for problem in check(cfg, env))]
+    chosen = [c for c in CHECKS if c.needs in needs]
+    problems = [*(also or []), *(p for c in chosen if c.needs != "tokenizer" for p in c.run(cfg, env))]
+    if not problems:
+        problems = [p for c in chosen if c.needs == "tokenizer" for p in c.run(cfg, env)]
     if problems:
         raise ConfigError(problems)
     assert isinstance(env.plan, BatchPlan)

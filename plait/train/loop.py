@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from plait import comm
 from plait.checkpoint import save_checkpoint, wait_for_saves
 from plait.config import Config, resolve_backend, validate
-from plait.config.checks import reward_parameter_problems
-from plait.data import data_problems
 from plait.evaluate import evaluate
 from plait.programs.environments import EnvironmentFailed, agent_error_problem, error_share_problem, resume_advice
 from plait.rewards.runner import BoundReward, RewardError, call_rewards, reward_inputs
@@ -73,7 +71,7 @@ class RoundResult:
 def train(cfg: Config, console: str | None = None) -> TrainResult:
     """Run GRPO. Every training process (one, or N under torchrun or Ray) runs this same function."""
     # every config problem and the data's, in one pass, before a run directory exists or anything heavy loads
-    plan = validate(cfg, also=data_problems(cfg.data) + reward_parameter_problems(cfg))
+    plan = validate(cfg)
     backend = make_backend(resolve_backend(cfg, plan.training_processes), cfg, resolve_device(cfg.train.device))
     stop = StopSignal().install()  # SIGTERM/SIGINT: finish the round, checkpoint, exit (Preempted)
     try:

@@ -141,13 +141,30 @@ def test_plait_check_scores_the_first_problems_answers_and_sees_each_rebuilt_as_
     # codeio's problem 5 answers '{"s": "}[}}}{(]"}': no box holds it, an <answer> tag does
     text = _problems("environments=[{type: reasoning_gym, dataset: codeio, size: 20, answer_format: boxed}]")
     assert "scores its own reference answer to problem 5" in text and "answer_tag: a box cannot hold" in text
-    validate(load_config(None, ["environments=[{type: reasoning_gym, dataset: codeio, size: 20}]"]), world_size=1)
+    # (codeio's prompts run to 3,359 tokens: the tokenizer's check refuses the default 256)
+    codeio = ["environments=[{type: reasoning_gym, dataset: codeio, size: 20}]", "data.max_prompt_length=4096"]
+    validate(load_config(None, codeio), world_size=1)
     # list_functions draws a new problem each time an entry is read: it cannot be rebuilt to score
     text = _problems("environments=[{type: reasoning_gym, dataset: list_functions, size: 20}]")
     assert "'list_functions' built another problem for entry 0 than the one asked" in text
     row = environment_rows(config(ARITH + ", size: 2}").environments, "train", 0, None)[0]
     other = {**row["env_source"], "problem": "0" * 16}  # a fingerprint the rebuilt problem does not match
     assert environment([f"<answer>{row['answer']}</answer>"], [other]) == [None]  # an infrastructure error
+
+
+def test_plait_train_refuses_what_plait_check_refuses_before_its_run_directory_exists(tmp_path):
+    """One registry of checks for both commands: the tokenizer's (prompts too long) included."""
+    from plait.config.checks import CHECKS
+    from plait.train.loop import train
+
+    assert {c.needs for c in CHECKS} == {"config", "machine", "files", "tokenizer"}
+    run = tmp_path / "run"
+    overrides = ["environments=[{type: reasoning_gym, dataset: codeio, size: 20}]", f"output_dir={run}"]
+    with pytest.raises(ConfigError) as err:
+        train(load_config(None, overrides))
+    assert "20 of 20 prompts are longer than data.max_prompt_length=256 tokens" in str(err.value)
+    assert "\n".join(err.value.problems) == _problems(*overrides)  # what plait check says
+    assert not run.exists()
 
 
 def test_unformatted_credit_scores_an_answer_outside_the_asked_format():
