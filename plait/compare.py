@@ -67,6 +67,7 @@ class Group:
     runs: list[Path]
     histories: list[list[dict]] = field(default_factory=list)
     finals: list[dict] = field(default_factory=list)  # each run's eval.jsonl "after" record, if any
+    evals: list[list[dict]] = field(default_factory=list)  # each run's eval.jsonl records, in order
     notes: list[list[str]] = field(default_factory=list)  # each run's learning notes (plait.telemetry.advice)
 
 
@@ -84,6 +85,7 @@ def read_group(path: Path) -> Group:
         records = [json.loads(x) for x in evals.read_text().splitlines() if x.strip()] if evals.is_file() else []
         after = [e for e in records if e.get("tag") == "after"]
         group.finals.append(after[-1] if after else {})
+        group.evals.append(records)
         group.notes.append(learning_notes(run, rows, records))
     return group
 
@@ -137,6 +139,17 @@ def final_values(group: Group, metric: str) -> list[float]:
     return values
 
 
+def held_out(group: Group, metric: str) -> list[list[tuple[int, float]]]:
+    """Each run's evaluations of `metric` by round (before, during and after training)."""
+    return [[(round_of(e), float(e[metric])) for e in records if metric in e] for records in group.evals]
+
+
+def holding(curve: list[tuple[int, float]]) -> dict[str, float]:
+    """Whether a run held its best evaluation: the best, its round, the last, and last / best."""
+    best_round, best = max(curve, key=lambda e: e[1])
+    return {"best": best, "best_round": best_round, "final": curve[-1][1], "final_over_best": curve[-1][1] / best}
+
+
 def welch(a: list[float], b: list[float]) -> dict[str, float] | None:
     """Welch's t-test of two groups' final values (None with fewer than 2 in a group, or no spread)."""
     if len(a) < 2 or len(b) < 2:
@@ -162,6 +175,16 @@ def summarize(groups: list[Group], metric: str) -> dict:
             "rounds": {k: {r: band(v) for r, v in sorted(by.items())} for k, by in sorted(rounds.items())},
             "curves": {k: run_curves(g, k) for k in HEADLINE},  # each run's own, for the figures
         }
+        curves = held_out(g, metric)
+        if any(len(c) > 2 for c in curves):  # evaluated during the run, not only before and after
+            by: dict[int, list[float]] = {}
+            for curve in curves:
+                for r, v in curve:
+                    by.setdefault(r, []).append(v)
+            key = f"eval/{metric}"
+            out["groups"][g.label]["rounds"][key] = {r: band(v) for r, v in sorted(by.items())}
+            out["groups"][g.label]["curves"][key] = curves
+            out["groups"][g.label]["held"] = [holding(c) for c in curves if c and max(v for _, v in c) > 0]
         vals = out["groups"][g.label]["final"]["values"]
         if vals:
             out["groups"][g.label]["final"].update(band(vals))
@@ -194,6 +217,13 @@ def describe(summary: dict) -> str:
                 first, last = by[min(by)], by[max(by)]
                 start = f"{first['mean']:.4g} +- {first['std']:.2g}"
                 lines.append(f"  {key:<24} {start}  ->  {last['mean']:.4g} +- {last['std']:.2g}")
+    for label, g in summary["groups"].items():
+        by = by_round(g["rounds"].get(f"eval/{metric}"))
+        if by and g.get("held"):
+            curve = ", ".join(f"{b['mean']:.3g} ({r})" for r, b in sorted(by.items()))
+            ratios = ", ".join(f"{h['final_over_best']:.2f}" for h in g["held"])
+            lines.append(f"{label}, {metric} at each evaluation, mean over runs (round): {curve}")
+            lines.append(f"  each run's last evaluation over its best: {ratios}")
     for label, g in summary["groups"].items():
         for run, notes in g.get("notes", {}).items():
             lines += [f"{label}/{run}, learning: {note}" for note in notes]
@@ -274,7 +304,7 @@ def write(summary: dict, out_dir: Path) -> Path:
                     tb.add_scalar(f"{key}/mean", b["mean"], int(r))
                     tb.add_scalar(f"{key}/sd", b["std"], int(r))
     parts = [f"<h1>plait compare</h1><pre>{html.escape(describe(summary))}</pre>"]
-    for key in HEADLINE:
+    for key in (*HEADLINE, f"eval/{summary['metric']}"):
         png = figure(summary, key)
         if png is not None:
             data = base64.b64encode(png).decode()
