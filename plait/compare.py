@@ -140,14 +140,20 @@ def final_values(group: Group, metric: str) -> list[float]:
 
 
 def held_out(group: Group, metric: str) -> list[list[tuple[int, float]]]:
-    """Each run's evaluations of `metric` by round (before, during and after training)."""
-    return [[(round_of(e), float(e[metric])) for e in records if metric in e] for records in group.evals]
+    """Each run's evaluations of `metric` by round (before, during and after training; not the
+    evaluation of a state recovery restored, which an earlier one measured)."""
+    return [
+        [(round_of(e), float(e[metric])) for e in records if metric in e and "restored" not in e]
+        for records in group.evals
+    ]
 
 
-def holding(curve: list[tuple[int, float]]) -> dict[str, float]:
-    """Whether a run held its best evaluation: the best, its round, the last, and last / best."""
+def holding(curve: list[tuple[int, float]], final: float | None = None) -> dict[str, float]:
+    """Whether a run held its best evaluation: the best, its round, what the run ended with
+    (`final`: its last "after" evaluation, else the curve's last), and final / best."""
     best_round, best = max(curve, key=lambda e: e[1])
-    return {"best": best, "best_round": best_round, "final": curve[-1][1], "final_over_best": curve[-1][1] / best}
+    final = curve[-1][1] if final is None else final
+    return {"best": best, "best_round": best_round, "final": final, "final_over_best": final / best}
 
 
 def welch(a: list[float], b: list[float]) -> dict[str, float] | None:
@@ -184,7 +190,9 @@ def summarize(groups: list[Group], metric: str) -> dict:
             key = f"eval/{metric}"
             out["groups"][g.label]["rounds"][key] = {r: band(v) for r, v in sorted(by.items())}
             out["groups"][g.label]["curves"][key] = curves
-            out["groups"][g.label]["held"] = [holding(c) for c in curves if c and max(v for _, v in c) > 0]
+            ends = [f.get(metric) for f in g.finals]
+            held = [holding(c, e) for c, e in zip(curves, ends) if c and max(v for _, v in c) > 0]
+            out["groups"][g.label]["held"] = held
         vals = out["groups"][g.label]["final"]["values"]
         if vals:
             out["groups"][g.label]["final"].update(band(vals))

@@ -362,10 +362,12 @@ def summary_rows(history: list[dict], evals: list[dict], metric: str) -> list[tu
     ]
     rows.append(("time per phase", ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1]))))
     before = [e[metric] for e in evals if e.get("tag") == "before" and metric in e]
-    after = [e[metric] for e in evals if e.get("tag") == "after" and metric in e]
+    after = [e for e in evals if e.get("tag") == "after" and metric in e]
     if before or after:
-        first, final = before[-1] if before else "-", after[-1] if after else "-"
-        rows.append((f"held-out {metric}", f"{first} before -> {final} after"))
+        first, final = before[-1] if before else "-", after[-1][metric] if after else "-"
+        restored = after[-1].get("restored") if after else None
+        state = "" if restored is None else f" (round {restored}'s state, restored by recovery)"
+        rows.append((f"held-out {metric}", f"{first} before -> {final} after{state}"))
     rolled = rollback_rounds(history)
     if any("recovery/rollbacks" in m for m in history):
         scale = history[-1].get("recovery/lr_scale", 1.0)

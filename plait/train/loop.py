@@ -235,9 +235,10 @@ def log_round(run: Run, round_: int, out: RoundResult, saved: int) -> None:
         run.sink.samples(round_, [sample_record(round_, g) for g in out.groups[: cfg.log.samples]])
 
 
-def run_eval(run: Run, tag: str, version: int) -> float:
-    """Greedy accuracy on the held-out prompts with the weights after `version` rounds: each
-    process decodes its share, the counts are summed."""
+def run_eval(run: Run, tag: str, version: int, restored: int | None = None) -> float:
+    """Greedy accuracy on the held-out prompts with the weights after `version` rounds (or, when
+    recovery restored them, `restored` round's): each process decodes its share, the counts are
+    summed."""
     cfg = run.cfg
     tokens = cfg.eval.max_completion_length or cfg.rollout.max_completion_length
     with run.engine.weights_for_round(version), decoding_in(cfg.train.precision):
@@ -253,10 +254,13 @@ def run_eval(run: Run, tag: str, version: int) -> float:
     accuracy = correct / max(1.0, n)
     per_env = environment_accuracy(run, res)
     shown = "".join(f", {label} {acc:.3f}" for label, acc in per_env.items())
-    run.say(f"[bold cyan]eval {tag}[/]: {cfg.eval.metric} = {accuracy:.3f} on {n:.0f} held-out prompts (greedy){shown}")
+    state = "" if restored is None else f" (round {restored}'s state, restored)"
+    say = f"[bold cyan]eval {tag}[/]{state}: {cfg.eval.metric} = {accuracy:.3f} on {n:.0f} held-out prompts (greedy)"
+    run.say(say + shown)
     if comm.is_main():
         with (run.run_dir / "eval.jsonl").open("a") as f:
             record = {"tag": tag, "round": version, "step": version, cfg.eval.metric: accuracy, "n": int(n)}
+            record.update({} if restored is None else {"restored": restored})
             record.update({f"env/{label}": acc for label, acc in per_env.items()})
             f.write(json.dumps(record) + "\n")
     if cfg.checkpoint.keep_best:
@@ -344,7 +348,9 @@ def finish_run(run: Run, last: int, saved: int) -> None:
         save(run, last)
     if cfg.eval.after:
         run.result.eval_after = run_eval(run, "after", last)
-        run.result.eval_after = end_on_best(run, run.result.eval_after)
+        restored = end_on_best(run, run.result.eval_after)
+        if restored is not None:  # what the run ends with is measured, not assumed: a second "after" record
+            run.result.eval_after = run_eval(run, "after", last, restored)
     if cfg.checkpoint.save_final_model:
         run.backend.export(run.run_dir / "final", run.tokenizer)
     describe_processes(run.backend, run.run_dir, run.say, final=True)

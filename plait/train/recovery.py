@@ -127,16 +127,16 @@ def defend(run, round_: int, score: float, trainer_state: Callable[[], dict]) ->
     return False
 
 
-def end_on_best(run, accuracy: float) -> float:
+def end_on_best(run, accuracy: float) -> int | None:
     """After the last evaluation (`accuracy`): with recovery watching the evaluation, a fall past
-    the margin below the best restores the best state, which the run then exports. The score of
-    what the run ends with."""
+    the margin below the best restores the best state, which the run then exports. The round
+    whose state was restored (None: the run ends as it is)."""
     state = run.recovery
     if watched(run.cfg) != "eval" or state.best is None or accuracy >= state.best - run.cfg.recovery.margin:
-        return accuracy
+        return None
     restore_best(run.run_dir, run.backend, run.engine)
     run.say(
         f"[bold yellow]recovery[/]: the last evaluation fell to {accuracy:.3f} (best {state.best:.3f}, round "
-        f"{state.best_round}): the run ends on round {state.best_round}'s state (final/)"
+        f"{state.best_round}): the run ends on round {state.best_round}'s state (final/), evaluated again"
     )
-    return state.best
+    return state.best_round

@@ -160,3 +160,21 @@ def vowel_share_killing_teacher(completions, **kwargs):
             if "plait.train.teacher" in " ".join(child.cmdline()):
                 os.kill(child.pid, signal.SIGKILL)  # not reaped here: the trainer sees its exit code
     return vowel_share(completions, **kwargs)
+
+
+EVALUATIONS = {"n": 0}
+PLANTED_EVALUATIONS = (0.25, 0.75, 0.125)  # before, round 2, after: the last evaluation falls
+
+
+def evaluations_then_a_fall(completions, prompts, **kwargs):
+    """An eval metric whose k-th evaluation pays PLANTED_EVALUATIONS[k] to every completion, and
+    0.75 from then on: a run evaluated before, at round 2 and after round 3 sees its last
+    evaluation fall from its best, whatever its weights (reset EVALUATIONS first). An evaluation
+    is a call with one completion per prompt; a round's accuracy on its groups (several per
+    prompt) is not counted."""
+    if len(set(prompts)) < len(prompts):
+        return [0.0] * len(completions)
+    k = EVALUATIONS["n"]
+    EVALUATIONS["n"] += 1
+    value = PLANTED_EVALUATIONS[k] if k < len(PLANTED_EVALUATIONS) else 0.75
+    return [value] * len(completions)

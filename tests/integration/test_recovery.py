@@ -11,6 +11,7 @@ round (the window starts empty after a rollback)."""
 
 from __future__ import annotations
 
+import html
 import json
 import signal
 import subprocess
@@ -84,6 +85,49 @@ def test_a_fall_rolls_back_to_the_best_state_and_the_last_one_ends_the_run(tiny_
     assert [consumed(run, r) for r in (3, 4, 5)] == [3 * per_round, 4 * per_round, 5 * per_round]
     # the report says so, and marks the round on its accuracy figure
     assert "1 rollback(s) after round(s) 4; learning rate x0.5" in write_report(run).read_text()
+
+
+def test_a_last_evaluation_that_falls_ends_the_run_on_its_best_state_evaluated_again(
+    tiny_model_path, prompts_jsonl, tmp_path
+):
+    """Watching the evaluation: the one after the last round falls past the margin, so the run
+    restores its best state (round 2's), exports that, and evaluates it again; the second "after"
+    record is what the run ended with, and plait compare and the report read it, not the fall."""
+    import plait_test_rewards
+
+    from plait.compare import compare
+
+    plait_test_rewards.EVALUATIONS["n"] = 0
+    run = tmp_path / "runs" / "seed-0"
+    sets = tiny_overrides(
+        tiny_model_path,
+        prompts_jsonl,
+        run,
+        "train.max_steps=3",
+        "recovery.enabled=true",
+        "eval.before=true",
+        "eval.after=true",
+        "eval.every_steps=2",
+        "eval.metric=plait_test_rewards:evaluations_then_a_fall",
+    )
+    result = train(load_config(None, sets))
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [(e["tag"], e["round"], e.get("restored")) for e in evals] == [
+        ("before", 0, None),
+        ("round 2", 2, None),
+        ("after", 3, None),
+        ("after", 3, 2),
+    ]
+    assert result.eval_after == 0.75  # the restored state's own evaluation (the metric's 4th call)
+    best = best_checkpoint(run)
+    assert best is not None and best.name == "step_00000002"
+    kept, ended = load_file(str(best / "model.safetensors")), final_weights(run)
+    assert all(torch.equal(kept[k], ended[k]) for k in kept)  # final/ is round 2's state
+    summary, _ = compare([tmp_path / "runs"], tmp_path / "compare")
+    (group,) = summary["groups"].values()
+    assert group["final"]["values"] == [0.75] and [h["final_over_best"] for h in group["held"]] == [1.0]
+    page = html.unescape(write_report(run).read_text())
+    assert "0.25 before -> 0.75 after (round 2's state, restored by recovery)" in page
 
 
 def test_a_run_killed_after_a_rollback_resumes_as_the_unbroken_one(
