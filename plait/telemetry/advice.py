@@ -301,6 +301,21 @@ def _early_teacher_note(history: list[dict]) -> str | None:
     )
 
 
+def _guard_advice(cfg) -> str:
+    """What keeps the best of a run that fell: recovery where it is off; where it is on (and
+    did not act), a margin it acts on sooner."""
+    r = getattr(cfg, "recovery", None)
+    if r is not None and r.enabled:
+        watch = r.watch if r.watch != "auto" else ("eval" if cfg.eval.every_steps else "reward")
+        return (
+            f"recovery is on (watching the {watch}, margin {r.margin:g}) and did not act: a smaller margin acts sooner"
+        )
+    return (
+        "recovery.enabled=true rolls a falling run back to its best state (or checkpoint.keep_best=true keeps "
+        "the best evaluated model)"
+    )
+
+
 def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None = None) -> list[str]:
     """What the run's curves say about its learning, with what to try: a reward that fell far
     from its peak, an evaluation that ended below its best, entropy that collapsed, clip
@@ -323,8 +338,7 @@ def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None
             notes.append(
                 f"the reward fell from its peak ({smooth[top]:.3f}, smoothed, around round {rounds[top]}) to "
                 f"{smooth[-1]:.3f} at the end: the policy degraded. Try {lower_lr}, a KL term (algo.beta > 0), "
-                "and recovery.enabled=true to roll the run back to its best state when it falls (or "
-                "checkpoint.keep_best=true to keep the best evaluated model)"
+                f"and {_guard_advice(cfg)}"
             )
     scored = [(round_of(e), e[metric]) for e in evals if metric and e.get(metric) is not None]
     if len(scored) >= 2:
@@ -332,8 +346,7 @@ def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None
         if scored[-1][1] < best[1] - 0.05:
             notes.append(
                 f"the evaluation ({metric}) peaked at {best[1]:.3f} (round {best[0]}) and ended at "
-                f"{scored[-1][1]:.3f}: recovery.enabled=true rolls a falling run back to its best state, "
-                f"checkpoint.keep_best=true keeps the best model; try {lower_lr}"
+                f"{scored[-1][1]:.3f}: {_guard_advice(cfg)}; try {lower_lr}"
             )
     notes += takeover_notes(history, cfg)
     distilling = any(m.get("teacher/kl") is not None for m in history)

@@ -259,3 +259,15 @@ def test_a_distillation_run_is_read_by_its_kl_to_the_teacher():
     rising = rounds(reward__total__mean=[0.0] * 12, teacher__kl=[0.1] * 4 + [0.2] * 4 + [0.4] * 4)
     (note,) = health_notes(rising, [], CFG, "accuracy")
     assert note.startswith("the KL to the teacher rose (0.1000 -> 0.4000, first vs last third)")
+
+
+def test_a_fall_in_a_run_with_recovery_on_is_not_told_to_turn_recovery_on():
+    history = [
+        {"round": i + 1, "reward/total/mean": r} for i, r in enumerate([0.1, 0.5, 0.9, 1.0, 1.0, 0.5, 0.3, 0.2, 0.2])
+    ]
+    evals = [{"round": 0, "acc": 0.2}, {"round": 5, "acc": 0.6}, {"round": 9, "acc": 0.45}]
+    off = health_notes(history, evals, load_config(None, []), "acc")
+    assert len(off) == 2 and all("recovery.enabled=true rolls a falling run back" in n for n in off)
+    on = health_notes(history, evals, load_config(None, ["recovery.enabled=true", "recovery.margin=0.2"]), "acc")
+    assert len(on) == 2 and not any("recovery.enabled=true" in n for n in on)
+    assert all("recovery is on (watching the reward, margin 0.2) and did not act" in n for n in on)
