@@ -9,6 +9,10 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE / "helpers"))  # reward functions importable as `plait_test_rewards:...`
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# train.precision=auto is bf16 on a CPU with bf16 units: the suite's tests of exact sampling
+# (engine log-probs within 1e-5 of the trainer's) and of runs split over processes (the tokens one
+# process samples) are about fp32, on every CPU kind CI may get. The tests of auto itself unset it.
+os.environ.setdefault("PLAIT_AUTO_PRECISION", "fp32")
 # On pytest-xdist workers, each worker's share of the cores: torch in the worker and in every
 # process a test starts (inheriting it) runs that many threads, not one per core. Two workers
 # that each ran two OpenMP threads on two cores kept their threads waiting at every parallel

@@ -387,6 +387,7 @@ def _optimizer(recipe, get, given, unmapped, out: Conversion, rounds_per_epoch: 
     kind = get("lr_scheduler_type")
     if kind in SCHEDULES:
         out.set("train.lr_scheduler", SCHEDULES[kind])
+        out.set("train.decay_ratio", 1.0)  # transformers' schedules decay over every update after warmup
     else:
         unmapped("lr_scheduler_type", f"plait's schedules: {', '.join(SCHEDULES)}")
     kwargs = get("lr_scheduler_kwargs") or {}

@@ -1,4 +1,4 @@
-"""AdamW and the LR schedule (linear warmup, then constant / linear / cosine decay to min_lr_ratio)."""
+"""AdamW and the LR schedule (linear warmup, the peak, then constant / linear / cosine decay to min_lr_ratio)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ import math
 import torch
 
 
-def lr_factor(step: int, warmup: int, total: int, kind: str, floor: float = 0.0) -> float:
-    """Multiplier of the peak LR for optimizer step `step` (0-based); linear and cosine decay
-    from 1 to `floor` (transformers' cosine_with_min_lr with min_lr_rate = floor)."""
+def lr_factor(step: int, warmup: int, total: int, kind: str, floor: float = 0.0, decay_ratio: float = 1.0) -> float:
+    """Multiplier of the peak LR for optimizer step `step` (0-based): a linear warmup over `warmup`
+    steps, then the peak, then linear or cosine decay from 1 to `floor` over the last `decay_ratio`
+    of the steps after warmup (warmup-stable-decay; 1 = every step after warmup, transformers'
+    cosine_with_min_lr with min_lr_rate = floor)."""
     if warmup and step < warmup:
         return (step + 1) / warmup
-    if kind == "constant":
+    start = warmup + (total - warmup) * (1.0 - decay_ratio)
+    if kind == "constant" or step < start:
         return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    progress = min(1.0, (step - start) / max(1, total - start))
     decay = 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
     return floor + (1.0 - floor) * decay
 
@@ -47,7 +50,7 @@ def make_optimizer(model, cfg, fused: bool = True) -> tuple[torch.optim.Optimize
     )
     total = cfg.optimizer_updates
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, t.warmup_steps, total, t.lr_scheduler, t.min_lr_ratio)
+        opt, lambda s: lr_factor(s, t.warmup_steps, total, t.lr_scheduler, t.min_lr_ratio, t.decay_ratio)
     )
     return opt, sched
 

@@ -147,7 +147,11 @@ def resolved_config(cfg: Config, plan: BatchPlan, backend: Backend, say) -> Conf
     cfg.train.micro_batch_size = plan.micro_batch_size
     cfg.train.gradient_accumulation_steps = plan.gradient_accumulation_steps
     a, r = cfg.algo, cfg.rollout
+    auto_rollouts = r.precision == "auto"
     r.precision = rollout_precision(cfg, backend.device)
+    if cfg.train.precision_auto:
+        said = f"rollouts {r.precision}" + (" (rollout.precision=auto)" if auto_rollouts else "")
+        say(f"train.precision=auto -> {cfg.train.precision}: {cfg.train.precision_auto}; {said}")
     coarse_rollouts = coarser(r.precision, cfg.train.precision) != cfg.train.precision
     if a.engine_is_correction is None:
         a.engine_is_correction = r.max_staleness > 0 or coarse_rollouts

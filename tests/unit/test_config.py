@@ -457,7 +457,8 @@ def test_estimator_options_that_belong_to_another_estimator_are_refused():
         validate(load_config(None, [f"algo.advantage_estimator={est}"]), world_size=1)
 
 
-def test_rollout_precision_is_checked_and_auto_is_fp32_for_the_hf_engine_on_cpu():
+def test_rollout_precision_is_checked_and_auto_follows_the_trainer_where_bf16_is_native(monkeypatch):
+    import plait.rollout.precision as precision
     from plait.rollout.precision import rollout_precision
 
     int8 = "rollout.precision=int8"
@@ -466,10 +467,40 @@ def test_rollout_precision_is_checked_and_auto_is_fp32_for_the_hf_engine_on_cpu(
     assert any("swaps them mid-call" in p for p in inflight)
     validate(load_config(None, [int8, "rollout.max_staleness=1"]))  # a generation process quantizes per call
     bf16 = load_config(None, ["train.precision=bf16"])
-    assert rollout_precision(bf16, torch.device("cpu")) == "fp32"  # packed fp32 decoding outruns bf16 on CPUs
+    monkeypatch.setattr(precision, "native_bf16_cpu", lambda: False)
+    assert rollout_precision(bf16, torch.device("cpu")) == "fp32"  # emulated bf16 is several times slower
+    monkeypatch.setattr(precision, "native_bf16_cpu", lambda: True)
+    assert rollout_precision(bf16, torch.device("cpu")) == "bf16"  # packed bf16 weights on AVX512_BF16/AMX
+    assert rollout_precision(load_config(None, ["train.precision=fp32"]), torch.device("cpu")) == "fp32"
     assert rollout_precision(bf16, torch.device("cuda")) == "bf16"
     assert rollout_precision(load_config(None, ["train.precision=bf16", "rollout.engine=vllm"])) == "bf16"
     assert rollout_precision(load_config(None, ["train.precision=fp32", "rollout.precision=bf16"])) == "bf16"
+
+
+def test_auto_precision_is_bf16_where_the_cpu_multiplies_it_and_says_why(monkeypatch):
+    import plait.models as models
+    from plait.models import cpu_flags
+
+    monkeypatch.delenv("PLAIT_AUTO_PRECISION", raising=False)
+    native = bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and torch.backends.cpu.get_cpu_capability() != "AVX2"
+    if not torch.cuda.is_available():  # this machine, undisturbed
+        assert load_config(None, []).train.precision == ("bf16" if native else "fp32")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for has_units, want in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(models, "native_bf16_cpu", lambda has=has_units: has)
+        cfg = load_config(None, [])
+        assert cfg.train.precision == want
+        assert ("in hardware" in cfg.train.precision_auto) == has_units
+        again = Config.model_validate(yaml.safe_load(cfg.to_yaml()))  # the resolved config names it
+        assert again.train.precision == want and again.train.precision_auto is None
+    monkeypatch.setattr(models, "native_bf16_cpu", lambda: True)
+    determined = load_config(None, ["train.deterministic=true"]).train
+    assert determined.precision == "fp32" and determined.precision_auto == "train.deterministic"
+    named = load_config(None, ["train.precision=fp32"]).train
+    assert named.precision == "fp32" and named.precision_auto is None
+    monkeypatch.setenv("PLAIT_AUTO_PRECISION", "fp32")
+    pinned = load_config(None, []).train
+    assert pinned.precision == "fp32" and "PLAIT_AUTO_PRECISION" in pinned.precision_auto
 
 
 def test_the_drift_limit_follows_the_coarser_precision():

@@ -43,3 +43,10 @@ def test_lr_schedules_by_hand():
     assert lr_factor(6, 2, 10, "cosine", floor=0.1) == pytest.approx(0.55)
     assert lr_factor(10, 2, 10, "cosine", floor=0.1) == pytest.approx(0.1)
     assert lr_factor(10, 2, 10, "linear", floor=0.1) == pytest.approx(0.1)
+    # warmup-stable-decay: the peak until the last half of the 8 updates after warmup, then decay
+    wsd = [lr_factor(s, 2, 10, "linear", decay_ratio=0.5) for s in range(11)]
+    assert wsd[:6] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0] and wsd[7] == pytest.approx(0.75) and wsd[10] == 0.0
+    assert lr_factor(8, 2, 10, "cosine", decay_ratio=0.5) == pytest.approx(0.5)
+    assert lr_factor(5, 2, 10, "constant", decay_ratio=0.5) == 1.0
+    full = [lr_factor(s, 2, 10, "cosine", 0.1) for s in range(11)]  # decay_ratio 1: transformers' schedule
+    assert full == [lr_factor(s, 2, 10, "cosine", 0.1, decay_ratio=1.0) for s in range(11)]
