@@ -31,6 +31,7 @@ def tiny_overrides(model, data, out, *extra):
         "train.learning_rate=1e-3",
         "train.warmup_steps=2",
         "train.lr_scheduler=cosine",
+        "train.decay_ratio=1.0",  # decay over every update after warmup: the tests' schedule arithmetic
         "train.precision=fp32",
         "rewards=[{name: 'plait_test_rewards:vowel_share'}]",
         "eval.before=false",
