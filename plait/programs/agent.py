@@ -64,7 +64,6 @@ from typing import Any, Callable
 
 from plait.programs.calls import find_calls
 from plait.programs.endpoint import MODEL, AgentRequestError, Endpoint
-from plait.programs.environments import LAST_ERROR
 from plait.programs.template import ChatTurns, TemplateMismatch
 from plait.programs.tool_loop import model_words, unsampled
 from plait.types import Completion, Prompt, SamplingParams
@@ -629,9 +628,7 @@ class AgentProgram:
     def _completion(self, rec: Recording) -> Completion:
         """The rollout's training sample: the one its last call built."""
         s = rec.last or Sample("text", list(rec.prompt.token_ids), rec.prompt.text)
-        error = rec.error
-        if error is not None:
-            LAST_ERROR["agent"] = f"rollout {rec.index}: {error}"
+        error = None if rec.error is None else f"rollout {rec.index}: {rec.error}"
         versions = [v for v in s.versions if v is not None]
         forked = sum(x.calls for x in rec.samples if x is not s)
         prompt_ids = None if s.prompt_ids == list(rec.prompt.token_ids) else s.prompt_ids

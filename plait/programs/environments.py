@@ -102,16 +102,13 @@ class EnvironmentFailed(RuntimeError):
     """An environment's verifier failed on too many of a round's completions: the run stops."""
 
 
-# the last exception each environment's verifier raised in this process, for the stop message
-LAST_ERROR: dict[str, str] = {}
-
-
 def environment(
     completions: list[str],
     env_source: list[dict | None] | None = None,
     unformatted_credit: float = 0.0,
     env_reward: list[float | None] | None = None,
     env_error: list[str | None] | None = None,
+    errors: dict[str, str] | None = None,
     **columns,
 ) -> list[float | None]:
     """Each completion scored by the verifier of the environment its prompt came from (a
@@ -121,15 +118,17 @@ def environment(
     unformatted_credit: the share of the score an answer earns when it is not where the
     environment asked for it (its last number, else its last line, is given to the verifier),
     so a model that does not box its answers yet gets a signal; the eval metric, bound without
-    kwargs, stays strict."""
+    kwargs, stays strict. errors: filled with each failing environment's last error (the reward
+    runner hands in one per call and keeps it in its report, for the run's stop message)."""
     out: list[float | None] = []
     n = len(completions)
+    errors = {} if errors is None else errors
     labels = columns.get("environment") or [None] * n
     rewarded = zip(env_reward or [None] * n, env_error or [None] * n)
     failures: Counter[str] = Counter()  # one warning per environment per call, not one per completion
     for completion, source, name, (reward, error) in zip(completions, env_source or [None] * n, labels, rewarded):
         if error is not None and name is not None:  # (an agent's rollout has no label: its engine warns, naming it)
-            LAST_ERROR[str(name)] = error
+            errors[str(name)] = error
             failures[str(name)] += 1
         if not source:
             out.append(reward)
@@ -145,7 +144,7 @@ def environment(
                 out.append(0.0)
         except Exception as err:
             key = str(name or source.get("dataset"))
-            LAST_ERROR[key] = f"{type(err).__name__}: {err}"
+            errors[key] = f"{type(err).__name__}: {err}"
             failures[key] += 1
             out.append(None)
     for name, count in failures.items():
@@ -154,7 +153,7 @@ def environment(
             name,
             count,
             n,
-            LAST_ERROR[name],
+            errors[name],
         )
     return out
 
@@ -167,33 +166,51 @@ def resume_advice(saved: int) -> str:
     return "no checkpoint was written before it stopped, so resume=auto would start the run over from round 1"
 
 
-def error_share_problem(specs, metrics: dict[str, float], round_: int, saved: int = 0) -> str | None:
+def round_errors(groups) -> dict[str, str]:
+    """The last error of each environment (by its label) and of the agent ("agent") among a
+    round's rollouts, for the stop message: what their completions carry (`env_error`)."""
+    out = {}
+    for g in groups:
+        for c in g.completions:
+            if c.env_error is not None:
+                agent = "agent/errors" in (c.info or {})
+                out["agent" if agent else str(g.prompt.columns.get("environment"))] = c.env_error
+    return out
+
+
+def error_share_problem(
+    specs, metrics: dict[str, float], round_: int, saved: int = 0, errors: dict[str, str] | None = None
+) -> str | None:
     """Why the run must stop: an environment whose verifier failed on more than its
     `max_error_share` of the round's completions (None: none did). `saved`: the round of the
-    run's last checkpoint (0: none), for the resume advice."""
+    run's last checkpoint (0: none), for the resume advice; `errors`: the round's last error per
+    environment (round_errors, and the reward runner's report), quoted."""
+    errors = errors or {}
     for spec in specs:
         name = label(spec)
-        errors, n = metrics.get(f"env/{name}/errors", 0.0), metrics.get(f"env/{name}/completions", 0.0)
-        if n and errors / n > spec.max_error_share:
-            cause = LAST_ERROR.get(name, "see the warnings above")
+        failed, n = metrics.get(f"env/{name}/errors", 0.0), metrics.get(f"env/{name}/completions", 0.0)
+        if n and failed / n > spec.max_error_share:
+            cause = errors.get(name, "see the warnings above")
             return (
-                f"environment '{name}' failed to score {errors:.0f} of its {n:.0f} completions in round {round_} "
+                f"environment '{name}' failed to score {failed:.0f} of its {n:.0f} completions in round {round_} "
                 f"(more than its max_error_share {spec.max_error_share:g}); its last error: {cause}. Those were "
                 f"not trained on; fix the environment; {resume_advice(saved)}"
             )
     return None
 
 
-def agent_error_problem(agent, metrics: dict[str, float], round_: int, saved: int = 0) -> str | None:
+def agent_error_problem(
+    agent, metrics: dict[str, float], round_: int, saved: int = 0, errors: dict[str, str] | None = None
+) -> str | None:
     """Why the run must stop: more than rollout.agent.max_error_share of the round's agents
-    failed (None: not so, or no agent). `saved` as for error_share_problem."""
+    failed (None: not so, or no agent). `saved` and `errors` as for error_share_problem."""
     if agent is None:
         return None
-    errors, n = metrics.get("agent/errors", 0.0), metrics.get("agent/rollouts", 0.0)
-    if n and errors / n > agent.max_error_share:
-        cause = LAST_ERROR.get("agent", "see the warnings above")
+    failed, n = metrics.get("agent/errors", 0.0), metrics.get("agent/rollouts", 0.0)
+    if n and failed / n > agent.max_error_share:
+        cause = (errors or {}).get("agent", "see the warnings above")
         return (
-            f"{errors:.0f} of the {n:.0f} agent rollouts of round {round_} failed (more than rollout.agent."
+            f"{failed:.0f} of the {n:.0f} agent rollouts of round {round_} failed (more than rollout.agent."
             f"max_error_share {agent.max_error_share:g}); the last: {cause}. Those were not trained on; fix the "
             f"agent {agent.function}; {resume_advice(saved)}"
         )

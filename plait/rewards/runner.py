@@ -61,16 +61,21 @@ def _add(a: dict, b: dict) -> dict:
 class RewardReport:
     """What scoring cost: seconds each reward's calls took (they run side by side), calls that
     ran past their timeout_s, and the sandbox's counts (executions, seconds, invalid, cached;
-    empty when no sandbox was involved)."""
+    empty when no sandbox was involved); and the last error of each environment whose verifier
+    failed (plait's `environment` reward fills it), for the run's stop message."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     timeouts: dict[str, int] = field(default_factory=dict)
     sandbox: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
 
     def merge(self, other: RewardReport) -> RewardReport:
-        """Both reports' costs summed (several scoring rounds of one step)."""
+        """Both reports' costs summed (several scoring rounds of one step), the later errors kept."""
         return RewardReport(
-            _add(self.seconds, other.seconds), _add(self.timeouts, other.timeouts), _add(self.sandbox, other.sandbox)
+            _add(self.seconds, other.seconds),
+            _add(self.timeouts, other.timeouts),
+            _add(self.sandbox, other.sandbox),
+            {**self.errors, **other.errors},
         )
 
     def metrics(self, names: list[str], sandboxed: bool) -> dict[str, float]:
@@ -289,9 +294,19 @@ def call_reward(reward: BoundReward, inputs: RewardInputs) -> list[float | None]
     return _timed_call(reward, inputs)[0]
 
 
-def _timed_call(reward: BoundReward, inputs: RewardInputs) -> tuple[list[float | None], float]:
-    """call_reward, and the seconds it took."""
+def reports_errors(reward: BoundReward) -> bool:
+    """One of plait's own rewards that says what failed in an `errors` dict it is handed (the
+    `environment` reward: its verifiers' exceptions), in this process."""
+    signature = _parameters(reward.fn) if reward.builtin and reward.process is None else None
+    return signature is not None and any(p.name == "errors" for p in signature[0])
+
+
+def _timed_call(reward: BoundReward, inputs: RewardInputs) -> tuple[list[float | None], float, dict[str, str]]:
+    """call_reward, the seconds it took, and the errors it reported (reports_errors)."""
     extra = {"sandbox": reward.sandbox} if reward.needs_sandbox and reward.sandbox is not None else {}
+    errors: dict[str, str] = {}
+    if reports_errors(reward):
+        extra["errors"] = errors
     texts = inputs.texts
     first = _sample(texts, 0) if texts else "-"
     where = f"(on a batch of {len(texts)} completions; the first was {first}{_null_columns(inputs)})"
@@ -312,7 +327,7 @@ def _timed_call(reward: BoundReward, inputs: RewardInputs) -> tuple[list[float |
     except Exception as err:
         raise RewardError(f"reward '{reward.name}' raised {type(err).__name__}: {err} {where}") from err
     seconds = time.perf_counter() - t0
-    return _checked(reward, texts, values), seconds
+    return _checked(reward, texts, values), seconds, errors
 
 
 # columns plait fills in itself, where None is a value of its own (no environment reward, no error)
@@ -389,9 +404,10 @@ def call_rewards(
     before = [box.counts() for box in boxes]
     report = RewardReport()
     if len(rewards) == 1 and rewards[0].timeout_s is None:
-        values, seconds = _timed_call(rewards[0], inputs)
+        values, seconds, errors = _timed_call(rewards[0], inputs)
         out = {rewards[0].name: values}
         report.seconds[rewards[0].name] = seconds
+        report.errors.update(errors)
     else:
         out = _call_in_parallel(rewards, inputs, report)
     for box, counts in zip(boxes, before):
@@ -409,7 +425,8 @@ def _call_in_parallel(
     out = {}
     for r in rewards:
         try:
-            out[r.name], report.seconds[r.name] = calls[r.name].result(timeout=r.timeout_s)
+            out[r.name], report.seconds[r.name], errors = calls[r.name].result(timeout=r.timeout_s)
+            report.errors.update(errors)
         except TimeoutError:
             if r.process is not None:
                 r.process.kill()  # its thread sees the end and returns; the next call restarts it

@@ -25,7 +25,13 @@ from plait import comm
 from plait.checkpoint import save_checkpoint, wait_for_saves
 from plait.config import Config, resolve_backend, validate
 from plait.evaluate import evaluate
-from plait.programs.environments import EnvironmentFailed, agent_error_problem, error_share_problem, resume_advice
+from plait.programs.environments import (
+    EnvironmentFailed,
+    agent_error_problem,
+    error_share_problem,
+    resume_advice,
+    round_errors,
+)
 from plait.rewards.runner import BoundReward, RewardError, call_rewards, reward_inputs
 from plait.rollout.hf import decoding_in
 from plait.telemetry.advice import EARLY_ROUND, early_note, health_notes, suggestion
@@ -219,8 +225,9 @@ def log_round(run: Run, round_: int, out: RoundResult, saved: int) -> None:
     metrics.update(run.meter.measure(flops, metrics.pop("tokens/processed"), times))
     run.sink.log(round_, metrics)
     run.result.history.append(metrics)
-    failing = error_share_problem(cfg.environments, metrics, round_, saved) or agent_error_problem(
-        cfg.rollout.agent, metrics, round_, saved
+    errors = {**out.sampling.rewards.errors, **round_errors(out.groups)}
+    failing = error_share_problem(cfg.environments, metrics, round_, saved, errors) or agent_error_problem(
+        cfg.rollout.agent, metrics, round_, saved, errors
     )
     if failing:  # every process sees the same gathered counts, so all stop here
         raise EnvironmentFailed(failing)
