@@ -405,6 +405,7 @@ def test_a_failing_agent_stops_the_run_named_and_says_no_checkpoint_was_written(
     assert not any("environment None" in m for m in logged)
     err = capsys.readouterr().err
     assert "fix the agent agents:raising; no checkpoint was written before it stopped" in err
+    assert "the agent's own bug" in err  # the round's own error, quoted in the stop message
     assert "resume=auto would start the run over from round 1" in err and "last checkpoint" not in err
     metrics = {"agent/errors": 8.0, "agent/rollouts": 8.0}
     later = agent_error_problem(AgentConfig(function="agents:raising"), metrics, 3, saved=2)
