@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from plait.config import load_config
 from plait.diff import hashes_by_round, metrics_by_round
+from plait.models import native_bf16_cpu
 from plait.train.loop import train
 
 
@@ -260,8 +261,11 @@ def test_variants_train(tiny_model_path, prompts_jsonl, tmp_path, extra):
         start, end = load_file(str(tiny_model_path / "model.safetensors")), final_weights(out)
         assert all(torch.equal(start[k], end[k]) for k in start)
     resolved = yaml.safe_load((out / "config.yaml").read_text())
-    # rollouts sample in fp32 on a CPU unless told otherwise, bf16 training included
-    assert resolved["rollout"]["precision"] == ("int8" if "rollout.precision=int8" in extra else "fp32")
+    # rollouts sample in fp32 on a CPU unless told otherwise, bf16 training included, except on a CPU
+    # with bf16 units, where they follow bf16 training (packed bf16 weights)
+    bf16_rollouts = resolved["train"]["precision"] == "bf16" and native_bf16_cpu()
+    want = "int8" if "rollout.precision=int8" in extra else "bf16" if bf16_rollouts else "fp32"
+    assert resolved["rollout"]["precision"] == want
     if "rollout.precision=int8" in extra:
         # int8 samples from a coarser policy: the correction is on by default, and the gap it weighs is
         # measured every round, above fp32 rounding yet under the int8 drift limit (the guard stayed quiet)
