@@ -623,8 +623,9 @@ AUTO_PRECISION_ENV = "PLAIT_AUTO_PRECISION"  # fp32 or bf16: what `auto` means o
 def fast_precision(device: str = "auto", deterministic: bool = False) -> tuple[str, str]:
     """What train.precision=auto means, and why: bf16 on a CUDA GPU that supports it and on a
     CPU that multiplies bf16 in hardware (AVX512_BF16 or AMX, kernels not capped to AVX2), else
-    fp32. The demo in bf16 on such CPUs learned as well as in fp32 over 5 seeds in about half the
-    time (docs/vs-trl.md, "auto"); without those units bf16 is several times slower. The
+    fp32. The demo in bf16 on such a CPU (an Intel Xeon with AMX) ended at least as high as in fp32
+    over 5 seeds in 0.80x the time (docs/vs-trl.md, "auto"); without those units bf16 is several
+    times slower. The
     deterministic mode stays at fp32 (it caps the kernels to AVX2, and bf16 rounding on a CPU is
     not pinned). PLAIT_AUTO_PRECISION=fp32|bf16 overrides the detection (the test suite pins fp32)."""
     import os
