@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Callable, Literal
 from plait.algo.advantages import TOKEN_WHITENED
 from plait.config.load import did_you_mean
 from plait.config.schema import Config, ConfigError
-from plait.programs.environments import ROW_TYPES
 
 
 if TYPE_CHECKING:
@@ -503,7 +502,7 @@ def check_user_loops(cfg: Config, env: Env) -> list[str]:
     imports, and one loop only: none beside another, nor beside the tool loop (rollout.tools,
     trl_env/openenv entries)."""
     r = cfg.rollout
-    tool_loop = r.tools is not None or any(e.type in ROW_TYPES for e in cfg.environments)
+    tool_loop = r.tools is not None or any(e.ACTS_ON_ROWS for e in cfg.environments)
     named = [
         ("rollout.rollout_func", r.rollout_func, "rollout function"),
         ("rollout.agent.function", r.agent.function if r.agent is not None else None, "agent function"),
@@ -525,7 +524,7 @@ def check_tools(cfg: Config, env: Env) -> list[str]:
     if t is None:
         return []
     out = []
-    if not t.python and not t.functions and not any(e.type in ROW_TYPES for e in cfg.environments):
+    if not t.python and not t.functions and not any(e.ACTS_ON_ROWS for e in cfg.environments):
         out.append(
             "rollout.tools offers no tool: set python: true, list functions ['module:function'], or add an "
             "environment of type trl_env or openenv (its methods, or its step, are tools)"
@@ -615,17 +614,17 @@ def check_environments(cfg: Config, env: Env) -> list[str]:
                 "reward"
             ]
         return []
-    from plait.programs.environments import environment_problems, label
-    from plait.programs.trl_env import config_problems, problems
+    from plait.programs.environments import KINDS, environment_problems
+    from plait.programs.trl_env import config_problems
 
     out = environment_problems(cfg.environments, cfg.seed, bool(_evaluating(cfg)))
-    out += [p for e in cfg.environments if e.type in ROW_TYPES for p in problems(e, label(e))]
+    out += [p for e in cfg.environments if e.ACTS_ON_ROWS for p in KINDS[e.type].problems(e, e.label)]
     return out + config_problems(cfg)
 
 
 def _problem_environments(cfg: Config) -> list:
     """The environments that bring their own problems (trl_env entries act on the data's rows)."""
-    return [e for e in cfg.environments if e.type not in ROW_TYPES]
+    return [e for e in cfg.environments if not e.ACTS_ON_ROWS]
 
 
 def check_data_files(cfg: Config, env: Env) -> list[str]:

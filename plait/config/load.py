@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from plait.config.schema import Config, ConfigError, default_rewards
+from plait.config.schema import ENVIRONMENT_TYPES, Config, ConfigError, default_rewards
 
 
 def did_you_mean(name: str, choices: list[str]) -> str:
@@ -23,21 +23,44 @@ def did_you_mean(name: str, choices: list[str]) -> str:
     return f" Did you mean '{near[0]}'?" if near else f" Valid keys: {', '.join(sorted(choices))}."
 
 
-def _section_type(model: type[BaseModel], key: str) -> type[BaseModel] | None:
-    """The pydantic class of a nested section field, or None for a leaf."""
-    ann = model.model_fields[key].annotation
-    for cand in (ann, *getattr(ann, "__args__", ())):
-        if isinstance(cand, type) and issubclass(cand, BaseModel):
-            return cand
-        for inner in getattr(cand, "__args__", ()):  # list[RewardSpec]
-            if isinstance(inner, type) and issubclass(inner, BaseModel):
-                return inner
-    return None
+def _models_in(ann: Any) -> list[type[BaseModel]]:
+    """The pydantic classes an annotation holds, through list[...], X | None, Annotated[...] and
+    unions (several: a union of entry types, told apart by their `type`)."""
+    if isinstance(ann, type):
+        return [ann] if issubclass(ann, BaseModel) else []
+    return [m for arg in getattr(ann, "__args__", ()) for m in _models_in(arg)]
 
 
-def known_only(raw: Any, model: type[BaseModel] = Config, prefix: str = "") -> tuple[Any, list[str]]:
+def _tag(model: type[BaseModel]) -> str:
+    return model.model_fields["type"].annotation.__args__[0]
+
+
+def _section_type(model: type[BaseModel], key: str, value: Any = None) -> type[BaseModel] | None:
+    """The pydantic class of a nested section field (of a union of entry types: the one `value`'s
+    `type` names), or None for a leaf or a type no entry has (validation names it)."""
+    models = _models_in(model.model_fields[key].annotation)
+    if len(models) > 1:
+        tag = value.get("type") if isinstance(value, dict) else None
+        return next((m for m in models if _tag(m) == tag), None)
+    return models[0] if models else None
+
+
+def _elsewhere(model: type[BaseModel], key: str, where: str, siblings: list[type[BaseModel]]) -> str | None:
+    """An entry's key that belongs to another type of entry, said as such."""
+    owners = [_tag(m) for m in siblings if m is not model and key in m.model_fields]
+    if not owners:
+        return None
+    return (
+        f"`{key}` is for environments of type {' and '.join(owners)}, not {_tag(model)}{model.ELSEWHERE} "
+        f"('{where}'): remove it"
+    )
+
+
+def known_only(
+    raw: Any, model: type[BaseModel] = Config, prefix: str = "", siblings: list[type[BaseModel]] = ()
+) -> tuple[Any, list[str]]:
     """`raw` without the keys `model` does not have, and a problem for each of them with the
-    nearest valid name."""
+    nearest valid name (or, for an entry of a union, the type it belongs to)."""
     if not isinstance(raw, dict):
         return raw, []
     fields = list(model.model_fields)
@@ -50,15 +73,20 @@ def known_only(raw: Any, model: type[BaseModel] = Config, prefix: str = "") -> t
             problems.append(f"'{where}' is not an option: {refused}; remove it")
             continue
         if key not in model.model_fields:
-            problems.append(f"unknown key '{where}'.{did_you_mean(str(key), fields)}")
+            other = _elsewhere(model, key, where, siblings)
+            problems.append(other or f"unknown key '{where}'.{did_you_mean(str(key), fields)}")
             continue
-        sub = _section_type(model, key)
-        if sub is not None and isinstance(value, list):
-            pairs = [known_only(item, sub, f"{where}.{i}.") for i, item in enumerate(value)]
+        union = _models_in(model.model_fields[key].annotation)
+        if isinstance(value, list) and union:
+            subs = [_section_type(model, key, item) for item in value]
+            pairs = [
+                known_only(item, sub, f"{where}.{i}.", union) if sub else (item, [])
+                for i, (item, sub) in enumerate(zip(value, subs))
+            ]
             value = [item for item, _ in pairs]
             problems += [p for _, found in pairs for p in found]
-        elif sub is not None:
-            value, found = known_only(value, sub, f"{where}.")
+        elif (sub := _section_type(model, key, value)) is not None:
+            value, found = known_only(value, sub, f"{where}.", union)
             problems += found
         kept[key] = value
     return kept, problems
@@ -108,7 +136,10 @@ def apply_override(raw: dict, dotted: str) -> None:
 def _format_validation_error(err: ValidationError) -> list[str]:
     out = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("function-", "literal")))
+        # (an entry of a union of types is located by its type too: environments.0.trl_env.factory)
+        loc = ".".join(
+            str(p) for p in e["loc"] if not str(p).startswith(("function-", "literal")) and p not in ENVIRONMENT_TYPES
+        )
         got = e.get("input")
         shown = "" if isinstance(got, dict) else f" (got {got!r})"
         if e["type"] == "string_type" and isinstance(got, (dict, list)):  # "a: b" or "[x]" read as YAML
@@ -189,9 +220,12 @@ def describe_options(model: type[BaseModel] = Config, prefix: str = "") -> list[
     """(dotted name, default, meaning) for every option: the body of `plait train --help`."""
     rows = []
     for name, field in model.model_fields.items():
-        sub = _section_type(model, name)
-        if sub is not None and name != "rewards" and name != "lora":
-            rows += describe_options(sub, f"{prefix}{name}.")
+        models = _models_in(field.annotation)
+        if len(models) > 1:  # a union of entry types: each one's options
+            rows += [row for m in models for row in describe_options(m, f"{prefix}{name}[type={_tag(m)}].")]
+            continue
+        if models and name != "rewards" and name != "lora":
+            rows += describe_options(models[0], f"{prefix}{name}.")
             continue
         default = field.get_default(call_default_factory=True)
         if isinstance(default, list) and default and isinstance(default[0], BaseModel):

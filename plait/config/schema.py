@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from plait.algo.advantages import AGGREGATIONS, ESTIMATORS, SCALES
 from plait.algo.kl import KL_ESTIMATORS
@@ -909,43 +909,42 @@ class ClusterConfig(Section):
     ray: RayConfig = Field(default_factory=RayConfig, description="Options of launcher ray.")
 
 
-class EnvironmentSpec(Section):
-    type: Literal["reasoning_gym", "trl_env", "openenv"] = Field(
-        description="reasoning_gym: a reasoning-gym dataset, scored by its own score_answer; trl_env: a class in "
-        "TRL's environment_factory form (reset, tool methods, get_reward) over the data's rows; openenv: an OpenEnv "
-        "environment (reset/step with a typed action), in this process or on its server, over the data's rows "
-        "(docs/environments.md)."
-    )
-    dataset: str | None = Field(None, description="reasoning_gym: the dataset, e.g. basic_arithmetic, leg_counting.")
-    factory: str | None = Field(
-        None,
-        description="trl_env: 'module:Name', a class or a function of no arguments that returns one environment "
-        "(one is made per rollout); openenv: 'module:Name', an OpenEnv Environment class (or such a function), run "
-        "in this process.",
-    )
-    url: str | None = Field(
-        None,
-        description="openenv: the base URL of an OpenEnv server you started (e.g. http://127.0.0.1:8000); each "
-        "rollout is a session on its /ws.",
-    )
-    connect_timeout_s: float = Field(
-        30.0,
-        gt=0,
-        description="openenv: how long a rollout waits for its session (a server at capacity is asked again until "
-        "then); past it the rollout is an infrastructure error.",
-    )
-    trusted: bool = Field(
-        False,
-        description="trl_env: true = the environment's methods run in the trainer's process, one live instance per "
-        "rollout (as TRL runs them); false = in the sandbox, by replaying the rollout's calls (the environment "
-        "must then be deterministic and import only the standard library).",
-    )
-    config: dict[str, Any] = Field(default_factory=dict, description="The dataset's own options (its config class).")
+class _Environment(Section):
+    """What every `environments:` entry has; each `type` is a model of its own (below), so an entry
+    holds only the options its type reads."""
+
+    ACTS_ON_ROWS: ClassVar[bool] = False  # acts on the data's rows (through tools), not problems of its own
+    ELSEWHERE: ClassVar[str] = ""  # why an option of another type is not one of this type's
+
+    type: str = Field(description="The kind of environment (each kind's model names its own).")
     name: str | None = Field(
         None,
         description="Label in metrics and eval, and the value of a row's `environment` column that selects this "
         "entry (null = the dataset's name, or the factory's).",
     )
+    max_error_share: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Stop the run when the environment fails (raises) on more than this share of a round's "
+        "completions of it; fewer failures are left out of training and counted (env/<label>/errors).",
+    )
+
+    @property
+    def label(self) -> str:
+        return self.name or self._own_label() or self.type
+
+    def _own_label(self) -> str | None:
+        factory = getattr(self, "factory", None)
+        return factory.rpartition(":")[2] if factory else None
+
+
+class ReasoningGymEnvironment(_Environment):
+    type: Literal["reasoning_gym"] = Field(
+        description="reasoning_gym: a reasoning-gym dataset, scored by its own score_answer (docs/environments.md)."
+    )
+    dataset: str | None = Field(None, description="The dataset, e.g. basic_arithmetic, leg_counting.")
+    config: dict[str, Any] = Field(default_factory=dict, description="The dataset's own options (its config class).")
     size: int = Field(1000, ge=1, description="Training problems generated (indices 0..size-1 of the seeded dataset).")
     eval_size: int = Field(50, ge=1, description="Held-out problems (another seed; any also in training are left out).")
     seed: int | None = Field(None, description="The dataset's seed (null = the run's seed).")
@@ -955,79 +954,125 @@ class EnvironmentSpec(Section):
         description="Share of the training prompts (null = in proportion to size; with weights the sizes' sum "
         "is split by them, an unweighted entry weighing 1).",
     )
-    max_error_share: float = Field(
-        0.5,
-        ge=0.0,
-        le=1.0,
-        description="Stop the run when the verifier fails (raises) on more than this share of a round's completions "
-        "of this environment; fewer failures are left out of training and counted (env/<label>/errors).",
-    )
     answer_format: Literal["answer_tag", "boxed"] = Field(
         "answer_tag",
         description="Where the completion states its answer: <answer>...</answer> (reasoning-gym's system prompt) "
         "or \\boxed{...}.",
     )
-
     examples: int | list[Example] = Field(
         0,
-        description="reasoning_gym: worked examples shown before each of this environment's prompts as earlier turns "
-        "of the chat. A number (at most 8): problems of the same dataset drawn with a third seed (none a training or "
-        "held-out problem), each answered with its bare reference answer in the answer format. A list "
-        "[{prompt, completion}]: your own, the question worded as the dataset words it (plait adds the answer "
-        "format's instruction, as to every prompt) and the answer written as the model should answer, working "
-        "shown (e.g. `12 + 7 = \\boxed{19}`). Small models learn the answer's form, and from shown working the "
-        "way to it, at once (docs/environments.md); 0 = none.",
+        description="Worked examples shown before each of this environment's prompts as earlier turns of the chat. "
+        "A number (at most 8): problems of the same dataset drawn with a third seed (none a training or held-out "
+        "problem), each answered with its bare reference answer in the answer format. A list [{prompt, "
+        "completion}]: your own, the question worded as the dataset words it (plait adds the answer format's "
+        "instruction, as to every prompt) and the answer written as the model should answer, working shown (e.g. "
+        "`12 + 7 = \\boxed{19}`). Small models learn the answer's form, and from shown working the way to it, at "
+        "once (docs/environments.md); 0 = none.",
     )
 
-    @field_validator("type", mode="before")
-    @classmethod
-    def _a_type_plait_can_install(cls, value: Any) -> Any:
-        if value == "verifiers":
-            raise ValueError(
-                "verifiers environments are not supported: no verifiers release installs beside plait's "
-                "dependencies (0.4 pins mcp==2.0.0, 0.3 needs mcp<2 where vLLM needs mcp>=2, 0.1 needs datasets<4.7; "
-                "docs/environments.md). Its harness can still drive the model from a Python environment of its "
-                "own: start it from a rollout.agent function, pointed at the task's OpenAI-compatible base_url"
-            )
-        return value
+    def _own_label(self) -> str | None:
+        return self.dataset
 
     @model_validator(mode="after")
-    def _fields_of_its_type(self):
-        if self.type == "reasoning_gym" and (self.dataset is None or self.factory is not None):
-            raise ValueError("an environment of type reasoning_gym needs `dataset` (and no `factory`)")
-        if self.type == "openenv":
-            if (self.factory is None) == (self.url is None) or self.dataset is not None:
-                raise ValueError(
-                    "an environment of type openenv needs one of `factory: module:Name` (its Environment class, run in "
-                    "this process) or `url: http://HOST:PORT` (its server), and no `dataset`"
-                )
-            if self.weight is not None or self.config:
-                raise ValueError("an openenv environment takes its rows from `data`: drop `weight` and `config`")
-            if "trusted" in self.model_fields_set and not self.trusted:
-                raise ValueError(
-                    "an openenv environment runs in this process or on its own server, not in plait's sandbox: drop "
-                    "`trusted: false` (run its server in a container of your own to contain it)"
-                )
-        elif self.url is not None:
-            raise ValueError(f"`url` is for environments of type openenv, not {self.type}")
-        if self.type == "trl_env":
-            if self.factory is None or self.dataset is not None:
-                raise ValueError("an environment of type trl_env needs `factory: module:Name` (and no `dataset`)")
-            if self.weight is not None or self.config:
-                raise ValueError(
-                    "a trl_env environment takes its rows from `data` (a row's `environment` column picks the "
-                    "entry): drop `weight` and `config`"
-                )
+    def _its_dataset_and_examples(self):
+        if self.dataset is None:
+            raise ValueError("an environment of type reasoning_gym needs `dataset` (e.g. basic_arithmetic)")
         if isinstance(self.examples, int) and not 0 <= self.examples <= 8:
             raise ValueError(f"examples: {self.examples} worked examples asked; give 0 to 8, or a list of your own")
         if isinstance(self.examples, list) and any(e.tool_output is not None for e in self.examples):
             raise ValueError("a reasoning_gym environment's worked examples answer without tools: drop tool_output")
-        if self.examples and self.type != "reasoning_gym":
+        return self
+
+
+class TrlEnvironment(_Environment):
+    ACTS_ON_ROWS: ClassVar[bool] = True
+    ELSEWHERE: ClassVar[str] = (
+        " (a trl_env environment takes its rows from `data`, a row's `environment` column picking the entry: give "
+        "worked examples there, data.examples)"
+    )
+
+    type: Literal["trl_env"] = Field(
+        description="trl_env: a class in TRL's environment_factory form (reset, tool methods, get_reward) over the "
+        "data's rows (docs/environments.md)."
+    )
+    factory: str | None = Field(
+        None,
+        description="'module:Name' (or 'path/to/file.py:Name'): a class, or a function of no arguments that "
+        "returns one environment (one is made per rollout).",
+    )
+    trusted: bool = Field(
+        False,
+        description="true = the environment's methods run in the trainer's process, one live instance per "
+        "rollout (as TRL runs them); false = in the sandbox, by replaying the rollout's calls (the environment "
+        "must then be deterministic and import only the standard library).",
+    )
+
+    @model_validator(mode="after")
+    def _its_factory(self):
+        if self.factory is None:
+            raise ValueError("an environment of type trl_env needs `factory: module:Name`")
+        return self
+
+
+class OpenEnvEnvironment(_Environment):
+    ACTS_ON_ROWS: ClassVar[bool] = True
+    ELSEWHERE: ClassVar[str] = (
+        " (an openenv environment takes its rows from `data` and runs in this process or on its own server, not in "
+        "plait's sandbox: run its server in a container of your own to contain it)"
+    )
+
+    type: Literal["openenv"] = Field(
+        description="openenv: an OpenEnv environment (reset/step with a typed action), in this process or on its "
+        "server, over the data's rows (docs/environments.md)."
+    )
+    factory: str | None = Field(
+        None,
+        description="'module:Name': an OpenEnv Environment class (or a function that makes one), run in this process.",
+    )
+    url: str | None = Field(
+        None,
+        description="The base URL of an OpenEnv server you started (e.g. http://127.0.0.1:8000); each rollout is a "
+        "session on its /ws.",
+    )
+    connect_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long a rollout waits for its session (a server at capacity is asked again until then); "
+        "past it the rollout is an infrastructure error.",
+    )
+
+    @model_validator(mode="after")
+    def _its_factory_or_server(self):
+        if (self.factory is None) == (self.url is None):
             raise ValueError(
-                f"`examples` draws worked examples from a reasoning_gym dataset; a {self.type} environment's rows come "
-                "from `data`: give worked examples there (data.examples)"
+                "an environment of type openenv needs one of `factory: module:Name` (its Environment class, run in "
+                "this process) or `url: http://HOST:PORT` (its server)"
             )
         return self
+
+
+def _a_type_plait_can_install(value: Any) -> Any:
+    if isinstance(value, dict) and "type" not in value:
+        raise ValueError(f"an environment needs `type`: one of {', '.join(ENVIRONMENT_TYPES)}")
+    if isinstance(value, dict) and value.get("type") == "verifiers":
+        raise ValueError(
+            "verifiers environments are not supported: no verifiers release installs beside plait's "
+            "dependencies (0.4 pins mcp==2.0.0, 0.3 needs mcp<2 where vLLM needs mcp>=2, 0.1 needs datasets<4.7; "
+            "docs/environments.md). Its harness can still drive the model from a Python environment of its "
+            "own: start it from a rollout.agent function, pointed at the task's OpenAI-compatible base_url"
+        )
+    return value
+
+
+# one model per `type` (a new kind of environment is one more model here and its entry in
+# plait/programs/environments.py's KINDS)
+ENVIRONMENT_MODELS = (ReasoningGymEnvironment, TrlEnvironment, OpenEnvEnvironment)
+ENVIRONMENT_TYPES = tuple(m.model_fields["type"].annotation.__args__[0] for m in ENVIRONMENT_MODELS)
+EnvironmentSpec = Annotated[
+    ReasoningGymEnvironment | TrlEnvironment | OpenEnvEnvironment,
+    Field(discriminator="type"),
+    BeforeValidator(_a_type_plait_can_install),
+]
 
 
 class Config(Section):

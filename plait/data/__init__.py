@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from plait.data.tasks import TASKS, task_examples, task_rows
-from plait.programs.environments import ROW_TYPES, SHOTS_COLUMN, SYSTEM_COLUMN, environment_rows
+from plait.programs.environments import SHOTS_COLUMN, SYSTEM_COLUMN, environment_rows
 from plait.types import Prompt
 
 
@@ -248,7 +248,7 @@ def _chat_messages(value) -> bool:
 
 def load_rows(data_cfg, split: str, seed: int = 0, environments=None) -> list[dict]:
     """Rows for 'train' or 'eval' from the configured environments, task or files."""
-    environments = [e for e in environments or [] if e.type not in ROW_TYPES]  # those act on the data's own rows
+    environments = [e for e in environments or [] if not e.ACTS_ON_ROWS]  # those act on the data's own rows
     if environments:
         rows = environment_rows(environments, split, seed, data_cfg.system_prompt)
         prompt, answer = data_cfg.prompt_field, data_cfg.answer_field or "answer"  # under the names the data says
@@ -406,7 +406,7 @@ def environment_prompt_problems(cfg) -> list[str]:
 
     envs = cfg.environments or []
     folder = local_model_folder(cfg.model.name_or_path)  # None: the run names the problem, or converts it first
-    if not envs or folder is None or cfg.rollout.tools is not None or any(s.type in ROW_TYPES for s in envs):
+    if not envs or folder is None or cfg.rollout.tools is not None or any(s.ACTS_ON_ROWS for s in envs):
         return []
     tokenizer = load_tokenizer(str(folder))
     evaluating = cfg.eval.before or cfg.eval.after or cfg.eval.every_steps

@@ -20,13 +20,15 @@ import re
 from collections import Counter
 from types import ModuleType
 
-from plait.programs import reasoning_gym
+from plait.programs import openenv, reasoning_gym, trl_env
 
 
-TYPES: dict[str, ModuleType] = {"reasoning_gym": reasoning_gym}
-# the types that act on the data's rows, through tools (plait/programs/trl_env.py), where the
-# others replace the rows with problems of their own
-ROW_TYPES = ("trl_env", "openenv")
+# One entry per `type` of the section (its options: plait/config/schema.py ENVIRONMENT_MODELS).
+# A type whose model has ACTS_ON_ROWS acts on the data's rows through tools: its module has
+# tool_kind(spec, label, timeout_s) -> trl_env.EnvKind and problems(spec, label). The others
+# replace the rows with problems of their own: rows, system_prompt, worked_examples,
+# problems(spec, label, seed, size, evaluating), extract_answer and score_answer.
+KINDS: dict[str, ModuleType] = {"reasoning_gym": reasoning_gym, "trl_env": trl_env, "openenv": openenv}
 # a row's own system prompt (an environment's), used when data.system_prompt is unset
 SYSTEM_COLUMN = "_system"
 # a row's worked examples (an environment's own), as turns put before its prompt
@@ -35,8 +37,14 @@ SHOTS_COLUMN = "_shots"
 log = logging.getLogger(__name__)
 
 
-def label(spec) -> str:
-    return spec.name or spec.dataset or (spec.factory or "").rpartition(":")[2] or spec.type
+def tool_environments(cfg, standalone_schemas: list[dict]) -> trl_env.TrlEnvironments | None:
+    """The run's entries that act on the data's rows, as the tool loop runs them (None: none)."""
+    specs = [e for e in cfg.environments if e.ACTS_ON_ROWS]
+    if not specs:
+        return None
+    timeout_s = cfg.rollout.tools.timeout_s
+    kinds = [KINDS[s.type].tool_kind(s, s.label, timeout_s) for s in specs]
+    return trl_env.TrlEnvironments(kinds, timeout_s, standalone_schemas)
 
 
 def train_sizes(specs) -> list[int]:
@@ -54,9 +62,9 @@ def environment_rows(specs, split: str, seed: int, system_prompt: str | None) ->
     shuffles them). Each environment is seeded by its own `seed`, else the run's."""
     out = []
     for spec, size in zip(specs, train_sizes(specs)):
-        kind = TYPES[spec.type]
+        kind = KINDS[spec.type]
         own_seed = seed if spec.seed is None else spec.seed
-        rows = kind.rows(spec, label(spec), split, own_seed, size)
+        rows = kind.rows(spec, spec.label, split, own_seed, size)
         own = kind.system_prompt(spec) if system_prompt is None else None
         extra = {SYSTEM_COLUMN: own, SHOTS_COLUMN: kind.worked_examples(spec, own_seed, size)}
         extra = {k: v for k, v in extra.items() if v}  # a column only where the environment has one
@@ -70,11 +78,11 @@ def describe_shots(specs) -> list[str]:
     """The run header's lines on the environments' own worked examples."""
     lines = []
     for s in specs:
-        if not s.examples:
+        if s.ACTS_ON_ROWS or not s.examples:  # (their rows' examples are the data's)
             continue
         own = isinstance(s.examples, list)
         n, whose = (len(s.examples), "the config's own") if own else (s.examples, "the environment's examples")
-        lines.append(f"few-shot: {n} worked example(s) before every '{label(s)}' prompt ({whose})")
+        lines.append(f"few-shot: {n} worked example(s) before every '{s.label}' prompt ({whose})")
     return lines
 
 
@@ -82,19 +90,18 @@ def environment_problems(specs, seed: int, evaluating: bool = False) -> list[str
     """`plait check`: each environment builds a row and scores its own answer, offline (and,
     when the run evaluates, has held-out problems)."""
     out = []
-    labels = [label(s) for s in specs]
+    labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         out.append(f"environments: labels must differ, got {labels}; give the entries different `name`s")
-    if len({s.type in ROW_TYPES for s in specs}) > 1:
+    if len({s.ACTS_ON_ROWS for s in specs}) > 1:
         out.append(
             "environments: trl_env and openenv entries act on the data's rows and reasoning_gym entries replace them "
             "with their own problems; one run takes one kind (train them in two runs)"
         )
-    for spec, size in zip(specs, train_sizes(specs)):
-        if spec.type in ROW_TYPES:  # checked with the tools (plait/programs/trl_env.py)
-            continue
+    own_problems = [s for s in specs if not s.ACTS_ON_ROWS]  # (the others are checked with the tools: checks.py)
+    for spec, size in zip(own_problems, train_sizes(own_problems)):
         own = seed if spec.seed is None else spec.seed
-        out += TYPES[spec.type].problems(spec, label(spec), own, size, evaluating)
+        out += KINDS[spec.type].problems(spec, spec.label, own, size, evaluating)
     return out
 
 
@@ -133,7 +140,7 @@ def environment(
         if not source:
             out.append(reward)
             continue
-        kind = TYPES[source["type"]]  # built-in rewards get completions as text
+        kind = KINDS[source["type"]]  # built-in rewards get completions as text
         answer = kind.extract_answer(completion, source["answer_format"])
         try:
             if answer is not None:
@@ -187,7 +194,7 @@ def error_share_problem(
     environment (round_errors, and the reward runner's report), quoted."""
     errors = errors or {}
     for spec in specs:
-        name = label(spec)
+        name = spec.label
         failed, n = metrics.get(f"env/{name}/errors", 0.0), metrics.get(f"env/{name}/completions", 0.0)
         if n and failed / n > spec.max_error_share:
             cause = errors.get(name, "see the warnings above")

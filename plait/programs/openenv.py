@@ -38,6 +38,7 @@ import zlib
 from urllib.parse import urlsplit
 
 from plait.programs.calls import as_text, awaited, cut, resolve_factory
+from plait.programs.trl_env import EnvKind
 
 
 # the OpenEnv server's error codes that are the action's fault (WSErrorCode)
@@ -411,3 +412,36 @@ def episode_class(tools: list[dict] | None) -> type:
 
     names = [t["function"]["name"] for t in tools]
     return type("MCPEpisode", (Episode,), {n: method(n) for n in names})
+
+
+def tool_kind(spec, label: str, timeout_s: float) -> EnvKind:
+    """An openenv entry as the tool loop runs it (environments.KINDS): one tool, `step`, with the
+    action's schema (an MCP environment: its own tools); an Episode per rollout, whose return is
+    its reward."""
+    open_session, schema, tools, where = opener(spec, timeout_s)
+    schemas = tools if tools is not None else [step_schema(schema)]
+    cls = episode_class(tools)
+    return EnvKind(
+        label=label,
+        spec=where,
+        factory=lambda: cls(open_session),
+        cls=cls,
+        tools=[t["function"]["name"] for t in schemas],
+        schemas=schemas,
+        has_reward=True,
+        trusted=True,
+        max_error_share=spec.max_error_share,
+        reset_timeout_s=spec.connect_timeout_s + timeout_s,
+        episodic=True,
+    )
+
+
+def problems(spec, label: str) -> list[str]:
+    """`plait check` of an openenv entry, before any model loads: the class imports and makes an
+    Environment (or the server answers its /schema), and an MCP environment lists its tools. No
+    reset: its arguments are a row's; each row's runs when the prompts are built."""
+    try:
+        tool_kind(spec, label, spec.connect_timeout_s)
+    except Exception as err:  # noqa: BLE001 - whatever the environment raises, said with where it came from
+        return [f"environment '{label}' ({spec.url or spec.factory}): {type(err).__name__}: {err}"]
+    return []

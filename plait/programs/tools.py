@@ -99,11 +99,11 @@ class Tools:
 
     @classmethod
     def from_config(cls, cfg, tokenizer) -> Tools:
-        from plait.programs.trl_env import TrlEnvironments
+        from plait.programs.environments import tool_environments
 
         t = cfg.rollout.tools
         schemas = tool_schemas(t)
-        envs = TrlEnvironments.from_config(cfg, schemas) if t is not None else None
+        envs = tool_environments(cfg, schemas) if t is not None else None
         boxed = tools_need_sandbox(t) or (envs is not None and envs.needs_sandbox)
         sandbox = tool_sandbox(cfg) if boxed else None
         if envs is not None:

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from plait.imports import import_module
-from plait.programs import openenv
 from plait.programs.calls import (
     Call,
     ToolResult,
@@ -49,7 +48,6 @@ from plait.programs.calls import (
     resolve_factory,
     sandbox_output,
 )
-from plait.programs.environments import ROW_TYPES
 
 
 RESERVED = ("reset", "get_reward")
@@ -273,19 +271,6 @@ class TrlEnvironments:
         self.standalone = list(standalone_schemas or [])
         self.sandbox = None  # set by whoever owns the run's tool sandbox, when an entry is not trusted
 
-    @classmethod
-    def from_config(cls, cfg, standalone_schemas=None) -> TrlEnvironments | None:
-        from plait.programs.environments import label
-
-        specs = [e for e in cfg.environments if e.type in ROW_TYPES]
-        if not specs:
-            return None
-        timeout_s = cfg.rollout.tools.timeout_s
-        kinds = [
-            openenv_kind(s, label(s), timeout_s) if s.type == "openenv" else EnvKind.load(s, label(s)) for s in specs
-        ]
-        return cls(kinds, timeout_s, standalone_schemas)
-
     @property
     def needs_sandbox(self) -> bool:
         return any(not k.trusted for k in self.kinds.values())
@@ -341,11 +326,14 @@ class TrlEnvironments:
         return Session(kind, kwargs, prompt.env_observation, self.timeout_s, self.sandbox).open()
 
 
+def tool_kind(spec, label: str, timeout_s: float) -> EnvKind:
+    """A trl_env entry as the tool loop runs it (environments.KINDS)."""
+    return EnvKind.load(spec, label)
+
+
 def problems(spec, label: str) -> list[str]:
     """`plait check`, before any model loads: the factory imports and makes an instance with a
     reset method, its tools have schemas, and it gives the model something to do."""
-    if spec.type == "openenv":
-        return openenv_problems(spec, label)
     where = f"environment '{label}' ({spec.factory})"
     try:
         kind = EnvKind.load(spec, label)
@@ -369,41 +357,9 @@ def problems(spec, label: str) -> list[str]:
     return []
 
 
-def openenv_kind(spec, label: str, timeout_s: float) -> EnvKind:
-    """An openenv entry (plait/programs/openenv.py) as an EnvKind: one tool, `step`, with the action's
-    schema (an MCP environment: its own tools); an Episode per rollout, whose return is its reward."""
-    open_session, schema, tools, where = openenv.opener(spec, timeout_s)
-    schemas = tools if tools is not None else [openenv.step_schema(schema)]
-    cls = openenv.episode_class(tools)
-    return EnvKind(
-        label=label,
-        spec=where,
-        factory=lambda: cls(open_session),
-        cls=cls,
-        tools=[t["function"]["name"] for t in schemas],
-        schemas=schemas,
-        has_reward=True,
-        trusted=True,
-        max_error_share=spec.max_error_share,
-        reset_timeout_s=spec.connect_timeout_s + timeout_s,
-        episodic=True,
-    )
-
-
-def openenv_problems(spec, label: str) -> list[str]:
-    """`plait check` of an openenv entry, before any model loads: the class imports and makes an
-    Environment (or the server answers its /schema), and an MCP environment lists its tools. No
-    reset: its arguments are a row's; each row's runs when the prompts are built."""
-    try:
-        openenv_kind(spec, label, spec.connect_timeout_s)
-    except Exception as err:  # noqa: BLE001 - whatever the environment raises, said with where it came from
-        return [f"environment '{label}' ({spec.url or spec.factory}): {type(err).__name__}: {err}"]
-    return []
-
-
 def config_problems(cfg) -> list[str]:
     """What the rest of the config must be for trl_env entries (each entry's own check is `problems`)."""
-    if not any(e.type in ROW_TYPES for e in cfg.environments):
+    if not any(e.ACTS_ON_ROWS for e in cfg.environments):
         return []
     specs = [e for e in cfg.environments if e.type == "trl_env"]  # an openenv entry always has its reward
     out = []

@@ -100,6 +100,7 @@ class BoundReward:
     sandbox: Sandbox | None = None  # given to a function that needs_sandbox (None: its default one)
     builtin: bool = False  # plait's own: completions always as strings
     process: RewardProcess | None = None  # where it runs when not on the trainer's threads
+    said_all_none: bool = field(default=False, compare=False)  # warned that it scored nothing (once a run)
 
     @property
     def needs_sandbox(self) -> bool:
@@ -477,16 +478,14 @@ def environment_failures(groups: list[Group], per_reward: dict[str, list], colum
     return failed
 
 
-_SAID_ALL_NONE: set[str] = set()  # rewards already warned about, once per process
-
-
 def _warn_if_all_none(users: list[BoundReward], per_reward: dict[str, list], report: RewardReport) -> None:
     """A user's reward that scored none of a round's completions (not a timeout) teaches nothing:
-    say so once, since None reads as 'not applicable' and the round's log shows a plain 0. (The
-    built-ins' None is an infrastructure error or a missing reference, reported where it arises.)"""
-    for name, values in ((r.name, per_reward[r.name]) for r in users):
-        if values and all(v is None for v in values) and not report.timeouts.get(name) and name not in _SAID_ALL_NONE:
-            _SAID_ALL_NONE.add(name)
+    say so once a run (the bound reward remembers), since None reads as 'not applicable' and the
+    round's log shows a plain 0. (The built-ins' None is an infrastructure error or a missing
+    reference, reported where it arises.)"""
+    for reward, name, values in ((r, r.name, per_reward[r.name]) for r in users):
+        if values and all(v is None for v in values) and not report.timeouts.get(name) and not reward.said_all_none:
+            reward.said_all_none = True
             log.warning(
                 "reward '%s' returned None for all %d completions of a round: None means 'not applicable' and adds "
                 "nothing, so it gives no signal; return 0.0 for a wrong answer",

@@ -19,9 +19,7 @@ def run_name(cfg) -> str:
         return cfg.name
     data = cfg.data.task or Path(cfg.data.path or "data").stem
     if cfg.environments:
-        from plait.programs.environments import label
-
-        labels = [label(e) for e in cfg.environments]
+        labels = [e.label for e in cfg.environments]
         data = labels[0] + (f"+{len(labels) - 1}" if len(labels) > 1 else "")
     return f"{data}-{Path(cfg.model.name_or_path.rstrip('/')).name}"
 

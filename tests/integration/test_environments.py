@@ -134,7 +134,7 @@ def test_a_verifier_failure_leaves_the_completion_unscored_by_every_reward(monke
     answers as the dataset's own verifier does (a wrong one 0)."""
     from reasoning_gym.arithmetic.basic_arithmetic import BasicArithmeticDataset
 
-    from plait.config.schema import EnvironmentSpec, RewardSpec
+    from plait.config.schema import ReasoningGymEnvironment, RewardSpec
     from plait.programs import reasoning_gym
     from plait.rewards.runner import bind_rewards, score_groups
     from plait.types import Completion, Group, Prompt
@@ -148,7 +148,9 @@ def test_a_verifier_failure_leaves_the_completion_unscored_by_every_reward(monke
         return judged[-1][1]
 
     monkeypatch.setattr(BasicArithmeticDataset, "score_answer", score_answer)
-    spec = EnvironmentSpec(type="reasoning_gym", dataset="basic_arithmetic", size=4, eval_size=1, answer_format="boxed")
+    spec = ReasoningGymEnvironment(
+        type="reasoning_gym", dataset="basic_arithmetic", size=4, eval_size=1, answer_format="boxed"
+    )
     row = reasoning_gym.rows(spec, "basic_arithmetic", "train", 0, 4)[0]
     prompt = Prompt(0, row["prompt"], [1], row["answer"], {k: row[k] for k in ("environment", "env_source")})
     wrong = str(int(row["answer"]) + 1)

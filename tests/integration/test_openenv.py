@@ -25,8 +25,8 @@ from plait.comm import free_port
 from plait.config.checks import check_environments, check_tools, probe
 from plait.data import DataError, build_prompts, load_rows
 from plait.programs import openenv
+from plait.programs.openenv import tool_kind as openenv_kind
 from plait.programs.tools import Tools
-from plait.programs.trl_env import openenv_kind
 
 
 pytest.importorskip("openenv.core")

@@ -191,7 +191,9 @@ def test_config_mistakes_are_refused_before_a_model_loads(tmp_path):
     assert any("module 'trl_envs' has no callable 'Nowhere'" in p for p in missing)
     mixed = problems(counter(), "{type: reasoning_gym, dataset: basic_arithmetic}")
     assert any("one run takes one kind" in p for p in mixed)
-    with pytest.raises(Exception, match="drop `weight` and `config`"):
+    with pytest.raises(
+        Exception, match="`weight` is for environments of type reasoning_gym, not trl_env .*takes its rows from `data`"
+    ):
         env_config(path, counter(weight=2))
     with pytest.raises(Exception, match="needs `factory: module:Name`"):
         env_config(path, "{type: trl_env}")

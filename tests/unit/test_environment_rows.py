@@ -316,3 +316,47 @@ def test_an_environment_whose_every_prompt_is_too_long_stops_the_run_before_trai
         assert "every prompt of environment(s) leg_counting (" in str(err.value)
         assert f"would not {doing} at all" in str(err.value) and "the longest is " in str(err.value)
         assert ("held-out prompts are longer" in str(err.value)) == (split == "eval")
+
+
+def test_each_environment_type_is_a_model_of_its_own_options():
+    """An entry is validated as its `type`'s model: an option another type has is named as
+    that type's, a misspelt one gets the nearest name, every problem of the section at once;
+    the resolved config reads back equal and `plait train --help` lists each type's options."""
+    from plait.config import describe_options
+    from plait.config.schema import Config, OpenEnvEnvironment, ReasoningGymEnvironment, TrlEnvironment
+
+    entries = (
+        "environments=[{type: trl_env, factory: 'm:E', dataset: x}, {type: reasoning_gym, dataset: basic_arithmetic,"
+        " url: 'http://h:1', sise: 3}, {type: openenv, url: 'http://h:1', trusted: true}, {factory: 'm:E'}]"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [entries])
+    said = err.value.problems
+    assert any(p.startswith("`dataset` is for environments of type reasoning_gym, not trl_env") for p in said)
+    assert any("`url` is for environments of type openenv, not reasoning_gym" in p for p in said)
+    assert any("unknown key 'environments.1.sise'. Did you mean 'size'?" in p for p in said)
+    assert any(
+        "`trusted` is for environments of type trl_env, not openenv" in p and "not in plait's sandbox" in p
+        for p in said
+    )
+    assert any(
+        p.startswith("environments.3:") and "needs `type`: one of reasoning_gym, trl_env, openenv" in p for p in said
+    )
+    assert len(said) == 5, said
+
+    cfg = load_config(
+        None,
+        [
+            "environments=[{type: trl_env, factory: 'm:E'}, {type: openenv, url: 'http://h:1', name: g}]",
+            "rollout.tools={format: hermes, python: false}",
+        ],
+    )
+    assert [type(e) for e in cfg.environments] == [TrlEnvironment, OpenEnvEnvironment]
+    assert [e.label for e in cfg.environments] == ["E", "g"] and all(e.ACTS_ON_ROWS for e in cfg.environments)
+    assert "size" not in cfg.environments[0].model_dump()  # only its own options
+    assert Config.model_validate(cfg.model_dump(mode="json")) == cfg
+    own = load_config(None, [f"environments=[{ARITH}}}]"]).environments[0]
+    assert isinstance(own, ReasoningGymEnvironment) and not own.ACTS_ON_ROWS and own.label == "basic_arithmetic"
+    names = {name for name, _, _ in describe_options()}
+    assert {"environments[type=reasoning_gym].dataset", "environments[type=trl_env].trusted"} <= names
+    assert "environments[type=openenv].connect_timeout_s" in names and "environments[type=trl_env].size" not in names

@@ -152,15 +152,23 @@ def test_a_reward_that_edits_its_inputs_changes_nothing_another_reward_reads():
     assert groups[0].prompt.answer == "2" and groups[0].prompt.columns == {"level": 1}
 
 
-def test_a_reward_that_scores_nothing_is_warned_about_once(caplog):
+def test_a_reward_that_scores_nothing_is_warned_about_once_a_run(caplog):
+    """Once per bound reward (a run binds its rewards once), not once per process: a second run
+    in the same process (a test suite, a notebook) is told again."""
+
     def nothing(completions, **_):
         return [None] * len(completions)
 
+    def said():
+        return [r.getMessage() for r in caplog.records if "'nothing' returned None for all 2" in r.getMessage()]
+
+    bound = [BoundReward("nothing", nothing), BoundReward("accuracy", accuracy)]
     for _ in range(2):
-        score_groups(_groups(), [BoundReward("nothing", nothing), BoundReward("accuracy", accuracy)])
-    said = [r.getMessage() for r in caplog.records if "'nothing' returned None for all 2 completions" in r.getMessage()]
-    assert len(said) == 1 and "return 0.0 for a wrong answer" in said[0]
+        score_groups(_groups(), bound)
+    assert len(said()) == 1 and "return 0.0 for a wrong answer" in said()[0]
     assert not [r for r in caplog.records if "'accuracy'" in r.getMessage()]
+    score_groups(_groups(), [BoundReward("nothing", nothing)])  # another run's binding
+    assert len(said()) == 2
 
 
 def test_a_reward_stuck_past_its_timeout_does_not_keep_the_process_from_exiting(tmp_path):
