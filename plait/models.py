@@ -154,6 +154,17 @@ def autocast(device: torch.device, precision: str, cache: bool = True):
     return contextlib.nullcontext()
 
 
+def kept_casts(device: torch.device, precision: str):
+    """The context an update's micro-batches run in: bf16 autocast's casts of the weights are
+    made once and kept until it ends (they are cleared when the outermost autocast context
+    exits, and this one, casting nothing itself, holds them open), where each micro-batch's own
+    `autocast` would cast every weight again. The weights must not change inside it: end it
+    before the optimizer steps. The same casts of the same weights: the gradients are equal."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=False)
+    return contextlib.nullcontext()
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo has none)."""

@@ -412,7 +412,7 @@ def accumulate_gradients(
     if why_nothing_is_skipped(cfg) is None:
         trained, _ = informative_first(chunk, size)
     mbs = [mb.to(backend.device) for mb in micro_batches(trained, size)]
-    with timer("train"):
+    with timer("train"), backend.keep_casts():
         for i, mb in enumerate(mbs):
             with backend.accumulate(last=i == len(mbs) - 1):
                 outputs, measured, engine = train_micro_batch(backend.model, mb, counts, cfg, settings, backend)

@@ -225,6 +225,40 @@ def test_dapo_gradient_does_not_depend_on_micro_batching(tiny_model_path):
             assert torch.allclose(grads[0], g, atol=1e-6, rtol=1e-4), loss_type
 
 
+def test_a_bf16_update_casts_each_weight_once_for_all_its_micro_batches(tiny_model_path):
+    """Under bf16 autocast an update's micro-batches share one cast of each weight (the backend's
+    keep_casts): the gradient is torch.equal to the one with every micro-batch casting again,
+    with fewer casts (counted by torch.profiler), and the next update casts the new weights."""
+    tok = load_tokenizer(str(tiny_model_path))
+    model = load_model(str(tiny_model_path))
+    prompts = [Prompt(i, t, tok(t)["input_ids"]) for i, t in enumerate(["What is 2 + 2?", "Name a colour"])]
+    outs = HFEngine(model, tok).generate(prompts, SamplingParams(max_tokens=10, temperature=1.0, seed=3), n=4)
+    batch = collate([Group(p, cs) for p, cs in zip(prompts, outs)], tok.pad_token_id)
+    batch.advantages = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    cfg = load_config(None, ["train.precision=bf16", "train.micro_batch_size=2", "rollout.max_completion_length=10"])
+    backend = LocalBackend.wrap(model, precision="bf16")
+    weights = sum(1 for p in model.parameters() if p.requires_grad and p.dim() == 2)
+
+    def update(keep: bool):
+        model.zero_grad()
+        if not keep:
+            backend.keep_casts = __import__("contextlib").nullcontext
+        with torch.profiler.profile() as prof:
+            accumulate_gradients(batch, cfg, LossSettings.from_algo(cfg.algo), backend, PhaseTimer(), Sums())
+        backend.__dict__.pop("keep_casts", None)
+        casts = sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), casts
+
+    (kept, kept_casts), (each, each_casts) = update(True), update(False)
+    assert kept.abs().max() > 0 and torch.equal(kept, each)
+    assert each_casts - kept_casts >= 3 * weights  # 4 micro-batches: 3 casts of each weight saved
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)  # an optimizer step between updates: the next one casts these
+    moved, _ = update(True)
+    assert torch.equal(moved, update(False)[0]) and not torch.equal(moved, kept)
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "cispo", "bnpo"])
 def test_leaving_zero_advantage_rows_out_keeps_the_gradient(tiny_model_path, loss_type):
     """Completions whose advantage is zero are left out of the forward and backward, and the

@@ -49,6 +49,10 @@ class Backend(Protocol):
     def autocast(self) -> ContextManager:
         """Mixed precision around forward passes."""
 
+    def keep_casts(self) -> ContextManager:
+        """Around one update's micro-batches (its weights do not change inside): mixed
+        precision's casts of them kept from one micro-batch to the next, where that is safe."""
+
     def accumulate(self, last: bool) -> ContextManager:
         """Context around one micro-batch's forward and backward; `last` ends the update (gradients sync then)."""
 

@@ -103,6 +103,10 @@ class DeepSpeedBackend(LocalBackend):
         total = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.module.parameters())
         return {"backend": self.name, "zero_stage": self.stage, "params_local": local, "params_total": total}
 
+    def keep_casts(self):
+        # ZeRO-3 gathers each weight anew for every forward: a kept cast would hold the gathered one
+        return contextlib.nullcontext()
+
     def accumulate(self, last: bool):
         # plait says where an update ends (its micro-batch count per update may differ from
         # the JSON's gradient_accumulation_steps); gradients are reduced at that boundary

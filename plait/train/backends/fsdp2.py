@@ -115,6 +115,10 @@ class FSDP2Backend(LocalBackend):
         total = sum(p.numel() for p in self.module.parameters())
         return {"backend": self.name, "params_local": local, "params_total": total}
 
+    def keep_casts(self):
+        # FSDP2 gathers each weight anew for every forward: a kept cast would hold the gathered one
+        return contextlib.nullcontext()
+
     def accumulate(self, last: bool):
         # reduce-scatter gradients once per optimizer step, not after every micro-batch
         self.module.set_requires_gradient_sync(last)

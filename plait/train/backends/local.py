@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from plait import comm
 from plait.algo.kl import mix_reference
-from plait.models import autocast, load_model, save_model
+from plait.models import autocast, kept_casts, load_model, save_model
 from plait.train.backends.base import StepOutcome
 from plait.train.optim import make_optimizer
 
@@ -124,6 +124,10 @@ class LocalBackend:
     def autocast(self):
         """Mixed precision for forward passes (train.precision)."""
         return autocast(self.device, self.precision)
+
+    def keep_casts(self):
+        """Around an update's micro-batches: the weights' bf16 casts made once (models.kept_casts)."""
+        return kept_casts(self.device, self.precision)
 
     def accumulate(self, last: bool):
         """Context around one micro-batch's forward and backward; `last` ends the step."""
@@ -237,6 +241,10 @@ class DDPBackend(LocalBackend):
             else None
         )
         return DDP(module, device_ids=ids)
+
+    def keep_casts(self):
+        """Around an update's micro-batches: the weights' bf16 casts made once (models.kept_casts)."""
+        return kept_casts(self.device, self.precision)
 
     def accumulate(self, last: bool):
         # DDP reads the sync flag in forward, so the context spans forward and backward
