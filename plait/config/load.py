@@ -227,6 +227,9 @@ def describe_options(model: type[BaseModel] = Config, prefix: str = "") -> list[
         if models and name != "rewards" and name != "lora":
             rows += describe_options(models[0], f"{prefix}{name}.")
             continue
+        if field.is_required():
+            rows.append((f"{prefix}{name}", "(required)", field.description or ""))
+            continue
         default = field.get_default(call_default_factory=True)
         if isinstance(default, list) and default and isinstance(default[0], BaseModel):
             default = [d.model_dump(exclude_defaults=True) for d in default]
