@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from plait.config.schema import ENVIRONMENT_TYPES, Config, ConfigError, default_rewards
+from plait.config.schema import ENVIRONMENT_TYPES, Config, ConfigError, default_rewards, type_tag
 
 
 def did_you_mean(name: str, choices: list[str]) -> str:
@@ -31,27 +31,22 @@ def _models_in(ann: Any) -> list[type[BaseModel]]:
     return [m for arg in getattr(ann, "__args__", ()) for m in _models_in(arg)]
 
 
-def _tag(model: type[BaseModel]) -> str:
-    return model.model_fields["type"].annotation.__args__[0]
-
-
-def _section_type(model: type[BaseModel], key: str, value: Any = None) -> type[BaseModel] | None:
-    """The pydantic class of a nested section field (of a union of entry types: the one `value`'s
-    `type` names), or None for a leaf or a type no entry has (validation names it)."""
-    models = _models_in(model.model_fields[key].annotation)
+def _model_for(models: list[type[BaseModel]], value: Any) -> type[BaseModel] | None:
+    """Of a field's models (`_models_in`), the one `value` is validated as: of a union of entry
+    types the one its `type` names; None for a leaf or a type no entry has (validation names it)."""
     if len(models) > 1:
         tag = value.get("type") if isinstance(value, dict) else None
-        return next((m for m in models if _tag(m) == tag), None)
+        return next((m for m in models if type_tag(m) == tag), None)
     return models[0] if models else None
 
 
 def _elsewhere(model: type[BaseModel], key: str, where: str, siblings: list[type[BaseModel]]) -> str | None:
     """An entry's key that belongs to another type of entry, said as such."""
-    owners = [_tag(m) for m in siblings if m is not model and key in m.model_fields]
+    owners = [type_tag(m) for m in siblings if m is not model and key in m.model_fields]
     if not owners:
         return None
     return (
-        f"`{key}` is for environments of type {' and '.join(owners)}, not {_tag(model)}{model.ELSEWHERE} "
+        f"`{key}` is for environments of type {' and '.join(owners)}, not {type_tag(model)}{model.ELSEWHERE} "
         f"('{where}'): remove it"
     )
 
@@ -76,17 +71,16 @@ def known_only(
             other = _elsewhere(model, key, where, siblings)
             problems.append(other or f"unknown key '{where}'.{did_you_mean(str(key), fields)}")
             continue
-        union = _models_in(model.model_fields[key].annotation)
-        if isinstance(value, list) and union:
-            subs = [_section_type(model, key, item) for item in value]
+        models = _models_in(model.model_fields[key].annotation)
+        if isinstance(value, list) and models:
             pairs = [
-                known_only(item, sub, f"{where}.{i}.", union) if sub else (item, [])
-                for i, (item, sub) in enumerate(zip(value, subs))
+                known_only(item, sub, f"{where}.{i}.", models) if (sub := _model_for(models, item)) else (item, [])
+                for i, item in enumerate(value)
             ]
             value = [item for item, _ in pairs]
             problems += [p for _, found in pairs for p in found]
-        elif (sub := _section_type(model, key, value)) is not None:
-            value, found = known_only(value, sub, f"{where}.", union)
+        elif (sub := _model_for(models, value)) is not None:
+            value, found = known_only(value, sub, f"{where}.", models)
             problems += found
         kept[key] = value
     return kept, problems
@@ -222,7 +216,7 @@ def describe_options(model: type[BaseModel] = Config, prefix: str = "") -> list[
     for name, field in model.model_fields.items():
         models = _models_in(field.annotation)
         if len(models) > 1:  # a union of entry types: each one's options
-            rows += [row for m in models for row in describe_options(m, f"{prefix}{name}[type={_tag(m)}].")]
+            rows += [row for m in models for row in describe_options(m, f"{prefix}{name}[type={type_tag(m)}].")]
             continue
         if models and name != "rewards" and name != "lora":
             rows += describe_options(models[0], f"{prefix}{name}.")

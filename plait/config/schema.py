@@ -1067,7 +1067,14 @@ def _a_type_plait_can_install(value: Any) -> Any:
 # one model per `type` (a new kind of environment is one more model here and its entry in
 # plait/programs/environments.py's KINDS)
 ENVIRONMENT_MODELS = (ReasoningGymEnvironment, TrlEnvironment, OpenEnvEnvironment)
-ENVIRONMENT_TYPES = tuple(m.model_fields["type"].annotation.__args__[0] for m in ENVIRONMENT_MODELS)
+
+
+def type_tag(model: type[BaseModel]) -> str:
+    """The `type` an entry model of a union stands for (its Literal)."""
+    return model.model_fields["type"].annotation.__args__[0]
+
+
+ENVIRONMENT_TYPES = tuple(map(type_tag, ENVIRONMENT_MODELS))
 EnvironmentSpec = Annotated[
     ReasoningGymEnvironment | TrlEnvironment | OpenEnvEnvironment,
     Field(discriminator="type"),

@@ -1,6 +1,7 @@
 """Every loss type and algorithm option, end to end on a tiny model, plus the invariances
 that make them trustworthy (micro-batch split, ratio exactly 1 on a first pass)."""
 
+import contextlib
 import math
 
 import pytest
@@ -242,7 +243,7 @@ def test_a_bf16_update_casts_each_weight_once_for_all_its_micro_batches(tiny_mod
     def update(keep: bool):
         model.zero_grad()
         if not keep:
-            backend.keep_casts = __import__("contextlib").nullcontext
+            backend.keep_casts = contextlib.nullcontext
         with torch.profiler.profile() as prof:
             accumulate_gradients(batch, cfg, LossSettings.from_algo(cfg.algo), backend, PhaseTimer(), Sums())
         backend.__dict__.pop("keep_casts", None)
