@@ -132,6 +132,38 @@ class RolloutServer:
             self.proc.wait(60)
 
 
+@pytest.fixture(scope="module")
+def module_server(vllm_model, helper_env):
+    """One `plait rollout-server` (dp 1) for the tests of this module that kill nothing and make it
+    hold what they need first: a server's start is about half a minute of CPU, paid once per
+    pytest worker instead of once per test."""
+    server = RolloutServer(vllm_model, dp=1, env=helper_env)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def base_server(module_server, vllm_model):
+    """The module's server holding the base model's weights (version 0) again, whatever an earlier
+    test sent it (a trainer pushes its own weights first, a teacher on the server is read as it is)."""
+    from transformers import AutoModelForCausalLM
+
+    from plait.config import load_config
+    from plait.models import load_tokenizer
+    from plait.rollout import make_engine
+
+    assert module_server.proc.poll() is None, "an earlier test stopped the module's server"
+    sets = ["rollout.engine=vllm", "rollout.vllm.mode=server", f"rollout.vllm.servers=[{module_server.url}]"]
+    model = AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32)
+    remote = make_engine(load_config(None, [*sets, "train.precision=fp32"]), model, load_tokenizer(vllm_model))
+    try:
+        remote.weights_for_round(0)
+    finally:
+        remote.close()
+    assert module_server.health()["version"] == 0
+    return module_server
+
+
 def vllm_overrides(model, data, out, *extra):
     return tiny_overrides(model, data, out, "rollout.engine=vllm", "train.max_steps=3", "train.warmup_steps=1", *extra)
 
@@ -359,7 +391,7 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
         # after request_timeout_s instead of waiting for ever, naming the server and resume=auto
         (replica,) = server.replica_pids()  # in a session of its own, with its engine's processes
         hang = {**helper_env, "PLAIT_TEST_KILL_ROUND": "4", "PLAIT_TEST_KILL_PGID": str(replica)}
-        more = [*args, "resume=auto", "train.max_steps=6", "rollout.vllm.request_timeout_s=45"]
+        more = [*args, "resume=auto", "train.max_steps=6", "rollout.vllm.request_timeout_s=20"]
         try:
             proc = subprocess.run(
                 train_cmd(1, more),
@@ -372,7 +404,7 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
             os.killpg(replica, signal.SIGCONT)
         assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
         assert f"rollout server {server.url}" in proc.stderr and "resume=auto" in proc.stderr, proc.stderr[-2000:]
-        assert "did not answer" in proc.stderr and "request_timeout_s=45" in proc.stderr, proc.stderr[-2000:]
+        assert "did not answer" in proc.stderr and "request_timeout_s=20" in proc.stderr, proc.stderr[-2000:]
         assert [x["step"] for x in metrics_of(out)] == [1, 2, 3, 4]
         assert (out / "checkpoints" / "step_00000004" / "COMMITTED").is_file()
     finally:
@@ -421,7 +453,7 @@ def test_a_replica_whose_engine_dies_exits_whether_idle_or_mid_request(vllm_mode
 
 @pytest.mark.parametrize("mode", ["colocate", "server"])
 def test_a_vllm_engine_given_corrupted_weights_stops_the_run(
-    vllm_model, prompts_jsonl, tmp_path, helper_env, monkeypatch, mode
+    vllm_model, prompts_jsonl, tmp_path, helper_env, monkeypatch, mode, request
 ):
     """The drift guard (test_drift_guard.py) with vLLM: the weights a colocated engine loads, or
     a rollout server is sent, are corrupted from the second sync on; round 2 stops the run, round
@@ -440,6 +472,7 @@ def test_a_vllm_engine_given_corrupted_weights_stops_the_run(
     from plait.train.guard import EngineDrift
     from plait.train.loop import train
 
+    server = request.getfixturevalue("base_server") if mode == "server" else None  # its own push before the patch
     syncs = {"n": 0}
     if mode == "colocate":
         real = vllm_engine.full_weights
@@ -461,30 +494,25 @@ def test_a_vllm_engine_given_corrupted_weights_stops_the_run(
             return real_push(self, weights, version, *args, **kwargs)
 
         monkeypatch.setattr(RemoteEngine, "push_weights", corrupted_push)
-    server = RolloutServer(vllm_model, dp=1, env=helper_env) if mode == "server" else None
-    try:
-        out = tmp_path / "run"
-        extra = [f"rollout.vllm.mode={mode}", "checkpoint.save_steps=1"]
-        if server is not None:
-            extra.append(f"rollout.vllm.servers=[{server.url}]")
-        env = dict(os.environ)
-        with pytest.raises(EngineDrift, match=r"round 2: the rollout engine's log-probs"):
-            train(load_config(None, vllm_overrides(vllm_model, prompts_jsonl, out, *extra)))
-        assert not dist.is_initialized()
-        # but torch's compiler's own: it keeps a pointer there for the modules it compiled (any
-        # torch.compile in the process sets it), which later loads of them read
-        changed = {k: (env.get(k), v) for k, v in os.environ.items() if env.get(k) != v}
-        assert {k: v for k, v in changed.items() if not k.startswith("_TORCHINDUCTOR_")} == {}
-        assert set(env) <= set(os.environ)
-        assert syncs["n"] >= 2
-        assert committed(out) == ["step_00000001"] and rounds_logged(out) == [1]
-    finally:
-        if server is not None:
-            server.stop()
+    out = tmp_path / "run"
+    extra = [f"rollout.vllm.mode={mode}", "checkpoint.save_steps=1"]
+    if server is not None:
+        extra.append(f"rollout.vllm.servers=[{server.url}]")
+    env = dict(os.environ)
+    with pytest.raises(EngineDrift, match=r"round 2: the rollout engine's log-probs"):
+        train(load_config(None, vllm_overrides(vllm_model, prompts_jsonl, out, *extra)))
+    assert not dist.is_initialized()
+    # but torch's compiler's own: it keeps a pointer there for the modules it compiled (any
+    # torch.compile in the process sets it), which later loads of them read
+    changed = {k: (env.get(k), v) for k, v in os.environ.items() if env.get(k) != v}
+    assert {k: v for k, v in changed.items() if not k.startswith("_TORCHINDUCTOR_")} == {}
+    assert set(env) <= set(os.environ)
+    assert syncs["n"] >= 2
+    assert committed(out) == ["step_00000001"] and rounds_logged(out) == [1]
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-adapter"])
-def test_server_mode_generates_asynchronously(vllm_model, prompts_jsonl, tmp_path, helper_env, lora):
+def test_server_mode_generates_asynchronously(vllm_model, prompts_jsonl, tmp_path, helper_env, lora, request):
     """rollout.max_staleness=1 against a real rollout server: round t is sampled with the
     weights after round max(0, t-2) (the logprob gap shows the server held the older weights),
     and the server ends holding the last version a round was scheduled on. With LoRA (the
@@ -492,7 +520,11 @@ def test_server_mode_generates_asynchronously(vllm_model, prompts_jsonl, tmp_pat
     loaded with vLLM's own LoRA, and holds the trainer's weights just as closely."""
     lora_sets = ("model.lora={r: 4}", "rollout.lora_push=adapter")  # vLLM's LoRA on CPU too
     extra = (*lora_sets, "train.learning_rate=1e-2") if lora else ()
-    server = RolloutServer(vllm_model, dp=1, env=helper_env, sets=lora_sets if lora else ())
+    server = (
+        RolloutServer(vllm_model, dp=1, env=helper_env, sets=lora_sets)
+        if lora
+        else request.getfixturevalue("base_server")
+    )
     try:
         out = tmp_path / "run"
         args = vllm_overrides(
@@ -522,7 +554,8 @@ def test_server_mode_generates_asynchronously(vllm_model, prompts_jsonl, tmp_pat
         else:
             _an_update_sent_mid_request_waits_for_it(server, out / "final")
     finally:
-        server.stop()
+        if lora:
+            server.stop()
 
 
 def _an_update_sent_mid_request_waits_for_it(server, final):
@@ -641,7 +674,7 @@ def _an_adapter_push_makes_the_server_decode_as_the_adapted_model(vllm_model, se
         trainer.close()
 
 
-def test_a_teacher_on_a_rollout_server_scores_as_the_held_one(vllm_model, prompts_jsonl, tmp_path, helper_env):
+def test_a_teacher_on_a_rollout_server_scores_as_the_held_one(vllm_model, prompts_jsonl, tmp_path, base_server):
     """`plait rollout-server --model TEACHER` scores a round's completions with vLLM's prompt
     log-probs (POST /logprobs): the same numbers as the teacher held in the trainer, within
     TEACHER_ATOL; a temperature vLLM can't score at is refused with the reason; and a run
@@ -654,31 +687,28 @@ def test_a_teacher_on_a_rollout_server_scores_as_the_held_one(vllm_model, prompt
     from plait.train.loop import train
     from plait.train.teacher import HeldTeacher, ServerTeacher, TeacherFailed
 
-    server = RolloutServer(vllm_model, dp=1, env=helper_env)
+    server = base_server  # the teacher is the base model, as the server holds it
+    sets = [f"teacher.name_or_path={vllm_model}", "teacher.site=server", f"teacher.url={server.url}"]
+    cfg = load_config(None, [*sets, "train.micro_batch_size=4", "rollout.temperature=1.0"])
+    batch = sampled_batch()
+    far = ServerTeacher(cfg)
     try:
-        sets = [f"teacher.name_or_path={vllm_model}", "teacher.site=server", f"teacher.url={server.url}"]
-        cfg = load_config(None, [*sets, "train.micro_batch_size=4", "rollout.temperature=1.0"])
-        batch = sampled_batch()
-        far = ServerTeacher(cfg)
-        try:
-            got = far.logprobs(batch)
-        finally:
-            far.close()
-        backend = LocalBackend.wrap(load_model(str(vllm_model)))
-        backend.teacher_model = load_model(str(vllm_model)).eval()
-        want = HeldTeacher(cfg, backend).logprobs(batch)
-        real = batch.completion_mask.bool()
-        assert torch.allclose(got[real], want[real], atol=TEACHER_ATOL, rtol=0), (got - want)[real].abs().max()
-        assert got[~real].abs().max() == 0 and want[real].abs().min() > 0
-
-        hot = ServerTeacher(load_config(None, [*sets, "rollout.temperature=0.7"]))
-        with pytest.raises(TeacherFailed, match="a vLLM replica scores at temperature 1 only"):
-            hot.logprobs(batch)
-        hot.close()
-
-        out = tmp_path / "run"
-        train(load_config(None, tiny_overrides(vllm_model, prompts_jsonl, out, *sets, "train.max_steps=2")))
-        kl = [m["teacher/kl"] for m in metrics_of(out)]
-        assert len(kl) == 2 and abs(kl[0]) < TEACHER_ATOL  # round 1: the student is the teacher
+        got = far.logprobs(batch)
     finally:
-        server.stop()
+        far.close()
+    backend = LocalBackend.wrap(load_model(str(vllm_model)))
+    backend.teacher_model = load_model(str(vllm_model)).eval()
+    want = HeldTeacher(cfg, backend).logprobs(batch)
+    real = batch.completion_mask.bool()
+    assert torch.allclose(got[real], want[real], atol=TEACHER_ATOL, rtol=0), (got - want)[real].abs().max()
+    assert got[~real].abs().max() == 0 and want[real].abs().min() > 0
+
+    hot = ServerTeacher(load_config(None, [*sets, "rollout.temperature=0.7"]))
+    with pytest.raises(TeacherFailed, match="a vLLM replica scores at temperature 1 only"):
+        hot.logprobs(batch)
+    hot.close()
+
+    out = tmp_path / "run"
+    train(load_config(None, tiny_overrides(vllm_model, prompts_jsonl, out, *sets, "train.max_steps=2")))
+    kl = [m["teacher/kl"] for m in metrics_of(out)]
+    assert len(kl) == 2 and abs(kl[0]) < TEACHER_ATOL  # round 1: the student is the teacher
