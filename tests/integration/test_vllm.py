@@ -135,7 +135,7 @@ class RolloutServer:
 @pytest.fixture(scope="module")
 def module_server(vllm_model, helper_env):
     """One `plait rollout-server` (dp 1) for the tests of this module that kill nothing and make it
-    hold what they need first: a server's start is about half a minute of CPU, paid once per
+    hold what they need first: a server takes about half a minute to start (31 s here), paid once per
     pytest worker instead of once per test."""
     server = RolloutServer(vllm_model, dp=1, env=helper_env)
     yield server
