@@ -819,6 +819,14 @@ class RecoveryConfig(Section):
         description="How far below its best the watched score may fall, in its own units (accuracy "
         "for eval, reward for reward), before the run rolls back.",
     )
+    relative_margin: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="Also a fall of more than this share of the best (0.1: below 0.9 x best) rolls back, "
+        "whichever of it and `margin` is nearer the best. Meant for accuracies (watch=eval), where a "
+        "best of 0.3 makes an absolute margin of 0.1 a third of it; null = `margin` alone.",
+    )
     lr_factor: float = Field(0.5, gt=0.0, le=1.0, description="Each rollback multiplies the learning rate by this.")
     max_recoveries: int = Field(2, ge=0, description="Rollbacks at most; a fall after them ends the run on its best.")
     window: int = Field(3, ge=1, description="watch=reward: rounds whose mean reward is averaged into the score.")

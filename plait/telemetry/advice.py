@@ -307,9 +307,8 @@ def _guard_advice(cfg) -> str:
     r = getattr(cfg, "recovery", None)
     if r is not None and r.enabled:
         watch = r.watch if r.watch != "auto" else ("eval" if cfg.eval.every_steps else "reward")
-        return (
-            f"recovery is on (watching the {watch}, margin {r.margin:g}) and did not act: a smaller margin acts sooner"
-        )
+        margin = f"margin {r.margin:g}" + (f", relative {r.relative_margin:g}" if r.relative_margin is not None else "")
+        return f"recovery is on (watching the {watch}, {margin}) and did not act: a smaller margin acts sooner"
     return (
         "recovery.enabled=true rolls a falling run back to its best state (or checkpoint.keep_best=true keeps "
         "the best evaluated model)"

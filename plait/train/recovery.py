@@ -4,7 +4,8 @@ After each round the watched score is read: the evaluation (eval.metric, at eval
 every eval.every_steps), or the rounds' mean total reward averaged over `recovery.window`
 rounds. A new best saves the run's state to RUN_DIR/recovery (a checkpoint like the others:
 policy, optimizer, LR schedule, reference). A fall of more than `recovery.margin` below the
-best restores that state, multiplies the learning rate by `recovery.lr_factor` and goes on:
+best (or, with `recovery.relative_margin`, of more than that share of the best: whichever comes
+first) restores that state, multiplies the learning rate by `recovery.lr_factor` and goes on:
 the round count and the data position go on, so the rounds after a rollback train on prompts
 the policy has not seen (as large pretraining runs restart before a loss spike and skip its
 batches). The random generators go on too: the rounds after a rollback sample afresh. After
@@ -60,12 +61,23 @@ def reward_score(state: RecoveryState, mean_reward: float, window: int) -> float
     return sum(state.window) / window if len(state.window) == window else None
 
 
-def decide(state: RecoveryState, score: float, margin: float, max_recoveries: int) -> str:
+def floor(best: float, margin: float, relative_margin: float | None = None) -> float:
+    """The lowest score that is not yet a fall from `best`: `margin` below it, or `relative_margin`
+    of it below it when that is nearer (a best accuracy of 0.28 may fall 0.028, not 0.1)."""
+    lowest = best - margin
+    if relative_margin is not None:
+        lowest = max(lowest, best - relative_margin * abs(best))
+    return lowest
+
+
+def decide(
+    state: RecoveryState, score: float, margin: float, max_recoveries: int, relative_margin: float | None = None
+) -> str:
     """ "best" (a new best: keep this state), "rollback", "stop" (a fall past the margin with
     every rollback spent: end the run on the best state) or "keep" (go on)."""
     if state.best is None or score > state.best:
         return "best"
-    if score < state.best - margin:
+    if score < floor(state.best, margin, relative_margin):
         return "rollback" if state.rollbacks < max_recoveries else "stop"
     return "keep"
 
@@ -101,7 +113,7 @@ def defend(run, round_: int, score: float, trainer_state: Callable[[], dict]) ->
     the best, roll back to the best, or (every rollback spent) restore the best and end the run
     (True). `trainer_state()`: what a checkpoint of the run holds besides the backend's state."""
     rc, state = run.cfg.recovery, run.recovery
-    verdict = decide(state, score, rc.margin, rc.max_recoveries)
+    verdict = decide(state, score, rc.margin, rc.max_recoveries, rc.relative_margin)
     if verdict == "keep":
         return False
     with run.timer("checkpoint"):
@@ -131,8 +143,8 @@ def end_on_best(run, accuracy: float) -> int | None:
     """After the last evaluation (`accuracy`): with recovery watching the evaluation, a fall past
     the margin below the best restores the best state, which the run then exports. The round
     whose state was restored (None: the run ends as it is)."""
-    state = run.recovery
-    if watched(run.cfg) != "eval" or state.best is None or accuracy >= state.best - run.cfg.recovery.margin:
+    state, rc = run.recovery, run.cfg.recovery
+    if watched(run.cfg) != "eval" or state.best is None or accuracy >= floor(state.best, rc.margin, rc.relative_margin):
         return None
     restore_best(run.run_dir, run.backend, run.engine)
     run.say(

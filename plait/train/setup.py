@@ -224,8 +224,9 @@ def build_run(
     if cfg.recovery.enabled:
         r = cfg.recovery
         what = {"eval": f"evaluation ({cfg.eval.metric})", "reward": f"mean reward over {r.window} rounds"}
+        share = f" (or {r.relative_margin:g} of it, if nearer)" if r.relative_margin is not None else ""
         say(
-            f"recovery: watching the {what[watched(cfg)]}; a fall of more than {r.margin:g} below its best rolls back "
+            f"recovery: watching the {what[watched(cfg)]}; a fall of more than {r.margin:g}{share} below its best rolls back "
             f"to the best state (learning rate x{r.lr_factor:g}, at most {r.max_recoveries} times)"
         )
     tokenizer = load_tokenizer(cfg.model.name_or_path)

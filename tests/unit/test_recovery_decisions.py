@@ -8,7 +8,7 @@ import torch
 
 from plait.config import load_config
 from plait.train.optim import make_optimizer, scaled_lr
-from plait.train.recovery import RecoveryState, decide, reward_score, watched
+from plait.train.recovery import RecoveryState, decide, floor, reward_score, watched
 
 
 def test_a_new_best_is_kept_a_fall_past_the_margin_rolls_back_and_the_last_one_stops():
@@ -26,6 +26,22 @@ def test_a_new_best_is_kept_a_fall_past_the_margin_rolls_back_and_the_last_one_s
     assert decide(state, 0.2, margin=0.1, max_recoveries=1) == "stop"  # every rollback spent
     assert decide(state, 0.55, margin=0.1, max_recoveries=1) == "best"  # a new best is kept even then
     assert decide(RecoveryState(), -5.0, margin=0.1, max_recoveries=0) == "best"  # the first score is the best
+
+
+def test_a_relative_margin_acts_on_a_fall_the_absolute_one_lets_through():
+    """A best accuracy of 0.28 and a last one of 0.21 (a run of bench/collapse_tasks.py's multiply
+    at 3e-4): 0.07 below, inside an absolute margin of 0.1, past a tenth of the best (0.028)."""
+    assert floor(0.28, 0.1) == pytest.approx(0.18)
+    assert floor(0.28, 0.1, 0.1) == pytest.approx(0.252)
+    assert floor(0.95, 0.05, 0.1) == pytest.approx(0.90)  # the absolute margin is the nearer one here
+    assert floor(-2.0, 0.5, 0.1) == pytest.approx(-2.2)  # a share of a negative best still lies below it
+    best = RecoveryState(best=0.28)
+    assert decide(best, 0.21, margin=0.1, max_recoveries=2) == "keep"
+    assert decide(best, 0.21, margin=0.1, max_recoveries=2, relative_margin=0.1) == "rollback"
+    assert decide(best, 0.26, margin=0.1, max_recoveries=2, relative_margin=0.1) == "keep"
+    assert load_config(None, ["recovery.relative_margin=0.1"]).recovery.relative_margin == 0.1
+    with pytest.raises(Exception, match="relative_margin"):
+        load_config(None, ["recovery.relative_margin=1.5"])
 
 
 def test_the_reward_score_is_the_mean_of_a_full_window():
