@@ -6,8 +6,6 @@ import logging
 import re
 import threading
 
-from math_verify import parse, verify
-
 
 class _NoTimeoutNotice(logging.Filter):
     """math-verify warns on every call made without its signal-based time limit; plait runs
@@ -37,6 +35,8 @@ def _equal(gold: str | None, text: str) -> float:
     """
     if gold is None or not text.strip():
         return 0.0
+    from math_verify import parse, verify  # here, not at the top: sympy's import is ~0.4 s of every start
+
     gold = str(gold)  # a JSON file's number (19) is the answer "19"
     timeouts = {} if _in_main_thread() else {"parsing_timeout": None}
     try:
