@@ -129,3 +129,39 @@ def helper_env():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE / "helpers"), env.get("PYTHONPATH", "")])
     return env
+
+
+@pytest.fixture(scope="session")
+def shared_server(vllm_model, helper_env):
+    """One `plait rollout-server` (dp 1, started as a user starts it) per pytest worker, for the
+    tests that stop nothing of it and make it hold what they need first (`base_server`): a server
+    takes about half a minute to start (31 s on a 2-core Xeon), paid once per worker instead of once
+    per test, in test_vllm.py, test_ray.py and test_rollout_security.py alike."""
+    from test_vllm import RolloutServer
+
+    server = RolloutServer(vllm_model, dp=1, env=helper_env)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def base_server(shared_server, vllm_model):
+    """The shared server holding the base model's weights (version 0) again, whatever an earlier
+    test sent it (a trainer pushes its own weights first, a teacher on the server is read as it is)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from plait.config import load_config
+    from plait.models import load_tokenizer
+    from plait.rollout import make_engine
+
+    assert shared_server.proc.poll() is None, "an earlier test stopped the shared server"
+    sets = ["rollout.engine=vllm", "rollout.vllm.mode=server", f"rollout.vllm.servers=[{shared_server.url}]"]
+    model = AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32)
+    remote = make_engine(load_config(None, [*sets, "train.precision=fp32"]), model, load_tokenizer(vllm_model))
+    try:
+        remote.weights_for_round(0)
+    finally:
+        remote.close()
+    assert shared_server.health()["version"] == 0
+    return shared_server

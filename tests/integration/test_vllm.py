@@ -132,38 +132,6 @@ class RolloutServer:
             self.proc.wait(60)
 
 
-@pytest.fixture(scope="module")
-def module_server(vllm_model, helper_env):
-    """One `plait rollout-server` (dp 1) for the tests of this module that kill nothing and make it
-    hold what they need first: a server takes about half a minute to start (31 s here), paid once per
-    pytest worker instead of once per test."""
-    server = RolloutServer(vllm_model, dp=1, env=helper_env)
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def base_server(module_server, vllm_model):
-    """The module's server holding the base model's weights (version 0) again, whatever an earlier
-    test sent it (a trainer pushes its own weights first, a teacher on the server is read as it is)."""
-    from transformers import AutoModelForCausalLM
-
-    from plait.config import load_config
-    from plait.models import load_tokenizer
-    from plait.rollout import make_engine
-
-    assert module_server.proc.poll() is None, "an earlier test stopped the module's server"
-    sets = ["rollout.engine=vllm", "rollout.vllm.mode=server", f"rollout.vllm.servers=[{module_server.url}]"]
-    model = AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32)
-    remote = make_engine(load_config(None, [*sets, "train.precision=fp32"]), model, load_tokenizer(vllm_model))
-    try:
-        remote.weights_for_round(0)
-    finally:
-        remote.close()
-    assert module_server.health()["version"] == 0
-    return module_server
-
-
 def vllm_overrides(model, data, out, *extra):
     return tiny_overrides(model, data, out, "rollout.engine=vllm", "train.max_steps=3", "train.warmup_steps=1", *extra)
 
