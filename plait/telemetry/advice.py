@@ -301,13 +301,22 @@ def _early_teacher_note(history: list[dict]) -> str | None:
     )
 
 
-def _guard_advice(cfg) -> str:
-    """What keeps the best of a run that fell: recovery where it is off; where it is on (and
-    did not act), a margin it acts on sooner."""
+def _guard_advice(cfg, history: list[dict] = (), evals: list[dict] = ()) -> str:
+    """What keeps the best of a run that fell: recovery where it is off; where it is on, what it
+    did (its rollbacks, the state the run ended on) or, when it did not act, a margin it acts on
+    sooner."""
     r = getattr(cfg, "recovery", None)
     if r is not None and r.enabled:
         watch = r.watch if r.watch != "auto" else ("eval" if cfg.eval.every_steps else "reward")
         margin = f"margin {r.margin:g}" + (f", relative {r.relative_margin:g}" if r.relative_margin is not None else "")
+        rollbacks = max((m.get("recovery/rollbacks") or 0 for m in history), default=0)
+        restored = [e["restored"] for e in evals if e.get("restored") is not None]
+        if rollbacks or restored:
+            ended = f", and the run ended on round {restored[-1]}'s state (final/)" if restored else ""
+            return (
+                f"recovery (watching the {watch}, {margin}) rolled back {int(rollbacks)} time(s){ended}; a run "
+                f"that keeps falling after its rollbacks needs a lower rate from the start"
+            )
         return f"recovery is on (watching the {watch}, {margin}) and did not act: a smaller margin acts sooner"
     return (
         "recovery.enabled=true rolls a falling run back to its best state (or checkpoint.keep_best=true keeps "
@@ -337,7 +346,7 @@ def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None
             notes.append(
                 f"the reward fell from its peak ({smooth[top]:.3f}, smoothed, around round {rounds[top]}) to "
                 f"{smooth[-1]:.3f} at the end: the policy degraded. Try {lower_lr}, a KL term (algo.beta > 0), "
-                f"and {_guard_advice(cfg)}"
+                f"and {_guard_advice(cfg, history, evals)}"
             )
     scored = [(round_of(e), e[metric]) for e in evals if metric and e.get(metric) is not None]
     if len(scored) >= 2:
@@ -345,7 +354,7 @@ def health_notes(history: list[dict], evals: list[dict], cfg, metric: str | None
         if scored[-1][1] < best[1] - 0.05:
             notes.append(
                 f"the evaluation ({metric}) peaked at {best[1]:.3f} (round {best[0]}) and ended at "
-                f"{scored[-1][1]:.3f}: {_guard_advice(cfg)}; try {lower_lr}"
+                f"{scored[-1][1]:.3f}: {_guard_advice(cfg, history, evals)}; try {lower_lr}"
             )
     notes += takeover_notes(history, cfg)
     distilling = any(m.get("teacher/kl") is not None for m in history)

@@ -226,8 +226,8 @@ def build_run(
         what = {"eval": f"evaluation ({cfg.eval.metric})", "reward": f"mean reward over {r.window} rounds"}
         share = f" (or {r.relative_margin:g} of it, if nearer)" if r.relative_margin is not None else ""
         say(
-            f"recovery: watching the {what[watched(cfg)]}; a fall of more than {r.margin:g}{share} below its best rolls back "
-            f"to the best state (learning rate x{r.lr_factor:g}, at most {r.max_recoveries} times)"
+            f"recovery: watching the {what[watched(cfg)]}; a fall of more than {r.margin:g}{share} below its best "
+            f"rolls back to the best state (learning rate x{r.lr_factor:g}, at most {r.max_recoveries} times)"
         )
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     tools = Tools.from_config(cfg, tokenizer)  # its sandbox, too, refuses below min_tier now

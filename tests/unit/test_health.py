@@ -271,3 +271,11 @@ def test_a_fall_in_a_run_with_recovery_on_is_not_told_to_turn_recovery_on():
     on = health_notes(history, evals, load_config(None, ["recovery.enabled=true", "recovery.margin=0.2"]), "acc")
     assert len(on) == 2 and not any("recovery.enabled=true" in n for n in on)
     assert all("recovery is on (watching the reward, margin 0.2) and did not act" in n for n in on)
+    # where it acted, the notes say what it did, not that it did not act
+    acted = [{**m, "recovery/rollbacks": 2 if m["round"] > 6 else 0} for m in history]
+    ended = [*evals, {"round": 9, "acc": 0.6, "restored": 5}]
+    cfg = load_config(None, ["recovery.enabled=true", "recovery.relative_margin=0.1"])
+    (note,) = health_notes(acted, ended, cfg, "acc")  # the evaluation ended at its best: only the reward's fall
+    assert note.startswith("the reward fell from its peak") and "did not act" not in note
+    said = "recovery (watching the reward, margin 0.1, relative 0.1) rolled back 2 time(s), and the run ended on round 5's"
+    assert said in note
