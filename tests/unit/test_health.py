@@ -278,4 +278,4 @@ def test_a_fall_in_a_run_with_recovery_on_is_not_told_to_turn_recovery_on():
     (note,) = health_notes(acted, ended, cfg, "acc")  # the evaluation ended at its best: only the reward's fall
     assert note.startswith("the reward fell from its peak") and "did not act" not in note
     said = "recovery (watching the reward, margin 0.1, relative 0.1) rolled back 2 time(s), and the run ended on round"
-    assert said in note
+    assert said in note and "round 5's state (final/)" in note
