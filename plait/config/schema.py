@@ -319,8 +319,9 @@ class RolloutConfig(Section):
         "copies of the linear weights (faster with AVX512-BF16 or AMX: the demo's sampling 1.39x on a Zen 5; several "
         "times slower without), elsewhere bf16 autocast (vLLM: dtype bfloat16). int8: engine hf on a CPU, int8 "
         "weights and activations through fbgemm: faster "
-        "sampling, but log-probs far from the trainer's (docs/vs-trl.md); algo.engine_is_correction defaults to "
-        "on with it. vLLM quantizes with rollout.vllm.engine_kwargs: {quantization: fp8}.",
+        "sampling with VNNI, but log-probs far from the trainer's (docs/vs-trl.md); slower than fp32 and far worse "
+        "learning on an AVX2-only CPU (7-bit activations); algo.engine_is_correction defaults to on with it. "
+        "vLLM quantizes with rollout.vllm.engine_kwargs: {quantization: fp8}.",
     )
     lora_push: Literal["auto", "adapter", "merged"] = Field(
         "auto",

@@ -70,6 +70,13 @@ def int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
+def int8_full_range() -> bool:
+    """fbgemm can multiply full-range (8-bit) activations here: the CPU has VNNI. Without it,
+    fbgemm's AVX2 kernels add pairs of u8 x s8 products in int16, which full-range activations
+    can saturate, so plait quantizes them to 7 bits (about twice the rounding error)."""
+    return bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
+
+
 def _int8_pack(module: torch.nn.Linear):
     """fbgemm's packed int8 copy of the weight: symmetric, one scale per output row."""
     w = module.weight.detach()
@@ -202,9 +209,7 @@ def int8_linears(model: torch.nn.Module):
             f"{torch.backends.quantized.supported_engines}: use rollout.precision=fp32"
         )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    # Without VNNI, fbgemm's AVX2 kernels add pairs of u8 x s8 products in int16, which full-range
-    # activations can saturate: reduce their range to 7 bits there (about twice the rounding error).
-    forward = functools.partial(_int8_linear, reduce_range=not {"avx512_vnni", "avx_vnni"} & cpu_flags())
+    forward = functools.partial(_int8_linear, reduce_range=not int8_full_range())
     return _swapped(model, _int8_pack, forward, skip=[head] if head is not None else [])
 
 

@@ -477,6 +477,22 @@ def test_rollout_precision_is_checked_and_auto_follows_the_trainer_where_bf16_is
     assert rollout_precision(load_config(None, ["train.precision=fp32", "rollout.precision=bf16"])) == "bf16"
 
 
+def test_int8_rollouts_warn_where_the_cpu_has_no_vnni(monkeypatch):
+    import plait.train.setup as setup
+    from plait.train.backends import make_backend
+
+    cfg = load_config(None, ["rollout.precision=int8", "train.precision=fp32"])
+    plan, backend = validate(cfg), make_backend("local", cfg, torch.device("cpu"))
+    for full_range in (True, False):
+        said: list[str] = []
+        monkeypatch.setattr(setup, "int8_full_range", lambda f=full_range: f)
+        resolved = setup.resolved_config(cfg, plan, backend, said.append)
+        assert resolved.rollout.precision == "int8" and resolved.algo.engine_is_correction
+        warned = [s for s in said if "without VNNI" in s]
+        assert bool(warned) != full_range, said
+    assert "rollout.precision=fp32 is faster there" in warned[0]
+
+
 def test_auto_precision_is_bf16_where_the_cpu_multiplies_it_and_says_why(monkeypatch):
     import plait.models as models
     from plait.models import cpu_flags
