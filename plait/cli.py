@@ -247,29 +247,46 @@ def _recipe_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _load(args, overrides: list[str] | None = None):
-    """The config of a command: its YAML file, or the TRL recipe converted (said on stderr)."""
-    from plait.config import ConfigError, validate
+def _load(args, overrides: list[str] | None = None, config: str | None = None):
+    """The config of a command: its YAML file (`config`, else the command's own), or the TRL
+    recipe converted (said on stderr)."""
+    from plait.config import ConfigError
 
     try:
-        return _read_config(args, args.overrides if overrides is None else overrides)
+        return _read_config(args, args.overrides if overrides is None else overrides, config or args.config)
     except ConfigError as err:
-        if err.config is not None:  # unknown keys: the rest's problems in the same message
-            validate(err.config, getattr(args, "world_size", None), also=err.problems)
+        if err.config is not None:  # unknown keys, values out of range: the rest's problems in the same message
+            raise ConfigError([*err.problems, *_later_problems(err, getattr(args, "world_size", None))]) from None
         raise
 
 
-def _read_config(args, overrides: list[str]):
+def _later_problems(err, world_size: int | None) -> list[str]:
+    """The problems the checks after validation find in `err.config` (the config without its
+    unknown keys, its refused values at their defaults), less those that name a replaced value:
+    they would be about a default the user did not write."""
+    import re
+
+    from plait.config import ConfigError, validate
+
+    try:
+        validate(err.config, world_size, also=[])
+    except ConfigError as later:
+        names = [n for r in err.replaced for n in (r, r.rsplit(".", 1)[-1])]
+        return [p for p in later.problems if not any(re.search(rf"\b{re.escape(n)}\b", p) for n in names)]
+    return []
+
+
+def _read_config(args, overrides: list[str], config: str | None):
     """The config as read, before the checks that need it whole."""
     from plait.config import ConfigError, load_config
     from plait.config.load import config_from_dict
 
     if getattr(args, "trl_config", None) is None:
-        return load_config(args.config, overrides)
+        return load_config(config, overrides)
     from plait.config.trl import describe, recipe_to_config
 
-    if args.config is not None:
-        raise ConfigError([f"give a plait config ({args.config}) or --trl-config, not both"])
+    if config is not None:
+        raise ConfigError([f"give a plait config ({config}) or --trl-config, not both"])
     processes = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
     conv = recipe_to_config(args.trl_config, processes, args.trl_defaults, args.trl_trainer)
     if os.environ.get("RANK", "0") == "0":
@@ -293,7 +310,6 @@ def _restart_pinned() -> None:
 
 
 def cmd_train(args) -> int:
-    from plait.config import load_config
     from plait.train.loop import train
 
     overrides = list(args.overrides)
@@ -320,7 +336,7 @@ def cmd_train(args) -> int:
         overrides.append("cluster.launcher=ray")
         if args.ray:
             overrides.append(f"cluster.ray.address={args.ray}")
-    cfg = load_config(config, overrides) if args.trl_config is None else _load(args, overrides)
+    cfg = _load(args, overrides, config if args.trl_config is None else args.config)
     if args.resume is not None and cfg.output_dir is None:
         print("plait: --resume needs a run directory: `plait train --resume runs/NAME`", file=sys.stderr)
         return 2

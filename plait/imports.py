@@ -48,3 +48,12 @@ def import_module(module: str):
         del sys.modules[name]
         raise
     return loaded
+
+
+def nearest(module, attr: str) -> str:
+    """' (did you mean ...?)' naming the module's public callables closest to `attr`, or ''."""
+    import difflib
+
+    names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+    near = difflib.get_close_matches(attr, names, n=3)
+    return f" (did you mean {' or '.join(repr(n) for n in near)}?)" if near else ""

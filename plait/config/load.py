@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,6 @@ def known_only(
     nearest valid name (or, for an entry of a union, the type it belongs to)."""
     if not isinstance(raw, dict):
         return raw, []
-    fields = list(model.model_fields)
     kept: dict = {}
     problems: list[str] = []
     for key, value in raw.items():
@@ -69,7 +69,7 @@ def known_only(
             continue
         if key not in model.model_fields:
             other = _elsewhere(model, key, where, siblings)
-            problems.append(other or f"unknown key '{where}'.{did_you_mean(str(key), fields)}")
+            problems.append(other or f"unknown key '{where}'.{_hint(model, str(key), prefix)}")
             continue
         models = _models_in(model.model_fields[key].annotation)
         if isinstance(value, list) and models:
@@ -84,6 +84,37 @@ def known_only(
             problems += found
         kept[key] = value
     return kept, problems
+
+
+def _hint(model: type[BaseModel], key: str, prefix: str) -> str:
+    """What an unknown key most likely meant: plait's name for a key other trainers use
+    (`data.train_files` is `data.path`), an option of another section (`train.temperature` is
+    `rollout.temperature`), else the nearest name in its own section."""
+    alias = getattr(model, "SYNONYMS", {}).get(key)
+    if alias:
+        return f" plait calls it '{prefix}{alias}'."
+    homes = [p for p in option_paths().get(key, []) if p != f"{prefix}{key}"]
+    if homes and difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.8) == []:
+        where = "another section" if prefix else "a section"
+        return f" It belongs to {where}: {' or '.join(repr(h) for h in homes[:3])}."
+    return did_you_mean(key, list(model.model_fields))
+
+
+@functools.cache
+def option_paths() -> dict[str, list[str]]:
+    """Each option's name -> the dotted paths of the sections that have it (nested sections,
+    not the entries of lists such as rewards)."""
+    found: dict[str, list[str]] = {}
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            found.setdefault(name, []).append(f"{prefix}{name}")
+            models = _models_in(field.annotation)
+            if len(models) == 1 and getattr(field.annotation, "__origin__", None) is not list:
+                walk(models[0], f"{prefix}{name}.")
+
+    walk(Config, "")
+    return found
 
 
 def unknown_keys(raw: Any, model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
@@ -193,10 +224,36 @@ def config_from_dict(raw: dict, overrides: list[str] | None = None) -> Config:
     try:
         cfg = Config.model_validate(known)
     except ValidationError as err:
-        raise ConfigError(unknown + _format_validation_error(err)) from None
+        rest, replaced = _with_defaults_for(known, err)
+        raise ConfigError(unknown + _format_validation_error(err), config=rest, replaced=replaced) from None
     if unknown:
         raise ConfigError(unknown, config=cfg)
     return cfg
+
+
+def _with_defaults_for(known: dict, err: ValidationError) -> tuple[Config | None, tuple[str, ...]]:
+    """The config with each single value `err` refused left at its default, and those values'
+    dotted names: so the checks that come after validation can still run and be reported in the
+    same pass. None where that would not be the config the user wrote but for those values (a
+    whole section or list entry refused, a required value missing)."""
+    raw, replaced = copy.deepcopy(known), []
+    for e in err.errors():
+        parent, key, node, names = None, None, raw, []
+        for part in e["loc"]:  # through the data; a union's type tags in the path are not keys
+            if isinstance(node, dict) and part in node:
+                parent, key, node = node, part, node[part]
+                names.append(str(part))
+            elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+                parent, key, node = node, part, node[part]
+                names.append(str(part))
+        if not isinstance(parent, dict) or isinstance(node, (dict, list)):
+            return None, ()
+        del parent[key]
+        replaced.append(".".join(names))
+    try:
+        return Config.model_validate(raw), tuple(replaced)
+    except ValidationError:
+        return None, ()
 
 
 def with_overrides(cfg: Config, overrides: list[str]) -> Config:

@@ -35,11 +35,13 @@ EngineIsMode = Literal[ENGINE_IS_MODES]
 class ConfigError(ValueError):
     """Raised with every problem found, one per line, before any model is loaded."""
 
-    def __init__(self, problems: list[str], config: "Config | None" = None):
+    def __init__(self, problems: list[str], config: "Config | None" = None, replaced: tuple[str, ...] = ()):
         self.problems = list(problems)
-        # the config without the keys it names, when the rest is valid: later checks still run on
-        # it, so that one pass reports every problem (a misspelt key hides nothing behind it)
+        # the config without the keys it names (and with the values it refuses at their defaults,
+        # `replaced`), when the rest is valid: later checks still run on it, so that one pass
+        # reports every problem (a misspelt key or a value out of range hides nothing behind it)
         self.config = config
+        self.replaced = tuple(replaced)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{len(self.problems)} problem(s) in the configuration:\n{lines}")
 
@@ -94,6 +96,18 @@ class Example(Section):
 
 
 class DataConfig(Section):
+    # other trainers' names for these options (veRL's data.train_files, TRL scripts' dataset_name,
+    # OpenRLHF's prompt_data and input_key): an unknown key gives plait's name for it (config.load)
+    SYNONYMS: ClassVar[dict[str, str]] = {
+        **dict.fromkeys(
+            "train_files train_file train_path dataset dataset_name dataset_path data_files prompt_data file".split(),
+            "path",
+        ),
+        **dict.fromkeys("val_files val_file eval_file test_file validation_file eval_dataset".split(), "eval_path"),
+        **dict.fromkeys("prompt_key input_key prompt_column".split(), "prompt_field"),
+        **dict.fromkeys("label_key answer_key answer_column solution_field".split(), "answer_field"),
+    }
+
     task: str | None = Field(
         "arithmetic", description="A built-in task (see `plait tasks`); off (null) when `path` is given."
     )

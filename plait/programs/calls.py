@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from plait.imports import import_module
+from plait.imports import import_module, nearest
 
 
 PYTHON_STOP = "```\n"  # ends a turn at a closing fence; a call is a python block that ends the turn
@@ -198,17 +198,8 @@ def resolve_function(spec: str, kind: str = "tool function") -> Callable:
     found = import_module(module)
     fn = getattr(found, attr, None)
     if not callable(fn):
-        raise ValueError(f"{kind} {spec!r}: module '{module}' has no function '{attr}'{_nearest(found, attr)}")
+        raise ValueError(f"{kind} {spec!r}: module '{module}' has no function '{attr}'{nearest(found, attr)}")
     return fn
-
-
-def _nearest(module, attr: str) -> str:
-    """' (did you mean ...?)' naming the module's functions closest to `attr`, or ''."""
-    import difflib
-
-    names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
-    near = difflib.get_close_matches(attr, names, n=3)
-    return f" (did you mean {' or '.join(repr(n) for n in near)}?)" if near else ""
 
 
 def resolve_factory(spec: str) -> Callable:

@@ -95,6 +95,32 @@ def test_unknown_keys_get_the_nearest_name():
     assert "3 problem(s)" in msg
 
 
+def test_an_option_in_the_wrong_section_or_under_another_trainers_name_is_placed():
+    """An option written in the wrong section (or none) names the section that has it; the names
+    other trainers give the prompt file and its columns name plait's; a near misspelling in the
+    right section still gets the nearest name."""
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            None,
+            [
+                "train.temperature=0.7",
+                "learning_rate=1e-5",
+                "data.train_files=t.jsonl",
+                "data.input_key=q",
+                "train.lr_schedular=cosine",
+            ],
+        )
+    assert sorted(err.value.problems) == sorted(
+        [
+            "unknown key 'learning_rate'. It belongs to a section: 'train.learning_rate'.",
+            "unknown key 'data.train_files'. plait calls it 'data.path'.",
+            "unknown key 'data.input_key'. plait calls it 'data.prompt_field'.",
+            "unknown key 'train.temperature'. It belongs to another section: 'rollout.temperature'.",
+            "unknown key 'train.lr_schedular'. Did you mean 'lr_scheduler'?",
+        ]
+    ), err.value.problems
+
+
 def test_type_and_choice_errors_name_the_field():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["algo.loss_type=ppo", "train.learning_rate=fast"])
@@ -531,8 +557,9 @@ def test_the_drift_limit_follows_the_coarser_precision():
 
 def test_plait_check_reports_every_stage_s_problems_in_one_pass(tmp_path, capsys):
     """Two misspelt keys, a misspelt reward name and a cross-field problem: one `plait check` names
-    all four (an unknown key does not hide the checks behind it); a value out of range is named
-    beside the unknown keys (the checks after it need a valid config, so they wait for it)."""
+    all four (an unknown key does not hide the checks behind it); a value out of range hides
+    nothing either: the checks after validation run with it at its default, in the same pass,
+    and so does `plait train`, before anything loads."""
     from plait.cli import main
 
     cfg = tmp_path / "run.yaml"
@@ -546,4 +573,29 @@ def test_plait_check_reports_every_stage_s_problems_in_one_pass(tmp_path, capsys
         assert said in err, err
     assert main(["check", str(cfg), "--set", "rollout.temperature=-1"]) == 2
     err = capsys.readouterr().err
-    assert "'train.lerning_rate'" in err and "rollout.temperature" in err, err
+    for said in ("'train.lerning_rate'", "rollout.temperature", "unknown reward 'acuracy'", "kl_in_reward"):
+        assert said in err, err
+    out = tmp_path / "never"
+    assert main(["train", str(cfg), "--set", "train.learning_rate=-1", "--set", f"output_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    for said in ("'train.lerning_rate'", "train.learning_rate", "unknown reward 'acuracy'", "kl_in_reward"):
+        assert said in err, err
+    assert not out.exists()
+
+
+def test_the_checks_after_a_refused_value_say_nothing_of_its_default(tiny_model_path, tmp_path, capsys):
+    """A refused value is replaced by its default for the checks that follow validation; a
+    problem they find that names it is about a value the user did not write, so it is not
+    reported (the tiny model has 1024 positions: the default prompt length 256 + 900 would not
+    fit, 200 + 900 does not either and is said)."""
+    from plait.cli import main
+
+    model = [f"model.name_or_path={tiny_model_path}", "rollout.max_completion_length=900"]
+    args = ["check", *(x for o in model for x in ("--set", o)), "--set", "rewards.0.name=acuracy"]
+    assert main([*args, "--set", "data.max_prompt_length=0"]) == 2
+    err = capsys.readouterr().err
+    assert "data.max_prompt_length: Input should be greater than or equal to 1" in err, err
+    assert "unknown reward 'acuracy'" in err and "exceeds the model's" not in err, err
+    assert main([*args, "--set", "data.max_prompt_length=200"]) == 2
+    err = capsys.readouterr().err
+    assert "data.max_prompt_length=200 + rollout.max_completion_length=900 exceeds the model's 1024" in err, err

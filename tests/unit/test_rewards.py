@@ -295,6 +295,10 @@ def test_resolve_reward():
         resolve_reward("acuracy")
     with pytest.raises(KeyError, match="could not be imported"):
         resolve_reward("no_such_module:fn")
+    with pytest.raises(
+        KeyError, match=r"plait.rewards.math has no function 'boxed_acuracy' \(did you mean 'boxed_accuracy'"
+    ):
+        resolve_reward("plait.rewards.math:boxed_acuracy")
 
 
 def test_a_reward_module_in_the_current_directory_is_found(tmp_path, monkeypatch):
