@@ -44,6 +44,10 @@ MARKER = "COMMITTED"
 ROLLOUTS = "rollouts.pt"  # asynchronous runs: the rounds generated ahead of the trainer
 
 
+class CheckpointDamaged(RuntimeError):
+    """A committed checkpoint whose files no longer match what was committed (damage())."""
+
+
 def load_rollouts(path: Path) -> list:
     """The rounds an asynchronous run had generated ahead when checkpoint `path` was written
     ([] for a synchronous run's checkpoint)."""
@@ -170,7 +174,10 @@ def save_checkpoint(
 def _commit(tmp: Path, final: Path, keep_last: int) -> None:
     """Rank 0: make `tmp` durable, mark it complete, rename it into place, prune."""
     _fsync_tree(tmp)
-    (tmp / MARKER).write_text("ok\n")
+    # the marker lists every file's size: a checkpoint the storage later truncated or lost a
+    # file of is told apart from a complete one before a resume reads it (damage())
+    sizes = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+    (tmp / MARKER).write_text(json.dumps({"files": sizes}, indent=0) + "\n")
     _fsync_dir(tmp)
     if final.exists():  # re-saving the same step (e.g. resumed at it): replace it
         shutil.rmtree(final)
@@ -200,6 +207,22 @@ def find_checkpoint(path: Path) -> Path | None:
     """`path` itself when it is a complete checkpoint, else the newest one in run dir `path`."""
     path = Path(path)
     return path if (path / MARKER).is_file() else latest_checkpoint(path)
+
+
+def damage(path: Path) -> str | None:
+    """What is missing or cut short in complete checkpoint `path` against the sizes its marker
+    recorded when it was committed (None: all there; a marker without sizes is not checked)."""
+    try:
+        files = json.loads((Path(path) / MARKER).read_text())["files"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    for name, size in files.items():
+        f = Path(path) / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} holds {f.stat().st_size:,} bytes, {size:,} when it was written"
+    return None
 
 
 def checkpoint_run(path: Path) -> Path | None:
@@ -251,6 +274,12 @@ def load_checkpoint(path: Path, backend) -> dict:
     path = Path(path)
     if not (path / MARKER).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker): refusing to load it")
+    why = damage(path)
+    if why:
+        raise CheckpointDamaged(
+            f"checkpoint {path} is damaged: {why} (it was whole when committed: the storage lost part of it since); "
+            "nothing was loaded from it"
+        )
     state = json.loads((path / "trainer_state.json").read_text())
     backend.load_state(path)
     if backend.scheduler is not None:

@@ -751,6 +751,7 @@ def _enable_faulthandler() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from plait.checkpoint import CheckpointDamaged
     from plait.config import ConfigError
     from plait.data import DataError
     from plait.programs.environments import EnvironmentFailed
@@ -780,6 +781,7 @@ def main(argv: list[str] | None = None) -> int:
         print("plait: interrupted (no checkpoint written for the step in progress)", file=sys.stderr)
         return 130
     except (
+        CheckpointDamaged,
         ConfigError,
         DataError,
         RewardError,

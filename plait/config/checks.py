@@ -840,7 +840,7 @@ def check_output_dir(cfg: Config, env: Env) -> list[str]:
 
 def check_resume(cfg: Config, env: Env) -> list[str]:
     """The checkpoint to resume exists and is in a format this backend and launch read."""
-    from plait.checkpoint import find_checkpoint
+    from plait.checkpoint import damage, find_checkpoint
 
     if cfg.resume == "never":
         return []
@@ -853,10 +853,13 @@ def check_resume(cfg: Config, env: Env) -> list[str]:
             if cfg.resume == "auto"
             else [f"resume: '{cfg.resume}' is neither a complete checkpoint nor a run directory that has one"]
         )
+    why = damage(ckpt)
     try:
         state = json.loads((ckpt / "trainer_state.json").read_text())
     except (OSError, ValueError):
-        return [f"resume: {ckpt} has no readable trainer_state.json"]
+        why = why or "its trainer_state.json can't be read"
+    if why:
+        return [_damaged(cfg, ckpt, why)]
     written_by, written_ws = state.get("backend", "local"), state.get("world_size", 1)
     backend = resolve_backend(cfg, env.training)
     if CHECKPOINT_FORMAT[written_by] != CHECKPOINT_FORMAT[backend]:
@@ -871,6 +874,25 @@ def check_resume(cfg: Config, env: Env) -> list[str]:
             f"launched; relaunch with {written_ws}"
         ]
     return _changes_the_checkpoint_overrides(cfg, ckpt)
+
+
+def _damaged(cfg: Config, ckpt: Path, why: str) -> str:
+    """A checkpoint that was complete when committed and is not now: what is wrong, and the
+    resume that takes the newest older one still whole (nothing is deleted)."""
+    from plait.checkpoint import complete_checkpoints, damage
+
+    older = [
+        p for p in complete_checkpoints(ckpt.parent.parent) if int(p.name.split("_")[1]) < int(ckpt.name.split("_")[1])
+    ]
+    whole = next((p for p in reversed(older) if damage(p) is None and (p / "trainer_state.json").is_file()), None)
+    fix = (
+        f"continue from the one before it with resume={whole}, or move {ckpt.name} out of checkpoints/ and keep "
+        f"resume={cfg.resume}"
+        if whole
+        else "no older checkpoint is whole: restore this one from a copy, or start the run over (resume=never, "
+        "another output_dir)"
+    )
+    return f"resume: checkpoint {ckpt} is damaged: {why} (the storage lost part of it after it was committed); {fix}"
 
 
 # The optimizer state a checkpoint restores holds these (AdamW's param groups, the schedule's

@@ -1,10 +1,21 @@
 import random
 
 import numpy as np
+import pytest
 import torch
 from optimizer_state import assert_same_optimizer_state
 
-from plait.checkpoint import MARKER, complete_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
+from plait.checkpoint import (
+    MARKER,
+    CheckpointDamaged,
+    complete_checkpoints,
+    damage,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from plait.config import load_config
+from plait.config.checks import check_resume
 from plait.train.backends import LocalBackend
 
 
@@ -69,6 +80,34 @@ def test_incomplete_checkpoints_are_never_loaded(tmp_path):
         raise AssertionError("loaded a checkpoint without its marker")
     except FileNotFoundError as err:
         assert MARKER in str(err)
+
+
+def test_a_checkpoint_damaged_after_its_commit_is_named_and_the_older_whole_one_offered(tmp_path):
+    """The marker records every file's size at commit: a file cut short or lost afterwards is
+    named, nothing is loaded from it, and a resume is refused before anything loads, naming the
+    newest older checkpoint still whole (or saying none is); a marker without sizes (written
+    before they were recorded) is not checked."""
+    backend = _parts()
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, backend, {})
+    first, second = complete_checkpoints(tmp_path)
+    assert damage(first) is None and damage(second) is None
+    weights = second / "model.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert damage(second) == f"model.safetensors holds 100 bytes, {size:,} when it was written"
+    with pytest.raises(CheckpointDamaged, match="nothing was loaded"):
+        load_checkpoint(second, _parts(seed=1))
+    cfg = load_config(None, [f"output_dir={tmp_path}", "resume=auto"])
+    (said,) = check_resume(cfg, None)
+    assert f"checkpoint {second} is damaged: model.safetensors holds 100 bytes" in said
+    assert f"continue from the one before it with resume={first}" in said, said
+    (first / "optimizer.pt").unlink()
+    assert damage(first) == "optimizer.pt is missing"
+    (said,) = check_resume(cfg, None)
+    assert "no older checkpoint is whole" in said, said
+    (second / MARKER).write_text("ok\n")
+    assert damage(second) is None
 
 
 def test_retention_keeps_the_newest(tmp_path):
