@@ -143,6 +143,20 @@ NO_EFFECT = {
     "eval_strategy": "plait evaluates with eval.every_steps on data.eval_path",
 }
 
+
+def trl_option(key: str) -> str | None:
+    """What to say of TRL's option `key` written into a plait config (None: TRL has no such
+    option plait knows of)."""
+    if key in NO_EFFECT:
+        return f"'{key}' is a TRL option; in plait: {NO_EFFECT[key]}"
+    if key in TRL_DEFAULTS["current"]:
+        return (
+            f"'{key}' is a TRL option: `plait convert-config RECIPE.yaml` turns a TRL recipe into a plait config "
+            "(or `plait train --trl-config RECIPE.yaml` runs it)"
+        )
+    return None
+
+
 CODE_KEYS = (
     "code_language",
     "code_eval_test_batch_size",

@@ -97,8 +97,9 @@ def test_unknown_keys_get_the_nearest_name():
 
 def test_an_option_in_the_wrong_section_or_under_another_trainers_name_is_placed():
     """An option written in the wrong section (or none) names the section that has it; the names
-    other trainers give the prompt file and its columns name plait's; a near misspelling in the
-    right section still gets the nearest name."""
+    other trainers give the prompt file and its columns name plait's, TRL's own options say how
+    a TRL recipe converts (or what plait does instead); a near misspelling in the right section
+    still gets the nearest name."""
     with pytest.raises(ConfigError) as err:
         load_config(
             None,
@@ -119,6 +120,11 @@ def test_an_option_in_the_wrong_section_or_under_another_trainers_name_is_placed
             "unknown key 'train.lr_schedular'. Did you mean 'lr_scheduler'?",
         ]
     ), err.value.problems
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.num_train_epochs=3", "report_to=wandb"])
+    epochs, report = err.value.problems
+    assert "'num_train_epochs' is a TRL option: `plait convert-config RECIPE.yaml`" in epochs, epochs
+    assert report == "unknown key 'report_to'. 'report_to' is a TRL option; in plait: set log.tensorboard / log.wandb."
 
 
 def test_type_and_choice_errors_name_the_field():
