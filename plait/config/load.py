@@ -97,7 +97,7 @@ def _hint(model: type[BaseModel], key: str, prefix: str) -> str:
     if homes and difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.8) == []:
         where = "another section" if prefix else "a section"
         return f" It belongs to {where}: {' or '.join(repr(h) for h in homes[:3])}."
-    from plait.config.trl import trl_option
+    from plait.config.trl_names import trl_option
 
     trl = trl_option(key) if not homes else None
     return f" {trl}." if trl else did_you_mean(key, list(model.model_fields))
