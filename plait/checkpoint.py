@@ -220,8 +220,8 @@ def damage(path: Path) -> str | None:
         f = Path(path) / name
         if not f.is_file():
             return f"{name} is missing"
-        if f.stat().st_size != size:
-            return f"{name} holds {f.stat().st_size:,} bytes, {size:,} when it was written"
+        if (now := f.stat().st_size) != size:
+            return f"{name} holds {now:,} bytes, {size:,} when it was written"
     return None
 
 

@@ -269,7 +269,7 @@ def _later_problems(err, world_size: int | None) -> list[str]:
     from plait.config import ConfigError, validate
 
     try:
-        validate(err.config, world_size, also=[])
+        validate(err.config, world_size)
     except ConfigError as later:
         names = [n for r in err.replaced for n in (r, r.rsplit(".", 1)[-1])]
         return [p for p in later.problems if not any(re.search(rf"\b{re.escape(n)}\b", p) for n in names)]

@@ -854,10 +854,11 @@ def check_resume(cfg: Config, env: Env) -> list[str]:
             else [f"resume: '{cfg.resume}' is neither a complete checkpoint nor a run directory that has one"]
         )
     why = damage(ckpt)
-    try:
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-    except (OSError, ValueError):
-        why = why or "its trainer_state.json can't be read"
+    if why is None:
+        try:
+            state = json.loads((ckpt / "trainer_state.json").read_text())
+        except (OSError, ValueError):
+            why = "its trainer_state.json can't be read"
     if why:
         return [_damaged(cfg, ckpt, why)]
     written_by, written_ws = state.get("backend", "local"), state.get("world_size", 1)
@@ -879,11 +880,9 @@ def check_resume(cfg: Config, env: Env) -> list[str]:
 def _damaged(cfg: Config, ckpt: Path, why: str) -> str:
     """A checkpoint that was complete when committed and is not now: what is wrong, and the
     resume that takes the newest older one still whole (nothing is deleted)."""
-    from plait.checkpoint import complete_checkpoints, damage
+    from plait.checkpoint import checkpoint_step, complete_checkpoints, damage
 
-    older = [
-        p for p in complete_checkpoints(ckpt.parent.parent) if int(p.name.split("_")[1]) < int(ckpt.name.split("_")[1])
-    ]
+    older = [p for p in complete_checkpoints(ckpt.parent.parent) if checkpoint_step(p) < checkpoint_step(ckpt)]
     whole = next((p for p in reversed(older) if damage(p) is None and (p / "trainer_state.json").is_file()), None)
     fix = (
         f"continue from the one before it with resume={whole}, or move {ckpt.name} out of checkpoints/ and keep "

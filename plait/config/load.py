@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from plait.config.schema import ENVIRONMENT_TYPES, Config, ConfigError, default_rewards, type_tag
+from plait.config.trl_names import trl_option
 
 
 def did_you_mean(name: str, choices: list[str]) -> str:
@@ -97,8 +98,6 @@ def _hint(model: type[BaseModel], key: str, prefix: str) -> str:
     if homes and difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.8) == []:
         where = "another section" if prefix else "a section"
         return f" It belongs to {where}: {' or '.join(repr(h) for h in homes[:3])}."
-    from plait.config.trl_names import trl_option
-
     trl = trl_option(key) if not homes else None
     return f" {trl}." if trl else did_you_mean(key, list(model.model_fields))
 
@@ -243,10 +242,8 @@ def _with_defaults_for(known: dict, err: ValidationError) -> tuple[Config | None
     for e in err.errors():
         parent, key, node, names = None, None, raw, []
         for part in e["loc"]:  # through the data; a union's type tags in the path are not keys
-            if isinstance(node, dict) and part in node:
-                parent, key, node = node, part, node[part]
-                names.append(str(part))
-            elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            in_dict = isinstance(node, dict) and part in node
+            if in_dict or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)):
                 parent, key, node = node, part, node[part]
                 names.append(str(part))
         if not isinstance(parent, dict) or isinstance(node, (dict, list)):

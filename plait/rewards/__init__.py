@@ -77,9 +77,9 @@ def resolve_reward(name: str) -> RewardFn:
         raise KeyError(f"reward '{name}' could not be imported: {err} ({where})") from None
     except Exception as err:  # the file itself fails: a syntax error, or its top-level code raises
         raise KeyError(f"reward '{name}': importing {module} failed: {_where_it_failed(err)}") from None
-    if not hasattr(found, attr):
+    fn = getattr(found, attr, None)
+    if fn is None:
         raise KeyError(f"reward '{name}': {module} has no function '{attr}'{imports.nearest(found, attr)}")
-    fn = getattr(found, attr)
     if inspect.isclass(fn):
         try:
             fn = fn()
