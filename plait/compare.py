@@ -33,6 +33,7 @@ HEADLINE = (
     "accuracy",
     "loss",
     "teacher/kl",
+    "teacher/top_k_kl",
     "entropy",
     "grad_norm",
     "completion/length_mean",

@@ -153,6 +153,7 @@ def fig_policy(history) -> bytes | None:
     per_token = [
         ("kl", "KL to reference"),
         ("teacher/kl", "KL to teacher"),
+        ("teacher/top_k_kl", "KL from teacher's top k"),
         ("entropy", "entropy"),
         ("logprob_gap", "|engine - trainer| log-prob"),
     ]

@@ -142,6 +142,7 @@ class Batch:
     advantages: [B] one scalar per completion, broadcast over its tokens, or [B, C] per token
         (REINFORCE++ with the KL in the reward).
     old_logprobs / ref_logprobs / sampling_logprobs / teacher_logprobs: [B, C] or None.
+    teacher_top_ids / teacher_top_logprobs: [B, C, k] or None (completion fields too).
     """
 
     input_ids: torch.Tensor
@@ -153,6 +154,9 @@ class Batch:
     ref_logprobs: torch.Tensor | None = None
     sampling_logprobs: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None  # the distillation teacher's, of the sampled tokens
+    # teacher.top_k: the teacher's k likeliest tokens at each completion position [B, C, k], their log-probs
+    teacher_top_ids: torch.Tensor | None = None
+    teacher_top_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -165,6 +169,8 @@ class Batch:
         "ref_logprobs",
         "sampling_logprobs",
         "teacher_logprobs",
+        "teacher_top_ids",
+        "teacher_top_logprobs",
     )
     ROW_FIELDS: ClassVar[tuple[str, ...]] = ("advantages",)
 

@@ -7,14 +7,22 @@ from dataclasses import dataclass
 import torch
 
 
-def _logps(lg: torch.Tensor, tokens: torch.Tensor, with_entropy: bool | str):
+def _logps(lg: torch.Tensor, tokens: torch.Tensor, with_entropy: bool | str, top_k: int = 0):
     """log softmax(lg)[tokens] of [..., V] logits in fp32 (and H = logsumexp - sum p * logit;
-    with_entropy="logged": H without a gradient, so nothing vocabulary-sized is kept for backward)."""
+    with_entropy="logged": H without a gradient, so nothing vocabulary-sized is kept for backward;
+    or with top_k, the k likeliest tokens' ids and log-probs). tokens: [...] (one token a
+    position) or [..., m] (m tokens a position)."""
     lg = lg.float()
     lse = torch.logsumexp(lg, dim=-1)
-    logp = lg.gather(-1, tokens[..., None]).squeeze(-1) - lse
+    if tokens.dim() == lg.dim():
+        logp = lg.gather(-1, tokens) - lse[..., None]
+    else:
+        logp = lg.gather(-1, tokens[..., None]).squeeze(-1) - lse
+    if top_k:
+        top = lg.topk(top_k, dim=-1)
+        return logp, top.indices, top.values - lse[..., None]
     if not with_entropy:
-        return logp, None
+        return logp
     if with_entropy == "logged":
         lse, lg = lse.detach(), lg.detach()
     return logp, lse - (torch.softmax(lg, -1) * lg).sum(-1)
@@ -33,23 +41,44 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def selective_log_softmax(logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 8, with_entropy: bool | str = False):
+def selective_log_softmax(
+    logits: torch.Tensor, tokens: torch.Tensor, chunk: int = 8, with_entropy: bool | str = False, top_k: int = 0
+):
     """log softmax(logits)[tokens] (and the entropy of each position: with_entropy True, or
-    "logged" for one without a gradient), `chunk` rows of the first dimension at a time in fp32.
+    "logged" for one without a gradient; or with top_k, the ids and log-probs of the k likeliest
+    tokens at each position, likeliest first), `chunk` rows of the first dimension at a time in fp32.
 
-    logits: [B, C, V] or [N, V], tokens: [B, C] or [N] -> that shape (or a pair). Chunking keeps
-    the fp32 full-vocabulary copy to `chunk` rows instead of the whole batch.
+    logits: [B, C, V] or [N, V], tokens: [B, C] or [N] -> that shape (or a pair, or a triple with
+    two [..., k]); tokens [B, C, m] or [N, m] (m tokens a position) -> that shape, the entropy one
+    per position. Chunking keeps the fp32 full-vocabulary copy to `chunk` rows instead of the
+    whole batch.
     """
-    parts = [_logps(lg, tk, with_entropy) for lg, tk in zip(logits.split(chunk), tokens.split(chunk))]
-    logps = torch.cat([p for p, _ in parts])
-    return (logps, torch.cat([e for _, e in parts])) if with_entropy else logps
+    parts = [_logps(lg, tk, with_entropy, top_k) for lg, tk in zip(logits.split(chunk), tokens.split(chunk))]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(p) for p in zip(*parts))
+    return torch.cat(parts)
+
+
+def with_extra(targets: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+    """The tokens whose log-probs are read at each position: the targets [...], or with `extra`
+    [..., k] token ids, [..., 1 + k]: the target first, then those."""
+    return targets if extra is None else torch.cat([targets[..., None], extra], -1)
 
 
 def completion_logprobs(
-    model, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0, with_entropy: bool | str = False
+    model,
+    input_ids,
+    attention_mask,
+    prompt_len: int,
+    temperature: float = 1.0,
+    with_entropy: bool | str = False,
+    extra: torch.Tensor | None = None,
+    top_k: int = 0,
 ):
     """[B, C] log-probs of the completion tokens (positions >= prompt_len) under `model`
-    (and their entropies when asked).
+    (and their entropies when asked); with `extra` [B, C, k] token ids, [B, C, 1 + k]: the
+    completion token's, then those of the extra tokens at each position; with `top_k`, also the
+    ids and log-probs of the model's k likeliest tokens at each position ([B, C, k] each).
 
     Only the last C+1 positions go through the LM head (`logits_to_keep`), so prompt
     positions never produce vocabulary-sized logits. Logits are divided by the sampling
@@ -64,7 +93,8 @@ def completion_logprobs(
         logits_to_keep=completion_len + 1,
     )
     logits = scale_logits(out.logits[:, :-1], temperature)
-    return selective_log_softmax(logits, input_ids[:, prompt_len:], with_entropy=with_entropy)
+    tokens = with_extra(input_ids[:, prompt_len:], extra)
+    return selective_log_softmax(logits, tokens, with_entropy=with_entropy, top_k=top_k)
 
 
 def prompt_runs(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> list[int]:
@@ -92,6 +122,8 @@ def shared_prompt_logprobs(
     runs: list[int],
     temperature: float = 1.0,
     with_entropy: bool | str = False,
+    extra: torch.Tensor | None = None,
+    top_k: int = 0,
 ):
     """completion_logprobs, with each distinct prompt run through the model once: its KV cache
     is handed to the rows that share it (gradients flow back through the shared cache into
@@ -129,7 +161,8 @@ def shared_prompt_logprobs(
         logits_to_keep=predicting,
     ).logits
     logits = scale_logits(logits, temperature)
-    return selective_log_softmax(logits, input_ids[:, prompt_len:], with_entropy=with_entropy)
+    tokens = with_extra(input_ids[:, prompt_len:], extra)
+    return selective_log_softmax(logits, tokens, with_entropy=with_entropy, top_k=top_k)
 
 
 @dataclass
@@ -213,6 +246,8 @@ def packed_group_logprobs(
     temperature: float = 1.0,
     with_entropy: bool | str = False,
     through_forward: bool = False,
+    extra: torch.Tensor | None = None,
+    top_k: int = 0,
 ):
     """completion_logprobs with each group packed into one row (pack_groups): a group's prompt
     goes through the model once and no padding goes through it at all, forward and backward;
@@ -234,14 +269,15 @@ def packed_group_logprobs(
         hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
         logits = model.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1])[packed.source])
     logits = scale_logits(logits, temperature)
-    out = selective_log_softmax(logits, packed.targets, chunk=512, with_entropy=with_entropy)
+    tokens = with_extra(packed.targets, None if extra is None else extra[packed.rows, packed.cols])
+    out = selective_log_softmax(logits, tokens, chunk=512, with_entropy=with_entropy, top_k=top_k)
     shape = (input_ids.shape[0], input_ids.shape[1] - prompt_len)
 
     def place(values: torch.Tensor) -> torch.Tensor:
-        zeros = torch.zeros(shape, dtype=values.dtype, device=values.device)
+        zeros = torch.zeros(shape + values.shape[1:], dtype=values.dtype, device=values.device)
         return zeros.index_put((packed.rows, packed.cols), values)
 
-    return (place(out[0]), place(out[1])) if with_entropy else place(out)
+    return tuple(place(o) for o in out) if isinstance(out, tuple) else place(out)
 
 
 def _packed_logits_by_forward(model, inputs: dict, packed: PackedGroups) -> torch.Tensor:

@@ -299,3 +299,21 @@ def engine_mismatch_weights(
     low = -math.inf if floor is None else floor
     high = math.inf if cap is None else cap
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+# ---------------------------------------------------------------- distillation
+
+
+def top_k_distillation(student_top: torch.Tensor, teacher_top: torch.Tensor) -> torch.Tensor:
+    """[B, C] per-position forward KL from the teacher's k likeliest tokens to the student:
+
+        KL_t = sum_{v in K_t} q_t(v) (log q_t(v) - log pi_student(v)),   q_t = softmax over K_t of log pi_teacher
+
+    student_top / teacher_top: [B, C, k] full-vocabulary log-probs of the same k tokens (the
+    teacher's top k at each position). The teacher's top k, renormalized, stand for its whole
+    distribution (the tail it leaves out is what top-k logit distillation drops; Agarwal et al.'s
+    GKD with beta = 0 on the student's own samples, arXiv:2306.13649). Never negative: the
+    student's mass on K is at most 1; 0 only when the student puts the teacher's renormalized
+    probabilities on K and nothing elsewhere. Its gradient pulls the student's whole distribution
+    at every position, not only the sampled token's log-prob."""
+    return (torch.softmax(teacher_top, -1) * (torch.log_softmax(teacher_top, -1) - student_top)).sum(-1)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, Literal
 from plait.algo.advantages import TOKEN_WHITENED
 from plait.config.load import did_you_mean
 from plait.config.schema import Config, ConfigError
+from plait.rollout.api import MAX_TOP_K
 
 
 if TYPE_CHECKING:
@@ -725,6 +726,12 @@ def check_teacher(cfg: Config, env: Env) -> list[str]:
             "teacher.site=server needs teacher.url (the `plait rollout-server --model TEACHER` to ask)"
             if t.url is None
             else f"teacher.url is set but teacher.site={t.site}: set teacher.site=server to ask that server"
+        )
+    if t.site == "server" and t.top_k > MAX_TOP_K:
+        out.append(
+            f"teacher.top_k={t.top_k} with teacher.site=server: a vLLM replica names at most {MAX_TOP_K} likeliest "
+            f"tokens a position (its max_logprobs); set teacher.top_k <= {MAX_TOP_K}, or hold the teacher in the "
+            "trainer (teacher.site=trainer) or its own process (process)"
         )
     if t.site == "process" and env.training > 1:
         out.append(

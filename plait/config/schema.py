@@ -602,6 +602,16 @@ class TeacherConfig(Section):
         "PLAIT_ROLLOUT_TOKEN or rollout.vllm.token_file).",
     )
     dtype: Literal["float32", "bfloat16"] | None = Field(None, description="The teacher's dtype (null = model.dtype).")
+    top_k: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="0: the teacher scores the sampled tokens only, and weight x (teacher log-prob - student "
+        "log-prob) is an advantage on each. k > 0: the teacher also names its k likeliest tokens at every "
+        "completion position, and the loss gains weight x the forward KL from their renormalized probabilities to "
+        "the student's (a token mean): the student learns the teacher's distribution at each position, not one "
+        "sample of it (docs/algorithms.md, 'On-policy distillation'). At most 20 on a server (vLLM's max_logprobs).",
+    )
 
 
 class FsdpConfig(Section):

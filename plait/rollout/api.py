@@ -97,9 +97,15 @@ class ScoredSequence(_Strict):
     start: int = Field(ge=1)
 
 
+# vLLM's default max_logprobs: the most likeliest tokens a replica names at a position
+MAX_TOP_K = 20
+
+
 class LogprobsRequest(_Strict):
     sequences: list[ScoredSequence] = Field(min_length=1)
     temperature: float = Field(1.0, gt=0.0)
+    # > 0: also the top_k likeliest tokens at each scored position (ids and log-probs)
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
 
 
 class JoinRequest(_Strict):

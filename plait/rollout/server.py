@@ -16,8 +16,9 @@ the engine (rollout/api.py): sizes, sampling parameters, and who may join the we
                         503 {detail} once the replica's engine has died
   POST /generate        {prompts: [{token_ids, sampling}]}
                         -> {version, outputs: [[{token_ids, text, logprobs, finish_reason, stop_reason}]]}
-  POST /logprobs        {sequences: [{token_ids, start}], temperature}
+  POST /logprobs        {sequences: [{token_ids, start}], temperature, top_k}
                         -> {version, logprobs: [[log p(token_ids[t] | token_ids[:t]) for t >= start]]}
+                        (top_k > 0: also top_ids and top_logprobs, the k likeliest tokens at each position)
                         (a distillation teacher's scores, vLLM replicas only: plait.train.teacher)
   POST /weights/join    {host, port, rank_offset, world, backend, timeout_s}: join the trainer's weight
                         group; `host` must be the caller's own address (or one allowed by --weights-from)
@@ -167,17 +168,22 @@ class VllmReplica:
     async def generate(self, body: dict) -> list:
         return await asyncio.gather(*(self._one(r) for r in body["prompts"]))
 
-    async def _score(self, seq: dict) -> list[float]:
+    async def _score(self, seq: dict, top_k: int) -> dict:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        # prompt_logprobs=0: each prompt position's log-prob of the token that is there, nothing more
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+        # prompt_logprobs=k: each prompt position's log-prob of the token that is there, and the k likeliest
+        params = SamplingParams(max_tokens=1, prompt_logprobs=top_k, output_kind=RequestOutputKind.FINAL_ONLY)
         ids = seq["token_ids"]
         async for out in self.engine.generate({"prompt_token_ids": ids}, params, uuid.uuid4().hex):
             final = out
-        scored = final.prompt_logprobs  # [None, {token: Logprob}, ...], one per prompt position
-        return [scored[t][ids[t]].logprob for t in range(seq["start"], len(ids))]
+        scored = final.prompt_logprobs[seq["start"] :]  # {token: Logprob} per position (ranks from 1)
+        answer = {"logprobs": [position[t].logprob for position, t in zip(scored, ids[seq["start"] :])]}
+        if top_k:
+            tops = [sorted((lp.rank, t, lp.logprob) for t, lp in p.items() if lp.rank <= top_k) for p in scored]
+            answer["top_ids"] = [[t for _, t, _ in top] for top in tops]
+            answer["top_logprobs"] = [[v for _, _, v in top] for top in tops]
+        return answer
 
     async def logprobs(self, body: dict) -> list:
         if body["temperature"] != 1.0:  # vLLM's prompt log-probs are the model's own distribution
@@ -185,7 +191,7 @@ class VllmReplica:
                 f"a vLLM replica scores at temperature 1 only (asked {body['temperature']}): sample at "
                 "rollout.temperature=1, or hold the teacher in the trainer (teacher.site=trainer or process)"
             )
-        return await asyncio.gather(*(self._score(seq) for seq in body["sequences"]))
+        return await asyncio.gather(*(self._score(seq, body["top_k"]) for seq in body["sequences"]))
 
     async def join(self, args: tuple) -> None:
         await self.engine.collective_rpc("plait_join_weight_group", args=args)
@@ -358,7 +364,10 @@ def build_app(engine, replica: int, ports: list[int], token: str, limits: Limits
             )
         check_logprobs(req, limits, *engine.limits())
         version, scores = await engine_request(lambda: engine.logprobs(req.model_dump()), "scoring")
-        return dict(version=version, logprobs=scores)
+        answer = dict(version=version, logprobs=[s["logprobs"] for s in scores])
+        if req.top_k:
+            answer.update({key: [s[key] for s in scores] for key in ("top_ids", "top_logprobs")})
+        return answer
 
     @app.post("/weights/join")
     async def join(req: JoinRequest, request: Request):

@@ -23,6 +23,7 @@ CONSOLE_COLUMNS = [
     ("loss", "loss", "{:+.4f}"),
     ("kl", "kl", "{:.4f}"),
     ("teacher/kl", "tkl", "{:.4f}"),
+    ("teacher/top_k_kl", "topkl", "{:.4f}"),
     ("clip/fraction", "clip", "{:.3f}"),
     ("grad_norm", "gnorm", "{:.3f}"),
     ("time/generate", "gen", "{:.1f}s"),

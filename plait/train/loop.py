@@ -166,7 +166,11 @@ def train_round(run: Run, round_: int) -> RoundResult:
         batch.advantages = step_advantages(groups, batch, cfg, names, weights)
     if run.teacher is not None:  # whatever weights sampled them: the update compares its own
         with timer("teacher"):
-            batch.teacher_logprobs = run.teacher.logprobs(batch)
+            if cfg.teacher.top_k:
+                top = run.teacher.top_logprobs(batch)
+                batch.teacher_logprobs, batch.teacher_top_ids, batch.teacher_top_logprobs = top
+            else:
+                batch.teacher_logprobs = run.teacher.logprobs(batch)
     hashes = rollout_hashes(groups, batch)  # what was sampled, scored and advantaged, for `plait diff`
     deep = hashes if cfg.train.deterministic else None  # ... and the trainer's gradient and weights
     update = policy_update(batch, cfg, run.backend, run.guard, round_, timer, deep, run.recovery.lr_scale)

@@ -53,6 +53,10 @@ class Teacher(Protocol):
     def logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, C] float32 log-probs of `batch`'s completion tokens under the teacher (CPU)."""
 
+    def top_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """teacher.top_k: those log-probs, and the teacher's top_k likeliest tokens at each
+        completion position, [B, C, k] ids and [B, C, k] float32 log-probs (CPU)."""
+
     def describe(self) -> str:
         """Where the teacher runs, for the run header."""
 
@@ -69,6 +73,11 @@ class HeldTeacher:
         from plait.train.update import frozen_logprobs
 
         return frozen_logprobs(self.backend.teacher_model, batch, self.cfg, self.backend)
+
+    def top_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from plait.train.update import frozen_logprobs
+
+        return frozen_logprobs(self.backend.teacher_model, batch, self.cfg, self.backend, self.cfg.teacher.top_k)
 
     def describe(self) -> str:
         return f"{self.cfg.teacher.name_or_path}, held in every training process ({self.backend.name})"
@@ -109,7 +118,10 @@ class ProcessTeacher:
         return answer
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
-        return self._ask((batch.input_ids, batch.attention_mask, batch.completion_mask, batch.prompt_len))
+        return self._ask((batch.input_ids, batch.attention_mask, batch.completion_mask, batch.prompt_len, False))
+
+    def top_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._ask((batch.input_ids, batch.attention_mask, batch.completion_mask, batch.prompt_len, True))
 
     def describe(self) -> str:
         return f"{self.name}, in its own process (pid {self.process.pid})"
@@ -152,7 +164,8 @@ class ServerTeacher:
         except RolloutServerError as e:
             raise TeacherFailed(str(e)) from None
 
-    def logprobs(self, batch: Batch) -> torch.Tensor:
+    def _scores(self, batch: Batch, top_k: int) -> list[tuple[int, dict]]:
+        """Each row's answer from the replica that scored it: (row, its part of the answer)."""
         from concurrent.futures import ThreadPoolExecutor
 
         real = batch.attention_mask.bool()
@@ -164,16 +177,32 @@ class ServerTeacher:
         shares = [sequences[k :: len(self.urls)] for k in range(len(self.urls))]
 
         def ask(url: str, share: list[dict]) -> dict:
-            return self._call(url, "/logprobs", {"sequences": share, "temperature": temperature})
+            return self._call(url, "/logprobs", {"sequences": share, "temperature": temperature, "top_k": top_k})
 
         with ThreadPoolExecutor(len(self.urls)) as pool:
             answers = list(pool.map(ask, self.urls, shares))
+        keys = ("logprobs", "top_ids", "top_logprobs") if top_k else ("logprobs",)
+        return [
+            (k + j * len(self.urls), {key: answer[key][j] for key in keys})
+            for k, answer in enumerate(answers)
+            for j in range(len(answer["logprobs"]))
+        ]
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
         out = torch.zeros_like(batch.completion_mask, dtype=torch.float32)
-        for k, answer in enumerate(answers):
-            for j, scores in enumerate(answer["logprobs"]):
-                i = k + j * len(self.urls)
-                out[i, : len(scores)] = torch.tensor(scores, dtype=torch.float32)
+        for i, row in self._scores(batch, 0):
+            out[i, : len(row["logprobs"])] = torch.tensor(row["logprobs"])
         return out
+
+    def top_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        k = self.cfg.teacher.top_k
+        sampled = torch.zeros_like(batch.completion_mask, dtype=torch.float32)
+        ids, values = torch.zeros(*sampled.shape, k, dtype=torch.long), torch.zeros(*sampled.shape, k)
+        for i, row in self._scores(batch, k):
+            n = len(row["logprobs"])
+            sampled[i, :n] = torch.tensor(row["logprobs"])
+            ids[i, :n], values[i, :n] = torch.tensor(row["top_ids"]), torch.tensor(row["top_logprobs"])
+        return sampled, ids, values
 
     def describe(self) -> str:
         return f"{self.model}, on the server at {self.url} ({len(self.urls)} replica(s))"
@@ -221,10 +250,10 @@ def serve(conn: Connection) -> None:
             return
         if message is None:
             return
-        input_ids, attention_mask, completion_mask, prompt_len = message
+        input_ids, attention_mask, completion_mask, prompt_len, top = message
         batch = Batch(input_ids, attention_mask, completion_mask, torch.zeros(len(input_ids)), prompt_len)
         try:
-            answer = frozen_logprobs(model, batch, cfg, backend)
+            answer = frozen_logprobs(model, batch, cfg, backend, t.top_k if top else 0)
         except Exception as err:  # noqa: BLE001 - the trainer reports it and stops
             answer = f"{type(err).__name__}: {err}"
         _send(conn, answer)

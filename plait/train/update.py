@@ -46,6 +46,7 @@ from plait.algo.losses import (
     engine_mismatch_weights,
     high_entropy_mask,
     policy_loss,
+    top_k_distillation,
 )
 from plait.algo.stats import Sums, stat
 from plait.telemetry import PhaseTimer
@@ -69,11 +70,19 @@ def prompt_sharing(cfg, backend: Backend) -> str | None:
 
 
 def sequence_logprobs(
-    model, mb: Batch, temperature: float, with_entropy: bool | str = False, sharing: str | None = None
+    model,
+    mb: Batch,
+    temperature: float,
+    with_entropy: bool | str = False,
+    sharing: str | None = None,
+    extra: torch.Tensor | None = None,
+    top_k: int = 0,
 ):
     """[B, C] completion log-probs (and entropies) of a micro-batch; with `sharing`, each group
     is packed into one row without padding where the model allows (same numbers to float
-    rounding, fewer FLOPs), else (a plain model only) its rows share one prompt pass."""
+    rounding, fewer FLOPs), else (a plain model only) its rows share one prompt pass. With
+    `extra` [B, C, k] token ids the log-probs are [B, C, 1 + k]: the sampled token's, then theirs;
+    with `top_k`, the model's k likeliest tokens at each position follow ([B, C, k] ids, log-probs)."""
     if sharing:
         runs = prompt_runs(mb.input_ids, mb.attention_mask, mb.prompt_len)
         if can_pack(getattr(model, "module", model)):  # one row per group, no padding at all
@@ -86,27 +95,39 @@ def sequence_logprobs(
                 temperature,
                 with_entropy,
                 through_forward=sharing == "forward",
+                extra=extra,
+                top_k=top_k,
             )
         if sharing == "parts" and len(runs) < len(mb) and mb.prompt_len > 1:  # a 1-token prompt shares nothing
             return shared_prompt_logprobs(
-                model, mb.input_ids, mb.attention_mask, mb.prompt_len, runs, temperature, with_entropy
+                model, mb.input_ids, mb.attention_mask, mb.prompt_len, runs, temperature, with_entropy, extra, top_k
             )
-    return completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature, with_entropy)
+    return completion_logprobs(
+        model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature, with_entropy, extra, top_k
+    )
 
 
 @torch.no_grad()
-def frozen_logprobs(model, batch: Batch, cfg, backend: Backend) -> torch.Tensor:
+def frozen_logprobs(model, batch: Batch, cfg, backend: Backend, top_k: int = 0):
     """[B, C] float32 log-probs of `batch`'s completions under a frozen model the backend holds
-    (the teacher), micro-batch by micro-batch, computed as the reference's are."""
-    out = torch.zeros_like(batch.completion_mask, dtype=torch.float32)
+    (the teacher), micro-batch by micro-batch, computed as the reference's are; with `top_k`,
+    also its k likeliest tokens at each position from the same pass: ([B, C], [B, C, k] ids,
+    [B, C, k] log-probs). On the CPU."""
+    shape = batch.completion_mask.shape
+    outs = [torch.zeros(shape)]
+    if top_k:
+        outs += [torch.zeros(*shape, top_k, dtype=torch.long), torch.zeros(*shape, top_k)]
     size, sharing = cfg.train.micro_batch_size, prompt_sharing(cfg, backend)
     temperature = cfg.rollout.temperature or 1.0
     for start, mb in zip(range(0, len(batch), size), micro_batches(batch, size)):
         mb = mb.to(backend.device)
         with backend.autocast():
-            logp = sequence_logprobs(model, mb, temperature, sharing=sharing)
-        out[start : start + len(mb), : logp.shape[1]] = logp.float().cpu()
-    return out
+            parts = sequence_logprobs(model, mb, temperature, sharing=sharing, top_k=top_k)
+        parts = parts if top_k else (parts,)
+        rows, cols = slice(start, start + len(mb)), slice(0, parts[0].shape[1])
+        for out, part in zip(outs, parts):
+            out[rows, cols] = part.cpu()
+    return tuple(outs) if top_k else outs[0]
 
 
 def reference_logprobs(model, ref_model, mb: Batch, temperature: float, sharing: str | None = None) -> torch.Tensor:
@@ -224,6 +245,8 @@ class MicroBatchStats:
     # log pi_student - log pi_teacher of the sampled tokens: the reverse KL to the teacher, estimated
     # under the student's samples (None: no teacher)
     teacher_kl_tokens: torch.Tensor | None = stat("teacher/kl", per="measured_tokens", optional=True)
+    # teacher.top_k: the forward KL from the teacher's renormalized top k to the student, its loss term
+    teacher_top_k_kl_tokens: torch.Tensor | None = stat("teacher/top_k_kl", per="measured_tokens", optional=True)
 
 
 @dataclass(kw_only=True)
@@ -284,9 +307,12 @@ def train_micro_batch(
     with_entropy = True if a.top_entropy_quantile < 1 or a.entropy_coeff > 0 else "logged"
     with backend.autocast():
         logp, entropy = sequence_logprobs(
-            model, mb, cfg.rollout.temperature or 1.0, with_entropy, prompt_sharing(cfg, backend)
+            model, mb, cfg.rollout.temperature or 1.0, with_entropy, prompt_sharing(cfg, backend), mb.teacher_top_ids
         )
     logp, entropy = logp.float(), entropy.float()
+    student_top = None  # teacher.top_k: the student's log-probs of the teacher's top k tokens
+    if mb.teacher_top_ids is not None:
+        logp, student_top = logp[..., 0], logp[..., 1:]
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()  # one pass: ratio is exactly 1
     mask = mb.completion_mask
     keep = None  # tokens whose policy term counts (all of them unless filtered by entropy)
@@ -298,20 +324,27 @@ def train_micro_batch(
             old, mb.sampling_logprobs, mask, a.engine_is_mode, a.engine_is_cap, a.engine_is_min
         )
     bonus = entropy if with_entropy is True else None
-    advantages, teacher_kl = mb.advantages, None
+    advantages, teacher_kl, top_k_kl = mb.advantages, None, None
     if mb.teacher_logprobs is not None:  # the student's log-probs before this round's updates
-        advantages = with_teacher(advantages, old, mb.teacher_logprobs, mask, cfg.teacher.weight)
+        if student_top is None:  # the sampled-token estimate, as an advantage on every token
+            advantages = with_teacher(advantages, old, mb.teacher_logprobs, mask, cfg.teacher.weight)
         teacher_kl = ((old - mb.teacher_logprobs) * mask).sum()
     outputs = policy_loss(
         logp, old, advantages, mask, counts, settings, mb.ref_logprobs, bonus, weights, policy_mask=keep
     )
-    backend.backward(outputs.loss)
+    loss = outputs.loss
+    if student_top is not None:  # a loss term of its own, a token mean over the step
+        kl = top_k_distillation(student_top, mb.teacher_top_logprobs) * mask
+        loss = loss + cfg.teacher.weight * kl.sum() / max(counts.tokens, 1)
+        top_k_kl = kl.detach().sum()
+    backend.backward(loss)
     real = mb.completion_mask.float()
     measured = MicroBatchStats(
         logprob_gap_tokens=((logp.detach() - mb.sampling_logprobs).abs() * real).sum(),
         entropy_tokens=(entropy.detach() * real).sum(),
         trained_tokens=(mask if keep is None else keep).float().sum(),
         teacher_kl_tokens=teacher_kl,
+        teacher_top_k_kl_tokens=top_k_kl,
     )
     return outputs, measured, engine_mismatch(old, mb.sampling_logprobs, real, weights, a.engine_is_mode)
 

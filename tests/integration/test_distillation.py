@@ -9,6 +9,8 @@ import pytest
 import torch
 from test_train import final_weights, tiny_overrides
 
+from plait.algo.logprobs import positions
+from plait.algo.losses import top_k_distillation
 from plait.compare import compare, describe
 from plait.config import load_config
 from plait.models import load_model
@@ -102,6 +104,87 @@ def test_one_update_moves_the_student_toward_the_teacher(tiny_model_path, teache
     assert gap[1] < gap[0]  # closer to the teacher's log-probs on those tokens
 
 
+def test_the_teachers_top_k_wherever_it_runs_and_the_students_logprobs_of_them(
+    tiny_model_path, teacher_model_path, tmp_path
+):
+    """teacher.top_k: the teacher names its k likeliest tokens at each completion position with
+    their log-probs (those of a full log-softmax of its logits, within 1e-5) from the pass that
+    gives its sampled-token log-probs (those torch.equal to teacher.top_k=0's), the same from its
+    own process (ids equal, log-probs within 1e-6); the student reads its own log-probs of those
+    tokens through every way a micro-batch goes through the model (padded, packed, packed through
+    the wrapper's forward) within 1e-5 of the same full log-softmax, and the sampled tokens'
+    log-probs beside them are those it computes without them (torch.equal)."""
+    k = 4
+    cfg = load_config(
+        None,
+        [f"teacher.name_or_path={teacher_model_path}", f"teacher.top_k={k}", "train.micro_batch_size=4"]
+        + ["rollout.temperature=0.8", f"output_dir={tmp_path}"],
+    )
+    teacher = load_model(str(teacher_model_path)).eval().requires_grad_(False)
+    student = load_model(str(tiny_model_path)).eval().requires_grad_(False)
+    backend = LocalBackend.wrap(student)
+    backend.teacher_model = teacher
+    batch = sampled_batch()
+    real = batch.completion_mask.bool()
+
+    def full(model):  # every completion position's log-softmax at the sampling temperature
+        position_ids = positions(batch.attention_mask)
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids).logits
+        return (logits[:, batch.prompt_len - 1 : -1].float() / 0.8).log_softmax(-1)
+
+    sampled, ids, values = HeldTeacher(cfg, backend).top_logprobs(batch)
+    with torch.no_grad():
+        want = full(teacher).topk(k, -1)
+    assert torch.equal(ids[real], want.indices[real])
+    assert torch.allclose(values[real], want.values[real], atol=1e-5, rtol=0)
+    assert torch.equal(sampled, HeldTeacher(cfg, backend).logprobs(batch))  # the same pass reads both
+    own = ProcessTeacher(cfg, torch.device("cpu"))
+    try:
+        far = own.top_logprobs(batch)
+    finally:
+        own.close()
+    assert torch.equal(far[1][real], ids[real])
+    assert torch.allclose(far[2][real], values[real], atol=1e-6, rtol=0)
+
+    with torch.no_grad():
+        student_full = full(student).gather(-1, ids)
+        for sharing in (None, "parts", "forward"):
+            both = sequence_logprobs(student, batch, 0.8, sharing=sharing, extra=ids)
+            assert both.shape == (*batch.completion_mask.shape, 1 + k)
+            assert torch.equal(both[..., 0], sequence_logprobs(student, batch, 0.8, sharing=sharing)), sharing
+            assert torch.allclose(both[..., 1:][real], student_full[real], atol=1e-5, rtol=0), sharing
+
+
+def test_one_top_k_update_moves_the_students_distribution_toward_the_teachers(
+    tiny_model_path, teacher_model_path, tmp_path
+):
+    """With teacher.top_k, one update (no reward) lowers the forward KL from the teacher's top k
+    to the student at the batch's positions; the logged teacher/top_k_kl is its token mean before."""
+    cfg = load_config(
+        None,
+        [f"teacher.name_or_path={teacher_model_path}", "teacher.top_k=8", "train.micro_batch_size=4"]
+        + ["train.learning_rate=1e-3", "train.warmup_steps=0", "train.max_steps=1", f"output_dir={tmp_path}"],
+    )
+    backend = LocalBackend(cfg, torch.device("cpu"))
+    backend.load(cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": str(tiny_model_path)})}))
+    batch = sampled_batch(seed=2)
+    batch.teacher_logprobs, batch.teacher_top_ids, batch.teacher_top_logprobs = HeldTeacher(cfg, backend).top_logprobs(
+        batch
+    )
+    mask = batch.completion_mask.float()
+
+    def kl() -> float:
+        with torch.no_grad():
+            top = sequence_logprobs(backend.module, batch, 1.0, extra=batch.teacher_top_ids)[..., 1:]
+        return float((top_k_distillation(top, batch.teacher_top_logprobs) * mask).sum() / mask.sum())
+
+    before = kl()
+    metrics = policy_update(batch, cfg, backend)
+    assert metrics["teacher/top_k_kl"] == pytest.approx(before, abs=1e-5)
+    assert kl() < before
+    assert metrics["grad_norm"] > 0  # the rewards' advantages are all 0: the teacher's term moved it
+
+
 RUNS = {
     "teacher alone, one completion per prompt": [
         "rollout.num_generations=1",
@@ -110,6 +193,7 @@ RUNS = {
     ],
     "beside a reward, LoRA student": ["model.lora={r: 4}", "teacher.weight=0.5"],
     "async rounds, teacher in its own process": ["rollout.max_staleness=1", "teacher.site=process"],
+    "its top k in its own process, no reward": ["teacher.top_k=8", "teacher.site=process", "rewards=[]"],
 }
 
 
@@ -130,6 +214,7 @@ def test_a_run_with_a_teacher(case, tiny_model_path, teacher_model_path, prompts
     assert len(rows) == 4
     assert all(m["teacher/kl"] != 0 and m["time/teacher"] > 0 for m in rows)
     assert all(m["update/skipped_rows"] == 0 and m["update/signal_share"] == 1.0 for m in rows)
+    assert all((m.get("teacher/top_k_kl", 0) > 0) == ("top k" in case) for m in rows)
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["teacher/kl"] for m in logged] == [m["teacher/kl"] for m in rows]
     if case == next(iter(RUNS)):  # plait compare shows it per round, among its headline metrics

@@ -238,10 +238,11 @@ VARIANTS = {  # backend options, model/algorithm options that change what each b
             "teacher.weight=0.5",
         ],
     ),
-    # with a distillation teacher beside the reference, sharded the same way
-    "zero3-kl-teacher-checkpointing": (
+    # with a distillation teacher beside the reference, sharded the same way, naming its top k
+    "zero3-kl-top-k-teacher-checkpointing": (
         BACKENDS["zero3"],
-        ["algo.beta=0.1", "model.gradient_checkpointing=true", "teacher.name_or_path={teacher}", "teacher.weight=0.5"],
+        ["algo.beta=0.1", "model.gradient_checkpointing=true", "teacher.name_or_path={teacher}"]
+        + ["teacher.weight=0.5", "teacher.top_k=4"],
     ),
     # and a reasoning-gym mixture as the prompts, its verifier as a reward and eval metric
     "ddp-lora-environments": (
@@ -279,8 +280,9 @@ def test_reference_model_checkpointing_and_lora_match_one_process(
         assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 1e-4  # the policy moved away from the reference
     teacher = any(e.startswith("teacher.") for e in extra)
     if teacher:  # the sharded teacher scores as the whole one
-        got, want = ([m["teacher/kl"] for m in _metrics(d)] for d in (run, single))
-        assert got == pytest.approx(want, abs=1e-5) and all(abs(k) > 1e-3 for k in want)
+        for key in ("teacher/kl", "teacher/top_k_kl") if "teacher.top_k=4" in extra else ("teacher/kl",):
+            got, want = ([m[key] for m in _metrics(d)] for d in (run, single))
+            assert got == pytest.approx(want, abs=1e-5) and all(abs(k) > 1e-3 for k in want), key
     assert_same_run(run, single, TEACHER_WEIGHT_ATOL if teacher else WEIGHT_ATOL)
 
 

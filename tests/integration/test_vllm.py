@@ -645,10 +645,12 @@ def _an_adapter_push_makes_the_server_decode_as_the_adapted_model(vllm_model, se
 def test_a_teacher_on_a_rollout_server_scores_as_the_held_one(vllm_model, prompts_jsonl, tmp_path, base_server):
     """`plait rollout-server --model TEACHER` scores a round's completions with vLLM's prompt
     log-probs (POST /logprobs): the same numbers as the teacher held in the trainer, within
-    TEACHER_ATOL; a temperature vLLM can't score at is refused with the reason; and a run
+    TEACHER_ATOL, and with teacher.top_k its k likeliest tokens; a temperature vLLM can't score at
+    is refused with the reason; and a run
     distilling from the server logs, in round 1, a KL near 0 to a teacher that is its own model."""
     from test_distillation import sampled_batch
 
+    from plait.algo.logprobs import positions
     from plait.config import load_config
     from plait.models import load_model
     from plait.train.backends.local import LocalBackend
@@ -670,6 +672,25 @@ def test_a_teacher_on_a_rollout_server_scores_as_the_held_one(vllm_model, prompt
     real = batch.completion_mask.bool()
     assert torch.allclose(got[real], want[real], atol=TEACHER_ATOL, rtol=0), (got - want)[real].abs().max()
     assert got[~real].abs().max() == 0 and want[real].abs().min() > 0
+
+    # teacher.top_k: the server names the k likeliest tokens at each position; their log-probs are
+    # the held teacher's top k (within TEACHER_ATOL), and each named token has that log-prob under
+    # the model (so a near-tie ordered the other way still names a true top-k token)
+    top_cfg = load_config(None, [*sets, "train.micro_batch_size=4", "teacher.top_k=8"])
+    far = ServerTeacher(top_cfg)
+    try:
+        sampled, ids, values = far.top_logprobs(batch)
+    finally:
+        far.close()
+    _, _, held_values = HeldTeacher(top_cfg, backend).top_logprobs(batch)
+    with torch.no_grad():
+        ids_in = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        logits = backend.teacher_model(**ids_in, position_ids=positions(batch.attention_mask)).logits
+    every = logits[:, batch.prompt_len - 1 : -1].float().log_softmax(-1)
+    assert torch.allclose(sampled[real], want[real], atol=TEACHER_ATOL, rtol=0)
+    assert torch.allclose(values[real], held_values[real], atol=TEACHER_ATOL, rtol=0)
+    assert torch.allclose(every.gather(-1, ids)[real], values[real], atol=TEACHER_ATOL, rtol=0)
+    assert (ids[real].sort(-1).values.diff(dim=-1) > 0).all()  # k different tokens at every position
 
     hot = ServerTeacher(load_config(None, [*sets, "rollout.temperature=0.7"]))
     with pytest.raises(TeacherFailed, match="a vLLM replica scores at temperature 1 only"):

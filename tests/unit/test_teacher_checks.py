@@ -2,6 +2,7 @@
 IW-OPD loss; the checks that refuse a teacher that can't score the student's tokens."""
 
 import ast
+import math
 import socket
 import textwrap
 from collections import defaultdict
@@ -14,7 +15,7 @@ from trl_source import trl_source
 
 from plait.algo.advantages import teacher_advantages, with_teacher
 from plait.algo.logprobs import selective_log_softmax
-from plait.algo.losses import LossSettings, StepCounts, policy_loss
+from plait.algo.losses import LossSettings, StepCounts, policy_loss, top_k_distillation
 from plait.config import ConfigError, load_config, validate
 from plait.train.update import signal_rows, why_nothing_is_skipped
 from plait.types import Batch
@@ -171,6 +172,74 @@ def test_a_teacher_server_needs_its_url_and_a_url_needs_the_server_site(tiny_mod
         "teacher.url is set but teacher.site=trainer: set teacher.site=server to ask that server"
     ]
     assert problems(tmp_path, teacher, "teacher.site=server", "teacher.url=http://127.0.0.1:8000") == []
+
+
+def test_the_top_k_distillation_term_is_the_forward_kl_from_the_renormalized_top_k():
+    """By hand: teacher probabilities 0.5 and 0.25 on its top 2 renormalize to 2/3 and 1/3; a
+    student with 0.4 and 0.1 on those tokens is 2/3 ln((2/3)/0.4) + 1/3 ln((1/3)/0.1) away."""
+    teacher = torch.tensor([[[0.5, 0.25]]]).log()
+    student = torch.tensor([[[0.4, 0.1]]]).log().requires_grad_(True)
+    want = 2 / 3 * math.log((2 / 3) / 0.4) + 1 / 3 * math.log((1 / 3) / 0.1)
+    kl = top_k_distillation(student, teacher)
+    assert kl.shape == (1, 1) and float(kl.detach()) == pytest.approx(want, rel=1e-6)
+    kl.sum().backward()  # d/d log p_s(v) = -q(v): every top-k token is pulled up by its share
+    assert torch.allclose(student.grad, -torch.tensor([[[2 / 3, 1 / 3]]]))
+    # 0 where the student puts the teacher's renormalized probabilities on its top k, and never below
+    assert float(top_k_distillation(torch.tensor([[[2 / 3, 1 / 3]]]).log(), teacher)) == pytest.approx(0, abs=1e-7)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        full = torch.randn(3, 4, 50, generator=g).log_softmax(-1)
+        top = torch.randn(3, 4, 50, generator=g).log_softmax(-1).topk(5, -1)
+        assert (top_k_distillation(full.gather(-1, top.indices), top.values) >= 0).all()
+
+
+def trl_gkd_loss():
+    """TRL's GKDTrainer.generalized_jsd_loss (trl/experimental/gkd) as a plain function, from its source."""
+    src = trl_source("experimental/gkd/gkd_trainer")
+    cls = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == "GKDTrainer")
+    method = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "generalized_jsd_loss")
+    scope = {"torch": torch, "F": F}
+    exec(textwrap.dedent(ast.get_source_segment(src, method)).replace("@staticmethod\n", ""), scope)
+    return scope["generalized_jsd_loss"]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_top_k_term_over_the_whole_vocabulary_is_trls_gkd_loss_at_beta_0(temperature):
+    """With k = the vocabulary size nothing is renormalized away, and the top-k term, a token mean
+    over the loss tokens, is TRL's GKD loss with beta = 0 (the forward KL, masked by the labels,
+    batchmean): the same value and the same gradient on the student's logits."""
+    torch.manual_seed(1)
+    B, C, V = 3, 5, 11
+    student, teacher = torch.randn(B, C, V, dtype=torch.float64), torch.randn(B, C, V, dtype=torch.float64)
+    mask = torch.ones(B, C, dtype=torch.long)
+    mask[0, 3:] = 0
+    mask[2, 1:] = 0
+    labels = torch.randint(0, V, (B, C)).masked_fill(mask == 0, -100)
+
+    theirs = student.clone().requires_grad_(True)
+    want = trl_gkd_loss()(theirs, teacher, labels, beta=0.0, temperature=temperature)
+    want.backward()
+
+    ours = student.clone().requires_grad_(True)
+    top = (teacher / temperature).log_softmax(-1).topk(V, -1)
+    student_top = (ours / temperature).log_softmax(-1).gather(-1, top.indices)
+    got = (top_k_distillation(student_top, top.values) * mask).sum() / mask.sum()
+    got.backward()
+    assert torch.allclose(got, want, atol=1e-12, rtol=0), float((got - want).detach())
+    assert torch.allclose(ours.grad, theirs.grad, atol=1e-12, rtol=0), (ours.grad - theirs.grad).abs().max()
+    assert float(want.detach()) > 0 and ours.grad.abs().sum() > 0
+
+
+def test_a_top_k_a_teacher_server_cannot_name_is_refused_with_the_sites_that_can(tiny_model_path, tmp_path):
+    teacher, server = f"teacher.name_or_path={tiny_model_path}", ("teacher.site=server", "teacher.url=http://h:8000")
+    assert problems(tmp_path, teacher, *server, "teacher.top_k=21") == [
+        "teacher.top_k=21 with teacher.site=server: a vLLM replica names at most 20 likeliest tokens a position "
+        "(its max_logprobs); set teacher.top_k <= 20, or hold the teacher in the trainer (teacher.site=trainer) "
+        "or its own process (process)"
+    ]
+    assert problems(tmp_path, teacher, *server, "teacher.top_k=20") == []
+    for site in ("trainer", "process"):
+        assert problems(tmp_path, teacher, f"teacher.site={site}", "teacher.top_k=64") == []
 
 
 def test_a_teacher_server_that_never_answers_fails_with_where_and_how_to_start_it(tiny_model_path, monkeypatch):
