@@ -738,6 +738,9 @@ def check_teacher(cfg: Config, env: Env) -> list[str]:
             f"teacher.site=process with {env.training} training processes: the teacher's own process serves one "
             "trainer; use teacher.site=trainer (each process holds it, sharded as the backend shards)"
         )
+    rows = _teacher_head_rows(folder) if folder is not None else 0
+    if t.top_k and rows and t.top_k > rows:
+        out.append(f"teacher.top_k={t.top_k} is more than the teacher's {rows} tokens: set teacher.top_k <= {rows}")
     student = local_model_folder(cfg.model.name_or_path)
     if student is not None and folder is not None:
         why = vocabulary_mismatch(student, folder)
@@ -747,6 +750,14 @@ def check_teacher(cfg: Config, env: Env) -> list[str]:
                 "student's tokenizer: pick a teacher of the same family (or distill from its outputs as data)"
             )
     return out
+
+
+def _teacher_head_rows(folder: Path) -> int:
+    """The teacher's output head's rows (config.json's vocab_size; 0: not said)."""
+    try:
+        return int(json.loads((folder / "config.json").read_text()).get("vocab_size") or 0)
+    except (OSError, ValueError, TypeError):
+        return 0
 
 
 def vocabulary_mismatch(student: Path, teacher: Path) -> str | None:
@@ -764,7 +775,7 @@ def vocabulary_mismatch(student: Path, teacher: Path) -> str | None:
             f"the teacher's vocabulary differs from the student's ({len(theirs)} tokens against {len(mine)}; "
             f"e.g. {', '.join(f'{tok!r}={i}' for tok, i in differ)})"
         )
-    rows = json.loads((teacher / "config.json").read_text()).get("vocab_size") or 0
+    rows = _teacher_head_rows(teacher)
     if rows and rows < len(mine):
         return f"the teacher's output head has {rows} rows for the tokenizer's {len(mine)} tokens"
     return None

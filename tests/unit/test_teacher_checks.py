@@ -2,7 +2,9 @@
 IW-OPD loss; the checks that refuse a teacher that can't score the student's tokens."""
 
 import ast
+import json
 import math
+import shutil
 import socket
 import textwrap
 from collections import defaultdict
@@ -238,6 +240,13 @@ def test_a_top_k_a_teacher_server_cannot_name_is_refused_with_the_sites_that_can
         "or its own process (process)"
     ]
     assert problems(tmp_path, teacher, *server, "teacher.top_k=20") == []
+    small = tmp_path / "small-head"  # a teacher whose config says 16 tokens
+    shutil.copytree(tiny_model_path, small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 16}))
+    said = problems(tmp_path, f"teacher.name_or_path={small}", "teacher.top_k=17")
+    assert "teacher.top_k=17 is more than the teacher's 16 tokens: set teacher.top_k <= 16" in said
+    assert not any("top_k" in p for p in problems(tmp_path, f"teacher.name_or_path={small}", "teacher.top_k=16"))
     for site in ("trainer", "process"):
         assert problems(tmp_path, teacher, f"teacher.site={site}", "teacher.top_k=64") == []
 
