@@ -2,6 +2,8 @@
 
     batch (the round's samples) -> Teacher.logprobs -> [B, C] log pi_teacher(y_t)
                                 -> the update: advantage + weight x (teacher - student) per token
+    (teacher.top_k)             -> Teacher.top_logprobs -> also its k likeliest tokens [B, C, k]
+                                -> the update: + weight x forward KL from them, a loss term
 
 Where it runs is `teacher.site`:
 
