@@ -167,59 +167,115 @@ def shared_prompt_logprobs(
 
 @dataclass
 class PackedGroups:
-    """A micro-batch laid out one group per row: its prompt, then each completion after it,
-    no padding between them. `allowed` lets a completion see the prompt and its own past only,
-    so every token computes what it would in its own padded row."""
+    """A micro-batch laid out as packed rows: a row's prompt tokens, then each completion after
+    them, no padding between them. A row holds one group, or every group when their prompts
+    share a long beginning (a system prompt, worked examples): that beginning once, then each
+    group's own rest of the prompt and its completions. `allowed` lets a token see what it
+    would see in its own padded row only (its prompt, its own past), so every token computes
+    what it would there."""
 
-    input_ids: torch.Tensor  # [G, S]
-    position_ids: torch.Tensor  # [G, S]: a completion's positions continue from its prompt's
-    allowed: torch.Tensor  # [G, 1, S, S] bool: query may attend to key
-    source: torch.Tensor  # [N] flat index into G*S: the position whose logits predict each completion token
+    input_ids: torch.Tensor  # [R, S]
+    position_ids: torch.Tensor  # [R, S]: a completion's positions continue from its prompt's
+    allowed: torch.Tensor  # [R, 1, S, S] bool: query may attend to key
+    source: torch.Tensor  # [N] flat index into R*S: the position whose logits predict each completion token
     targets: torch.Tensor  # [N] the completion tokens
     rows: torch.Tensor  # [N] where each token sits in the [B, C] output
     cols: torch.Tensor  # [N]
 
 
+def common_prefix(prompts: list[list[int]]) -> int:
+    """How many first tokens every prompt shares, leaving each at least its last token of its own
+    (the position that predicts its first completion token)."""
+    limit = min(len(p) for p in prompts) - 1
+    for i in range(limit):
+        if any(p[i] != prompts[0][i] for p in prompts[1:]):
+            return i
+    return max(0, limit)
+
+
+def _one_row_costs_less(prompts, completions, shared: int, hidden_size: int | None) -> bool:
+    """Whether one row holding the shared beginning once beats a row per group. Both are
+    costed as a token's matmuls (~24 x hidden^2 FLOPs a layer) plus the attention's scores, which
+    sdpa computes for every (query, key) pair of a row under a mask (~4 x hidden FLOPs each): a
+    score is 1/(6 x hidden) of a token."""
+    if hidden_size is None or shared == 0 or len(prompts) < 2:
+        return False
+    lengths = [len(p) + sum(len(c) for c in cs) for p, cs in zip(prompts, completions)]
+    per_group, width = len(lengths) * max(lengths), sum(lengths) - shared * (len(lengths) - 1)
+    per_score = 1.0 / (6 * hidden_size)
+    return width + width * width * per_score < per_group + per_group * max(lengths) * per_score
+
+
 def pack_groups(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, runs: list[int]
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_len: int,
+    runs: list[int],
+    hidden_size: int | None = None,
 ) -> PackedGroups:
     """Lay a micro-batch of whole groups (rows [B, prompt_len + C]: left-padded prompts,
-    right-padded completions; `runs` rows per group) out as one packed row per group. Rows
-    shorter than the longest are filled with token 0, which only padding attends to."""
+    right-padded completions; `runs` rows per group) out as packed rows: one row per group, or,
+    given the model's `hidden_size`, one row for all when their prompts' shared beginning makes
+    that cheaper. Rows shorter than the longest are filled with token 0, which only padding
+    attends to."""
     ids, mask = input_ids.tolist(), attention_mask.tolist()
-    seqs, segs, poss, source, targets, rows, cols = [], [], [], [], [], [], []
+    prompts, completions, first_rows = [], [], []
     start = 0
-    for g, n in enumerate(runs):
+    for n in runs:
         prompt = [t for t, m in zip(ids[start][:prompt_len], mask[start][:prompt_len]) if m]
         if not prompt:
             raise ValueError(
                 f"row {start} has an empty prompt: a completion needs at least one prompt token to be predicted from"
             )
-        seq, seg, pos = list(prompt), [0] * len(prompt), list(range(len(prompt)))
-        for i, r in enumerate(range(start, start + n)):
-            completion = [t for t, m in zip(ids[r][prompt_len:], mask[r][prompt_len:]) if m]
-            prev = len(prompt) - 1  # the prompt's last token predicts the first completion token
-            for j, tok in enumerate(completion):
-                source.append((g, prev))
-                targets.append(tok)
-                rows.append(r)
-                cols.append(j)
-                prev = len(seq)
-                seq.append(tok)
-                seg.append(i + 1)
-                pos.append(len(prompt) + j)
-        seqs.append(seq), segs.append(seg), poss.append(pos)
+        prompts.append(prompt)
+        completions.append(
+            [[t for t, m in zip(ids[r][prompt_len:], mask[r][prompt_len:]) if m] for r in range(start, start + n)]
+        )
+        first_rows.append(start)
         start += n
+    shared = common_prefix(prompts)
+    if _one_row_costs_less(prompts, completions, shared, hidden_size):
+        layout = [(prompts[0][:shared], list(range(len(prompts))))]
+    else:
+        layout = [(p, [g]) for g, p in enumerate(prompts)]
+    # per position: its group (-1: the row's shared beginning, -2: padding) and its part of the
+    # group (0: the prompt, i + 1: completion i, -1: padding)
+    seqs, groups, parts, poss, source, targets, rows, cols = [], [], [], [], [], [], [], []
+    for r, (head, members) in enumerate(layout):
+        seq, grp, part, pos = list(head), [-1] * len(head), [0] * len(head), list(range(len(head)))
+        for g in members:
+            rest = prompts[g][len(head) :]
+            seq += rest
+            grp += [g] * len(rest)
+            part += [0] * len(rest)
+            pos += range(len(head), len(prompts[g]))
+            last = len(seq) - 1  # the prompt's last token predicts the first completion token
+            for i, completion in enumerate(completions[g]):
+                prev = last
+                for j, tok in enumerate(completion):
+                    source.append((r, prev))
+                    targets.append(tok)
+                    rows.append(first_rows[g] + i)
+                    cols.append(j)
+                    prev = len(seq)
+                    seq.append(tok)
+                    grp.append(g)
+                    part.append(i + 1)
+                    pos.append(len(prompts[g]) + j)
+        seqs.append(seq), groups.append(grp), parts.append(part), poss.append(pos)
     width = max(len(s) for s in seqs)
     dev = input_ids.device
 
     def pad(xs, v):
         return torch.tensor([x + [v] * (width - len(x)) for x in xs], dtype=torch.long, device=dev)
 
-    seg = pad(segs, -1)  # -1: padding, which sees only padding (so no row of the mask is empty)
+    grp, part = pad(groups, -2), pad(parts, -1)
+    q_grp, k_grp, q_part, k_part = grp[:, :, None], grp[:, None, :], part[:, :, None], part[:, None, :]
     causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
-    allowed = causal & ((seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None]))
-    flat = torch.tensor([g * width + p for g, p in source], dtype=torch.long, device=dev)
+    # padding sees only padding (so no row of the mask is empty)
+    sees = ((k_grp == -1) & (q_grp != -2)) | ((k_grp == q_grp) & ((k_part == 0) | (k_part == q_part)))
+    allowed = causal & sees
+    flat = torch.tensor([r * width + p for r, p in source], dtype=torch.long, device=dev)
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
     return PackedGroups(
         pad(seqs, 0), pad(poss, 0), allowed[:, None], flat, as_tensor(targets), as_tensor(rows), as_tensor(cols)
@@ -258,7 +314,9 @@ def packed_group_logprobs(
     pair one forward with one backward and gather sharded weights) rather than its decoder and
     output head apart; the head then also runs on the positions between the earliest predicting
     one and the row's end."""
-    packed = pack_groups(input_ids, attention_mask, prompt_len, runs)
+    config = getattr(getattr(model, "module", model), "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    packed = pack_groups(input_ids, attention_mask, prompt_len, runs, getattr(text, "hidden_size", None))
     dtype = next(model.parameters()).dtype
     bias = torch.zeros(packed.allowed.shape, dtype=dtype, device=input_ids.device)
     bias = bias.masked_fill(~packed.allowed, torch.finfo(dtype).min)

@@ -716,7 +716,8 @@ class TrainConfig(Section):
     shared_prompt_pass: bool = Field(
         True,
         description="Run each group's prompt through the model once for all its completions, forward and "
-        "backward: each group packed into one row (prompt, then its completions, no padding), under every backend "
+        "backward: each group packed into one row (prompt, then its completions, no padding), or a micro-batch's "
+        "groups into one row holding their prompts' shared beginning once where that costs less, under every backend "
         "(DDP, FSDP2, ZeRO through their own forward); models with scaled logits get a KV cache handed on instead "
         "on backend local, padded rows elsewhere. Off with gradient checkpointing.",
     )

@@ -17,6 +17,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from plait.algo.logprobs import common_prefix
 from plait.models import autocast, pad_id_of
 from plait.rollout import graphs, prefix
 from plait.rollout.fused import fused_norms
@@ -31,6 +32,9 @@ from plait.rollout.packed import (
     packed_linears,
 )
 from plait.types import Completion, Prompt, SamplingParams
+
+
+MIN_SHARED_TOKENS = 64  # prompt tokens a shared beginning must save before it gets a call of its own
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,9 +238,6 @@ class HFEngine:
 
         dev = next(model.parameters()).device
         gens = group_generators(prompts, params.seed, dev)
-        ids, mask = left_pad([p.token_ids for p in prompts], self.pad_id)
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
         rows = len(prompts) * n
         tokens: list[list[int]] = [[] for _ in range(rows)]
         logps: list[list[float]] = [[] for _ in range(rows)]
@@ -247,15 +248,8 @@ class HFEngine:
         version = self.on_token() if self.on_token else None
         # weights that arrive between tokens (on_token) change in place: no casts kept from before
         with autocast(self._device, precision, cache=self.on_token is None), prefix.decoding(cache):
-            out = model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=pos,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            logits = out.logits[:, -1].repeat_interleave(n, 0)
+            last, mask, pos = self._prefill(model, [p.token_ids for p in prompts], cache, dev)
+            logits = last.repeat_interleave(n, 0)
             steps = self._steps(model, cache, mask, pos[:, -1:], n, params.max_tokens, precision)
             for t in range(params.max_tokens):
                 token, logp = sample_next(logits, params, gens, active // n)
@@ -281,6 +275,45 @@ class HFEngine:
             c.token_versions = v[: len(c.token_ids)]
             c.weight_version = min(c.token_versions, default=None)
         return done
+
+    def _prefill(self, model, prompts: list[list[int]], cache, dev: torch.device):
+        """Run the prompts into `cache`: the beginning they all share (a system prompt, worked
+        examples) once, its keys and values then read by every prompt's own rest, where that
+        saves enough tokens to pay for the extra call; else every prompt whole. Returns the logits
+        at each prompt's last token [G, V], the prompts' attention mask [G, W] and positions [G, W]
+        (the shared beginning's columns first)."""
+        head = common_prefix(prompts) if prefix.full_attention_only(getattr(model, "config", None)) else 0
+        if head * (len(prompts) - 1) < MIN_SHARED_TOKENS:
+            head = 0
+        if head:
+            begin = torch.arange(head, device=dev)[None]
+            model(
+                input_ids=torch.tensor(prompts[0][:head], device=dev)[None],
+                position_ids=begin,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=torch.empty(0, dtype=torch.long, device=dev),
+            )
+            for layer in cache.layers:  # one copy read by every prompt (the rest's prefill appends to it)
+                layer.keys = layer.keys.expand(len(prompts), -1, -1, -1)
+                layer.values = layer.values.expand(len(prompts), -1, -1, -1)
+        ids, mask = left_pad([p[head:] for p in prompts], self.pad_id)
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = head + (mask.cumsum(-1) - 1).clamp(min=0)
+        if head:
+            ones = torch.ones(len(prompts), head, dtype=mask.dtype, device=dev)
+            full_mask, full_pos = torch.cat([ones, mask], 1), torch.cat([begin.expand(len(prompts), -1), pos], 1)
+        else:
+            full_mask, full_pos = mask, pos
+        out = model(
+            input_ids=ids,
+            attention_mask=full_mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1], full_mask, full_pos
 
     def _steps(self, model, cache, mask, last_pos, n: int, max_new: int, precision: str):
         """How the decoding steps after the prefill run: a static bucket (graphed on a GPU) where

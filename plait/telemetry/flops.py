@@ -1,8 +1,9 @@
 """Model FLOPs and the device's peak, for model FLOPs utilization (MFU).
 
 MFU = the FLOPs the model needs for the tokens it processed / (time x peak FLOP/s). Only
-useful work counts (real tokens, not padding; a group's prompt computed once, in generation
-and in training), so MFU falls when plait wastes compute, which is what it is for.
+useful work counts (real tokens, not padding; a group's prompt computed once, and the
+beginning every prompt of a round shares once, in generation and in training), so MFU falls
+when plait wastes compute, which is what it is for.
 
 Per real token of a sequence of length T, a forward pass costs 2N + 4*L*d*T FLOPs (the matmul
 weights, N, and attention scores/values, as in PaLM's appendix B); training adds the backward
@@ -41,42 +42,53 @@ class ModelCost:
         n = float(sum(lengths))
         return n * (4 * self.matmul_params + 2 * self.trainable) + 3.0 * fwd_attn
 
-    def _group_attention(self, prompt_lengths: list[int], completion_lengths: list[list[int]]) -> float:
+    def _group_attention(
+        self, prompt_lengths: list[int], completion_lengths: list[list[int]], shared: int = 0
+    ) -> float:
         """Forward attention FLOPs of groups whose prompt is computed once: the prompt's tokens
-        over the prompt, each completion's tokens over its whole sequence."""
+        over the prompt, each completion's tokens over its whole sequence; the `shared` first
+        tokens of every prompt (the same in all) once for all groups."""
         per = 4 * self.layers * self.attn_width
+        repeated = per * shared * shared * max(0, len(prompt_lengths) - 1)
         return float(
             sum(per * p * p + sum(per * c * (p + c) for c in cs) for p, cs in zip(prompt_lengths, completion_lengths))
+            - repeated
         )
 
-    def _group_tokens(self, prompt_lengths: list[int], completion_lengths: list[list[int]]) -> tuple[int, int]:
+    def _group_tokens(
+        self, prompt_lengths: list[int], completion_lengths: list[list[int]], shared: int = 0
+    ) -> tuple[int, int]:
         """(tokens through the body, tokens through the output head): the head only where a
         completion token is predicted (the last prompt position predicts the first)."""
         completions = sum(sum(cs) for cs in completion_lengths)
-        return sum(prompt_lengths) + completions, completions
+        prompts = sum(prompt_lengths) - shared * max(0, len(prompt_lengths) - 1)
+        return prompts + completions, completions
 
-    def forward_groups(self, prompt_lengths: list[int], completion_lengths: list[list[int]]) -> float:
-        """A forward pass over groups (prompt once + its completions): the useful work of a
-        log-prob pass, whether or not the prompt is shared in practice."""
-        body, head = self._group_tokens(prompt_lengths, completion_lengths)
+    def forward_groups(self, prompt_lengths: list[int], completion_lengths: list[list[int]], shared: int = 0) -> float:
+        """A forward pass over groups (prompt once + its completions; the prompts' `shared`
+        beginning once for all): the useful work of a log-prob pass, whether or not the prompt
+        is shared in practice."""
+        body, head = self._group_tokens(prompt_lengths, completion_lengths, shared)
         weights = body * (self.matmul_params - self.head_params) + head * self.head_params
-        return 2.0 * weights + self._group_attention(prompt_lengths, completion_lengths)
+        return 2.0 * weights + self._group_attention(prompt_lengths, completion_lengths, shared)
 
-    def train_groups(self, prompt_lengths: list[int], completion_lengths: list[list[int]]) -> float:
-        """Forward + backward over groups (prompt once + its completions)."""
-        body, head = self._group_tokens(prompt_lengths, completion_lengths)
+    def train_groups(self, prompt_lengths: list[int], completion_lengths: list[list[int]], shared: int = 0) -> float:
+        """Forward + backward over groups (prompt once + its completions; the prompts' `shared`
+        beginning once for all)."""
+        body, head = self._group_tokens(prompt_lengths, completion_lengths, shared)
         frozen_share = 1.0 - self.trainable / max(1, self.matmul_params)  # weight gradients only for trainable weights
         per_weight = 6.0 - 2.0 * frozen_share
         weights = body * (self.matmul_params - self.head_params) + head * self.head_params
-        return per_weight * weights + 3 * self._group_attention(prompt_lengths, completion_lengths)
+        return per_weight * weights + 3 * self._group_attention(prompt_lengths, completion_lengths, shared)
 
-    def generate(self, prompt_lengths: list[int], completion_lengths: list[list[int]]) -> float:
+    def generate(self, prompt_lengths: list[int], completion_lengths: list[list[int]], shared: int = 0) -> float:
         """Sampling groups: each prompt prefilled once (the output head only at its last
-        position, which gives every completion's first token), then each later token decoded
-        against its context (prompt + the tokens before it)."""
+        position, which gives every completion's first token; the prompts' `shared` beginning
+        once for all), then each later token decoded against its context (prompt + the tokens
+        before it)."""
         per = 4 * self.layers * self.attn_width
         body = self.matmul_params - self.head_params
-        flops = 0.0
+        flops = -float(max(0, len(prompt_lengths) - 1) * shared * (2 * body + per * shared))
         for p, lengths in zip(prompt_lengths, completion_lengths):
             flops += p * (2 * body + per * p) + 2 * self.head_params
             for c in lengths:  # decode steps i = 1 .. c-1 feed token i, which attends to p + i positions

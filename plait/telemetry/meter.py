@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from plait import comm
+from plait.algo.logprobs import common_prefix
 from plait.telemetry.flops import ModelCost
 from plait.telemetry.memory import MemoryMeter
 from plait.types import Group
@@ -37,19 +38,21 @@ class StepMeter:
     def flops(
         self, groups: list[Group], iterations: int, prepass_forwards: float, trained_share: float = 1.0
     ) -> dict[str, float]:
-        """This process's useful model FLOPs per phase (each group's prompt counted once);
+        """This process's useful model FLOPs per phase (each group's prompt counted once, and
+        the beginning all the prompts share once for all of them);
         `trained_share`: the share of the loss tokens that went through forward and backward
         (rows with zero advantage can be left out of the update)."""
         if self.cost is None:
             return {}
         prompts = [len(g.prompt.token_ids) for g in groups]
         completions = [[len(c.token_ids) for c in g.completions] for g in groups]
+        shared = common_prefix([list(g.prompt.token_ids) for g in groups]) if len(groups) > 1 else 0
         out = {
-            "train": trained_share * iterations * self.cost.train_groups(prompts, completions),
-            "logprobs": prepass_forwards * self.cost.forward_groups(prompts, completions),
+            "train": trained_share * iterations * self.cost.train_groups(prompts, completions, shared),
+            "logprobs": prepass_forwards * self.cost.forward_groups(prompts, completions, shared),
         }
         if self.local_generation:
-            out["generate"] = self.cost.generate(prompts, completions)
+            out["generate"] = self.cost.generate(prompts, completions, shared)
         return out
 
     def measure(self, flops: dict[str, float], trained_tokens: float, times: dict[str, float]) -> dict[str, float]:

@@ -373,6 +373,38 @@ def test_shared_prefix_decoding_equals_the_copying_cache(tiny_model_path, monkey
         assert shared == [], config.model_type  # not even tried
 
 
+def test_prompts_that_begin_alike_prefill_their_beginning_once_and_sample_the_same(tiny_model_path, monkeypatch):
+    """Prompts sharing a long beginning (a system prompt, worked examples): the engine prefills it
+    once and every prompt's rest reads its keys and values; the tokens are the ones sampled with
+    every prompt prefilled whole, and the ones each prompt gets alone (no beginning to share), the
+    log-probs within 1e-4."""
+    import plait.rollout.hf as hf
+    from plait.models import load_model, load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model_path))
+    model = load_model(str(tiny_model_path))
+    system = "You are a careful assistant. Answer with one number in a box. " * 4
+    texts = [system + q for q in ("What is 2 + 2?", "What is 17 + 25, please?", "And 3 + 4?")]
+    prompts = [Prompt(i, t, tok(t)["input_ids"]) for i, t in enumerate(texts)]
+    assert hf.common_prefix([p.token_ids for p in prompts]) * 2 >= hf.MIN_SHARED_TOKENS
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=3)
+    calls = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(k["input_ids"].shape) or forward(*a, **k))
+    ours = HFEngine(model, tok).generate(prompts, params, n=3)
+    assert calls[0][0] == 1 and calls[1][0] == 3  # the beginning once, then the three rests
+    with monkeypatch.context() as m:
+        m.setattr(hf, "MIN_SHARED_TOKENS", 10**9)
+        calls.clear()
+        whole = HFEngine(model, tok).generate(prompts, params, n=3)
+        assert calls[0][0] == 3
+    alone = [HFEngine(model, tok).generate([p], params, n=3)[0] for p in prompts]
+    ids = lambda groups: [[c.token_ids for c in g] for g in groups]  # noqa: E731
+    assert ids(ours) == ids(whole) == ids(alone)
+    lp = [torch.tensor([x for g in gs for c in g for x in c.logprobs]) for gs in (ours, whole, alone)]
+    assert torch.allclose(lp[0], lp[1], atol=1e-4) and torch.allclose(lp[0], lp[2], atol=1e-4)
+
+
 # PR_SET_THP_DISABLE: page faults counted in 4 KiB pages whatever the machine's transparent huge
 # pages mode (under `always` a fresh 64 MiB block faults in 2 MiB pages, 32 faults instead of 16384)
 _FAULTS = textwrap.dedent("""

@@ -192,6 +192,54 @@ def test_shared_prompt_pass_gives_the_plain_log_probs_and_gradients(tiny, way):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("through_forward", [False, True])
+def test_groups_whose_prompts_share_a_beginning_pack_it_once_and_give_the_plain_log_probs(tiny, through_forward):
+    """Three groups whose prompts begin alike (a system prompt, worked examples) and differ after
+    it, in length too: packed into one row holding that beginning once, every completion token's
+    log-prob, entropy and gradient are the plain padded pass's to float rounding; prompts that
+    share nothing keep a row per group."""
+    from plait.algo.logprobs import completion_logprobs, pack_groups, packed_group_logprobs, prompt_runs
+
+    model, _ = tiny
+    torch.manual_seed(2)
+    p, c, head = 44, 6, 36
+    ids = torch.randint(5, 1000, (7, p + c))
+    mask = torch.ones_like(ids)
+    for rows, pad in ((slice(0, 3), 0), (slice(3, 5), 0), (slice(5, 7), 2)):
+        first = rows.start
+        ids[rows, :p] = ids[first, :p]
+        ids[rows, :pad], mask[rows, :pad] = 0, 0  # the third prompt is 2 tokens shorter
+    beginning = torch.randint(5, 1000, (head,))
+    ids[:5, :head] = beginning
+    ids[5:, 2 : 2 + head] = beginning
+    mask[1, p + 4 :], mask[6, p + 2 :] = 0, 0  # completions end early
+    runs = prompt_runs(ids, mask, p)
+    assert runs == [3, 2, 2]
+    packed = pack_groups(ids, mask, p, runs, hidden_size=model.config.hidden_size)
+    assert packed.input_ids.shape[0] == 1  # one row: the beginning once
+    prompts = sum(int(mask[r, :p].sum()) for r in (0, 3, 5))
+    assert packed.input_ids.shape[1] == prompts - 2 * head + int(mask[:, p:].sum())
+    unshared = ids.clone()
+    unshared[3:5, :head] = torch.randint(5, 1000, (head,))  # the second group now shares nothing
+    unshared[5:, 2] += 1
+    assert (
+        pack_groups(unshared, mask, p, prompt_runs(unshared, mask, p), model.config.hidden_size).input_ids.shape[0] == 3
+    )
+
+    real = mask[:, p:].bool()
+    plain, plain_ent = completion_logprobs(model, ids, mask, p, temperature=0.7, with_entropy=True)
+    shared, shared_ent = packed_group_logprobs(
+        model, ids, mask, p, runs, temperature=0.7, with_entropy=True, through_forward=through_forward
+    )
+    torch.testing.assert_close(shared[real], plain[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shared_ent[real], plain_ent[real], rtol=1e-5, atol=1e-5)
+    params = [q for q in model.parameters() if q.requires_grad]
+    g_plain = torch.autograd.grad((plain * real).sum(), params)
+    g_shared = torch.autograd.grad((shared * real).sum(), params)
+    for a, b in zip(g_plain, g_shared):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_decode_roofline_counts_what_a_decode_step_reads_and_computes(tiny_model_path, tied):
     """The bound's inputs against the real thing: the KV bytes are the cache's own tensors after
