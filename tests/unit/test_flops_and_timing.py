@@ -156,13 +156,29 @@ def test_shared_prompt_pass_flops_match_the_group_cost_model(tiny):
     assert cost.train_groups([p], [[c] * n]) < 0.8 * cost.train([p + c] * n)
 
 
+def _assert_same_as_the_padded_pass(model, ids, mask, p, runs, fn):
+    """`fn`'s completion log-probs, entropies and their gradients are the padded pass's."""
+    from plait.algo.logprobs import completion_logprobs
+
+    real = mask[:, p:].bool()
+    plain, plain_ent = completion_logprobs(model, ids, mask, p, temperature=0.7, with_entropy=True)
+    shared, shared_ent = fn(model, ids, mask, p, runs, temperature=0.7, with_entropy=True)
+    torch.testing.assert_close(shared[real], plain[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shared_ent[real], plain_ent[real], rtol=1e-5, atol=1e-5)
+    params = [q for q in model.parameters() if q.requires_grad]
+    g_plain = torch.autograd.grad((plain * real).sum(), params)
+    g_shared = torch.autograd.grad((shared * real).sum(), params)
+    for a, b in zip(g_plain, g_shared):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("way", ["shared_cache", "packed", "packed_forward"])
 def test_shared_prompt_pass_gives_the_plain_log_probs_and_gradients(tiny, way):
     """Two groups with prompts of different lengths (left padding) and ragged completions:
     sharing each prompt's pass (a KV cache handed on, or each group packed into one row, through
     the decoder and head apart or through the model's own forward as DDP/FSDP2/ZeRO need)
     changes nothing but float rounding, forward and backward, entropies included."""
-    from plait.algo.logprobs import completion_logprobs, packed_group_logprobs, prompt_runs, shared_prompt_logprobs
+    from plait.algo.logprobs import packed_group_logprobs, prompt_runs, shared_prompt_logprobs
 
     model, _ = tiny
     torch.manual_seed(1)
@@ -175,21 +191,12 @@ def test_shared_prompt_pass_gives_the_plain_log_probs_and_gradients(tiny, way):
     mask[1, p + 5 :], mask[6, p + 2 :] = 0, 0  # completions end early
     runs = prompt_runs(ids, mask, p)
     assert runs == [4, 3]
-    real = mask[:, p:].bool()
     fn = {
         "shared_cache": shared_prompt_logprobs,
         "packed": packed_group_logprobs,
         "packed_forward": functools.partial(packed_group_logprobs, through_forward=True),
     }[way]
-    plain, plain_ent = completion_logprobs(model, ids, mask, p, temperature=0.7, with_entropy=True)
-    shared, shared_ent = fn(model, ids, mask, p, runs, temperature=0.7, with_entropy=True)
-    torch.testing.assert_close(shared[real], plain[real], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(shared_ent[real], plain_ent[real], rtol=1e-5, atol=1e-5)
-    params = [q for q in model.parameters() if q.requires_grad]
-    g_plain = torch.autograd.grad((plain * real).sum(), params)
-    g_shared = torch.autograd.grad((shared * real).sum(), params)
-    for a, b in zip(g_plain, g_shared):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    _assert_same_as_the_padded_pass(model, ids, mask, p, runs, fn)
 
 
 @pytest.mark.parametrize("through_forward", [False, True])
@@ -198,7 +205,7 @@ def test_groups_whose_prompts_share_a_beginning_pack_it_once_and_give_the_plain_
     it, in length too: packed into one row holding that beginning once, every completion token's
     log-prob, entropy and gradient are the plain padded pass's to float rounding; prompts that
     share nothing keep a row per group."""
-    from plait.algo.logprobs import completion_logprobs, pack_groups, packed_group_logprobs, prompt_runs
+    from plait.algo.logprobs import pack_groups, packed_group_logprobs, prompt_runs
 
     model, _ = tiny
     torch.manual_seed(2)
@@ -226,18 +233,9 @@ def test_groups_whose_prompts_share_a_beginning_pack_it_once_and_give_the_plain_
         pack_groups(unshared, mask, p, prompt_runs(unshared, mask, p), model.config.hidden_size).input_ids.shape[0] == 3
     )
 
-    real = mask[:, p:].bool()
-    plain, plain_ent = completion_logprobs(model, ids, mask, p, temperature=0.7, with_entropy=True)
-    shared, shared_ent = packed_group_logprobs(
-        model, ids, mask, p, runs, temperature=0.7, with_entropy=True, through_forward=through_forward
+    _assert_same_as_the_padded_pass(
+        model, ids, mask, p, runs, functools.partial(packed_group_logprobs, through_forward=through_forward)
     )
-    torch.testing.assert_close(shared[real], plain[real], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(shared_ent[real], plain_ent[real], rtol=1e-5, atol=1e-5)
-    params = [q for q in model.parameters() if q.requires_grad]
-    g_plain = torch.autograd.grad((plain * real).sum(), params)
-    g_shared = torch.autograd.grad((shared * real).sum(), params)
-    for a, b in zip(g_plain, g_shared):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("tied", [True, False])
