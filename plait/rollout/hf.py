@@ -248,9 +248,9 @@ class HFEngine:
         version = self.on_token() if self.on_token else None
         # weights that arrive between tokens (on_token) change in place: no casts kept from before
         with autocast(self._device, precision, cache=self.on_token is None), prefix.decoding(cache):
-            last, mask, pos = self._prefill(model, [p.token_ids for p in prompts], cache, dev)
+            last, mask, last_pos = self._prefill(model, [p.token_ids for p in prompts], cache, dev)
             logits = last.repeat_interleave(n, 0)
-            steps = self._steps(model, cache, mask, pos[:, -1:], n, params.max_tokens, precision)
+            steps = self._steps(model, cache, mask, last_pos, n, params.max_tokens, precision)
             for t in range(params.max_tokens):
                 token, logp = sample_next(logits, params, gens, active // n)
                 live = active.tolist()
@@ -280,16 +280,15 @@ class HFEngine:
         """Run the prompts into `cache`: the beginning they all share (a system prompt, worked
         examples) once, its keys and values then read by every prompt's own rest, where that
         saves enough tokens to pay for the extra call; else every prompt whole. Returns the logits
-        at each prompt's last token [G, V], the prompts' attention mask [G, W] and positions [G, W]
-        (the shared beginning's columns first)."""
+        at each prompt's last token [G, V], the prompts' attention mask [G, W] (the shared
+        beginning's columns first) and each prompt's last position [G, 1]."""
         head = common_prefix(prompts) if prefix.full_attention_only(getattr(model, "config", None)) else 0
         if head * (len(prompts) - 1) < MIN_SHARED_TOKENS:
             head = 0
         if head:
-            begin = torch.arange(head, device=dev)[None]
             model(
                 input_ids=torch.tensor(prompts[0][:head], device=dev)[None],
-                position_ids=begin,
+                position_ids=torch.arange(head, device=dev)[None],
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=torch.empty(0, dtype=torch.long, device=dev),
@@ -301,19 +300,16 @@ class HFEngine:
         ids, mask = ids.to(dev), mask.to(dev)
         pos = head + (mask.cumsum(-1) - 1).clamp(min=0)
         if head:
-            ones = torch.ones(len(prompts), head, dtype=mask.dtype, device=dev)
-            full_mask, full_pos = torch.cat([ones, mask], 1), torch.cat([begin.expand(len(prompts), -1), pos], 1)
-        else:
-            full_mask, full_pos = mask, pos
+            mask = torch.cat([torch.ones(len(prompts), head, dtype=mask.dtype, device=dev), mask], 1)
         out = model(
             input_ids=ids,
-            attention_mask=full_mask,
+            attention_mask=mask,
             position_ids=pos,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )
-        return out.logits[:, -1], full_mask, full_pos
+        return out.logits[:, -1], mask, pos[:, -1:]
 
     def _steps(self, model, cache, mask, last_pos, n: int, max_new: int, precision: str):
         """How the decoding steps after the prefill run: a static bucket (graphed on a GPU) where

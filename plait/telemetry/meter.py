@@ -46,7 +46,7 @@ class StepMeter:
             return {}
         prompts = [len(g.prompt.token_ids) for g in groups]
         completions = [[len(c.token_ids) for c in g.completions] for g in groups]
-        shared = common_prefix([list(g.prompt.token_ids) for g in groups]) if len(groups) > 1 else 0
+        shared = common_prefix([g.prompt.token_ids for g in groups]) if len(groups) > 1 else 0
         out = {
             "train": trained_share * iterations * self.cost.train_groups(prompts, completions, shared),
             "logprobs": prepass_forwards * self.cost.forward_groups(prompts, completions, shared),
