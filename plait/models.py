@@ -181,6 +181,12 @@ def native_bf16_cpu() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and torch.backends.cpu.get_cpu_capability() != "AVX2"
 
 
+def text_config(config):
+    """The language model's part of a transformers config (a multimodal model's text config; a
+    plain causal LM's config is its own), or None for None."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def enable_activation_checkpointing(model) -> None:
     """Recompute activations in backward (non-reentrant: works with frozen inputs, LoRA and
     FSDP2). transformers >= 5.x names it activation_checkpointing_enable."""

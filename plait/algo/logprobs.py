@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from plait.models import text_config
+
 
 def _logps(lg: torch.Tensor, tokens: torch.Tensor, with_entropy: bool | str, top_k: int = 0):
     """log softmax(lg)[tokens] of [..., V] logits in fp32 (and H = logsumexp - sum p * logit;
@@ -314,8 +316,7 @@ def packed_group_logprobs(
     pair one forward with one backward and gather sharded weights) rather than its decoder and
     output head apart; the head then also runs on the positions between the earliest predicting
     one and the row's end."""
-    config = getattr(getattr(model, "module", model), "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(getattr(getattr(model, "module", model), "config", None))
     packed = pack_groups(input_ids, attention_mask, prompt_len, runs, getattr(text, "hidden_size", None))
     dtype = next(model.parameters()).dtype
     bias = torch.zeros(packed.allowed.shape, dtype=dtype, device=input_ids.device)

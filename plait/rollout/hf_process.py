@@ -23,6 +23,7 @@ from dataclasses import asdict
 
 import torch
 
+from plait.models import text_config
 from plait.rollout import replica
 from plait.rollout.precision import rollout_precision
 from plait.rollout.weights import (
@@ -64,8 +65,7 @@ class HFReplica:
 
     def limits(self) -> tuple[int, int]:
         """(longest prompt + completion, vocabulary size) of the served model."""
-        cfg = self.engine.model.config
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        text = text_config(self.engine.model.config)
         return int(getattr(text, "max_position_embeddings", None) or 2**31 - 1), int(text.vocab_size)
 
     async def start(self) -> None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from plait.models import text_config
+
 
 # HBM bandwidth in bytes/s from the vendors' datasheets. Order matters: the first key found in
 # the device's name wins, so the specific names come before the general ones.
@@ -92,7 +94,7 @@ class DecodeCost:
 
 def decode_cost(model: torch.nn.Module, kv_dtype: torch.dtype | None = None) -> DecodeCost:
     """The decode roofline's inputs for a transformers causal LM as it is loaded (its dtypes)."""
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     seen: dict[int, torch.Tensor] = {}
     for p in model.parameters():  # tied weights once
         seen.setdefault(p.data_ptr(), p)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from plait.models import text_config
+
 
 @dataclass(frozen=True)
 class ModelCost:
@@ -98,7 +100,7 @@ class ModelCost:
 
 def model_cost(hf_config, params_total: int, trainable: int) -> ModelCost:
     """The cost model of a transformers model from its config and parameter counts."""
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text = text_config(hf_config)
     hidden = int(getattr(text, "hidden_size", 0) or 0)
     vocab = int(getattr(text, "vocab_size", 0) or 0)
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
