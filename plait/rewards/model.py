@@ -6,7 +6,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from plait.models import pad_id_of
+from plait.models import pad_id_of, text_config
 from plait.rewards._checks import require_int, require_number
 
 
@@ -31,13 +31,13 @@ def _load(path: Path, device: str):
                 "output logit (num_labels=1)"
             )
         # The model finds each row's last token by looking for the pad id, so batching needs one.
-        text_config = model.config.get_text_config()
-        pad_id = text_config.pad_token_id
+        text = text_config(model.config)
+        pad_id = text.pad_token_id
         if pad_id is None:
             pad_id = pad_id_of(tokenizer)
             if pad_id is None:
                 raise ValueError(f"reward_model: neither {path}'s config nor its tokenizer defines a pad or eos token")
-            text_config.pad_token_id = pad_id
+            text.pad_token_id = pad_id
         model.to(device).eval()
         _CACHE[key] = (model, tokenizer, int(pad_id), threading.Lock())
         return _CACHE[key]
