@@ -43,6 +43,8 @@ def teach(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from plait.train.hostmem import retained_host_memory
+
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -62,15 +64,19 @@ def teach(
     mask = (torch.arange(width)[None] < torch.tensor([len(i) for i, _ in seqs])[:, None]).long()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
-    for step in range(steps):
-        pick = torch.randint(0, len(seqs), (batch,))
-        hidden = model.model(input_ids=ids[pick], attention_mask=mask[pick]).last_hidden_state[:, :-1]
-        target = labels[pick][:, 1:]
-        taught = target != -100  # the vocabulary projection only where there is a label: most of the cost
-        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[taught]), target[taught])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    # as a training run does: each step's logits over the vocabulary (tens of MB) are served from
+    # memory the last step freed, not page-faulted in again (8 s of a 40-step teach in the kernel,
+    # 0.9 s with it; the same weights)
+    with retained_host_memory():
+        for _ in range(steps):
+            pick = torch.randint(0, len(seqs), (batch,))
+            hidden = model.model(input_ids=ids[pick], attention_mask=mask[pick]).last_hidden_state[:, :-1]
+            target = labels[pick][:, 1:]
+            taught = target != -100  # the vocabulary projection only where there is a label: most of the cost
+            loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[taught]), target[taught])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return Path(out)
