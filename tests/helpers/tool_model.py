@@ -64,7 +64,7 @@ def teach(
     mask = (torch.arange(width)[None] < torch.tensor([len(i) for i, _ in seqs])[:, None]).long()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
-    # as a training run does: each step's logits over the vocabulary (tens of MB) are served from
+    # as a training run does: each step's logits over the vocabulary (~100 MB) are served from
     # memory the last step freed, not page-faulted in again (8 s of a 40-step teach in the kernel,
     # 0.9 s with it; the same weights)
     with retained_host_memory():
