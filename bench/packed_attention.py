@@ -1,7 +1,8 @@
 """The training pass's attention over a packed row, two ways: one sdpa call under the row's
 whole mask (what transformers' sdpa path does with plait's packed rows: the CPU flash kernel
-computes every score of the S x S square, allowed or not), and query tiles that each attend only
-to the keys some query of the tile may see (fewer scores, more calls). Forward, and forward +
+computes every score of the S x S square, allowed or not; also through the math kernel), and
+query tiles that each attend only to the keys some query of the tile may see (fewer scores, more
+calls). Forward, and forward +
 backward, per layer, in fp32 and bf16, at the shapes of SmolLM2-135M (9 heads of 64).
 
     .venv/bin/python bench/packed_attention.py [--reps 20] [--shared 200] [--completions 8]
@@ -21,6 +22,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from plait.algo.logprobs import pack_groups
 
@@ -48,8 +50,9 @@ def bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def whole(q, k, v, allowed):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias(allowed, q.dtype)[None, None])
+def whole(q, k, v, allowed, kernel: SDPBackend = SDPBackend.FLASH_ATTENTION):
+    with sdpa_kernel(kernel):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias(allowed, q.dtype)[None, None])
 
 
 def tiled(q, k, v, allowed, tile: int):
@@ -93,7 +96,10 @@ def main() -> None:
         q, k, v = (torch.randn(1, HEADS, width, HEAD_DIM, dtype=dtype, requires_grad=True) for _ in range(3))
         grad = torch.randn(1, HEADS, width, HEAD_DIM, dtype=dtype)
         ref = whole(q, k, v, allowed)
-        ways = {"whole mask": lambda: whole(q, k, v, allowed)}
+        ways = {
+            "whole mask": lambda: whole(q, k, v, allowed),
+            "whole, math": lambda: whole(q, k, v, allowed, SDPBackend.MATH),
+        }
         ways.update({f"tiles of {t}": (lambda t=t: tiled(q, k, v, allowed, t)) for t in (32, 64, 128)})
         for name, fn in ways.items():
             gap = (fn() - ref).abs().max().item()
