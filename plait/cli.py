@@ -310,8 +310,6 @@ def _restart_pinned() -> None:
 
 
 def cmd_train(args) -> int:
-    from plait.train.loop import train
-
     overrides = list(args.overrides)
     config = args.config
     if args.output_dir:
@@ -354,6 +352,8 @@ def cmd_train(args) -> int:
         return 2
     if args.seeds:
         return _train_seeds(cfg, args)
+    from plait.train.loop import train  # after the config is read: a mistake in it is told in a moment
+
     train(cfg, console=args.console)
     return 0
 
@@ -438,9 +438,7 @@ def cmd_plan(args) -> int:
         sets, why = pl.auto_split(cfg, nodes)
         cfg = with_overrides(cfg, sets)
         print(f"--auto: {why}" + (f"\n  use: {' '.join('--set ' + s for s in sets)}" if sets else ""))
-    shape = pl.model_shape(cfg.model.name_or_path)
-    if args.params:
-        shape = pl.shape_from_count(_parse_count(args.params))
+    shape = pl.shape_from_count(_parse_count(args.params)) if args.params else pl.model_shape(cfg.model.name_or_path)
     placed = pl.plan_cluster(cfg, nodes, args.gpu_memory_gb, shape)
     if not isinstance(placed, pl.Placement):
         print("\n".join(pl.render_failure(*placed)))
@@ -750,63 +748,74 @@ def _enable_faulthandler() -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    from plait.checkpoint import CheckpointDamaged
-    from plait.config import ConfigError
-    from plait.data import DataError
-    from plait.programs.environments import EnvironmentFailed
-    from plait.rewards.runner import RewardError
-    from plait.rollout.remote import RolloutServerError
-    from plait.sandbox import SandboxUnavailable
-    from plait.train.teacher import TeacherFailed
+# The failures plait reports in a line and exit code 2 (the message names the problem and the
+# fix), by module and class name: main() matches an exception against the classes of the modules
+# already imported, so a command that never imports the training stack (plait check, plan,
+# config) does not load torch just to be able to catch what it cannot raise.
+REPORTED = (
+    ("plait.checkpoint", "CheckpointDamaged"),
+    ("plait.config.schema", "ConfigError"),
+    ("plait.data", "DataError"),
+    ("plait.rewards.runner", "RewardError"),
+    ("plait.programs.environments", "EnvironmentFailed"),
+    ("plait.sandbox", "SandboxUnavailable"),
+    ("plait.rollout.remote", "RolloutServerError"),
+    ("plait.train.teacher", "TeacherFailed"),
+)
 
+
+def _is(err: BaseException, module: str, name: str) -> bool:
+    loaded = sys.modules.get(module)
+    return loaded is not None and isinstance(err, getattr(loaded, name))
+
+
+def main(argv: list[str] | None = None) -> int:
     _enable_faulthandler()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # plait never reaches a hub at run time
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from plait.train.guard import DIVERGED_EXIT, PREEMPTED_EXIT, Preempted, TrainingDiverged
 
     args = _parser().parse_args(argv)
     args.program = argv is None  # the process's own command line: it may restart itself (train.deterministic)
     try:
         return COMMANDS[args.command](args)
-    except Preempted as stop:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"plait: {stop} (exit code {PREEMPTED_EXIT})", file=sys.stderr)
-        return PREEMPTED_EXIT
-    except TrainingDiverged as err:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"plait: {err} (exit code {DIVERGED_EXIT})", file=sys.stderr)
-        return DIVERGED_EXIT
     except KeyboardInterrupt:
         print("plait: interrupted (no checkpoint written for the step in progress)", file=sys.stderr)
         return 130
-    except (
-        CheckpointDamaged,
-        ConfigError,
-        DataError,
-        RewardError,
-        EnvironmentFailed,
-        SandboxUnavailable,
-        RolloutServerError,
-        TeacherFailed,
-    ) as err:
-        rank = os.environ.get("RANK", "0")
-        if isinstance(err, ConfigError) and rank != "0":
-            # under torchrun every process usually finds the same config problem: give rank 0
-            # time to say it (torchrun then stops us); speak only if the problem is ours alone
-            import time
+    except Exception as err:
+        code = _reported(err)
+        if code is None:
+            raise
+        return code
 
-            time.sleep(5)
-        where = f" [rank {rank}]" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"plait{where}: {err}", file=sys.stderr)
-        if isinstance(err, RolloutServerError):
-            from plait.rollout.remote import abandoned_collectives
 
-            if abandoned_collectives():  # a thread waits in gloo for a dead peer: exiting normally would abort
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(2)
-        return 2
+def _reported(err: Exception) -> int | None:
+    """The exit code of a failure plait reports (said on stderr), or None for any other."""
+    if _is(err, "plait.train.guard", "Preempted") or _is(err, "plait.train.guard", "TrainingDiverged"):
+        from plait.train.guard import DIVERGED_EXIT, PREEMPTED_EXIT, Preempted
+
+        code = PREEMPTED_EXIT if isinstance(err, Preempted) else DIVERGED_EXIT
+        if os.environ.get("RANK", "0") == "0":
+            print(f"plait: {err} (exit code {code})", file=sys.stderr)
+        return code
+    if not any(_is(err, module, name) for module, name in REPORTED):
+        return None
+    rank = os.environ.get("RANK", "0")
+    if _is(err, "plait.config.schema", "ConfigError") and rank != "0":
+        # under torchrun every process usually finds the same config problem: give rank 0
+        # time to say it (torchrun then stops us); speak only if the problem is ours alone
+        import time
+
+        time.sleep(5)
+    where = f" [rank {rank}]" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(f"plait{where}: {err}", file=sys.stderr)
+    if _is(err, "plait.rollout.remote", "RolloutServerError"):
+        from plait.rollout.remote import abandoned_collectives
+
+        if abandoned_collectives():  # a thread waits in gloo for a dead peer: exiting normally would abort
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
+    return 2
 
 
 if __name__ == "__main__":

@@ -12,12 +12,10 @@ from typing import Callable
 
 import torch
 
+from plait.algo.names import REWARD_AGGREGATIONS, SCALES
+
 
 EPS = 1e-4
-SCALES = ("group", "batch", "none")  # what the centred rewards are divided by (group_advantages)
-# the estimators whose advantages are token returns whitened over the round's tokens (REINFORCE++)
-TOKEN_WHITENED = ("reinforce_pp", "reinforce_pp_baseline")
-AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # how several rewards combine (combine_rewards)
 
 
 def _nanstd(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
@@ -89,8 +87,8 @@ def combine_rewards(
     """
     if mode == "sum_then_normalize":
         return group_advantages(weighted_total(per_reward, weights), scale)
-    if mode not in AGGREGATIONS:
-        raise ValueError(f"mode must be one of {AGGREGATIONS}, got {mode!r}")
+    if mode not in REWARD_AGGREGATIONS:
+        raise ValueError(f"mode must be one of {REWARD_AGGREGATIONS}, got {mode!r}")
     unscored = per_reward.isnan().all(0)  # [groups, n]
     summed = sum(w * group_advantages(r, scale) for w, r in zip(weights, per_reward))
     scored = summed[~unscored]
@@ -168,14 +166,6 @@ ESTIMATORS: dict[str, Estimator] = {
     "opo": opo_advantages,
     "reinforce_pp": reinforce_pp_scores,
     "reinforce_pp_baseline": reinforce_pp_baseline_scores,
-}
-# the scale each estimator uses when algo.scale_rewards is left unset (its authors' choice)
-DEFAULT_SCALE = {
-    "grpo": "group",
-    "rloo": "none",
-    "opo": "none",
-    "reinforce_pp": "batch",
-    "reinforce_pp_baseline": "batch",
 }
 
 

@@ -22,6 +22,7 @@ from typing import Callable, ClassVar
 import torch
 
 from plait.algo.kl import KL_ESTIMATORS
+from plait.algo.names import ENGINE_IS_MODES, IS_LEVELS, LOSS_TYPES
 from plait.algo.stats import stat
 
 
@@ -106,8 +107,6 @@ AGGREGATIONS: dict[str, Aggregation] = {"grpo": _grpo, "bnpo": _bnpo, "dapo": _t
 
 # ---------------------------------------------------------------- importance ratios
 
-IS_LEVELS = ("token", "sequence")  # where the importance ratio is taken (importance_log_ratio)
-
 
 def importance_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     """log(pi / pi_old) per token ("token", GRPO), or the length-normalised sequence ratio
@@ -166,14 +165,6 @@ def cispo_objective(logp, log_ratio, advantages, s: LossSettings):
 
 
 OBJECTIVES = {"clipped": clipped_objective, "cispo": cispo_objective}
-
-LOSS_TYPES: dict[str, tuple[str, str]] = {
-    "grpo": ("clipped", "grpo"),
-    "bnpo": ("clipped", "bnpo"),
-    "dapo": ("clipped", "dapo"),
-    "dr_grpo": ("clipped", "dr_grpo"),
-    "cispo": ("cispo", "dapo"),
-}
 
 
 # token means are over the loss tokens that went through the model, all processes (the trainer
@@ -261,9 +252,6 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
         return mask
     threshold = torch.quantile(real.float(), 1.0 - quantile)
     return mask * (entropy >= threshold).to(mask.dtype)
-
-
-ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def engine_log_ratio(

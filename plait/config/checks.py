@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Literal
 
-from plait.algo.advantages import TOKEN_WHITENED
+from plait.algo.names import MAX_TOP_K, TOKEN_WHITENED
 from plait.config.load import did_you_mean
 from plait.config.schema import Config, ConfigError
-from plait.rollout.api import MAX_TOP_K
 
 
 if TYPE_CHECKING:

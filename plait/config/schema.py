@@ -17,18 +17,24 @@ from typing import Annotated, Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from plait.algo.advantages import AGGREGATIONS, ESTIMATORS, SCALES
-from plait.algo.kl import KL_ESTIMATORS
-from plait.algo.losses import ENGINE_IS_MODES, IS_LEVELS, LOSS_TYPES
+from plait.algo.names import (
+    ENGINE_IS_MODES,
+    ESTIMATOR_NAMES,
+    IS_LEVELS,
+    KL_NAMES,
+    LOSS_TYPES,
+    REWARD_AGGREGATIONS,
+    SCALES,
+)
 
 
 # the keys of the tables, in their order (pydantic lists them in its error messages)
 LossType = Literal[tuple(LOSS_TYPES)]
-KlEstimator = Literal[tuple(KL_ESTIMATORS)]
+KlEstimator = Literal[KL_NAMES]
 ImportanceLevel = Literal[IS_LEVELS]
 RewardScale = Literal[SCALES]
-RewardAggregation = Literal[AGGREGATIONS]
-AdvantageEstimator = Literal[tuple(ESTIMATORS)]
+RewardAggregation = Literal[REWARD_AGGREGATIONS]
+AdvantageEstimator = Literal[ESTIMATOR_NAMES]
 EngineIsMode = Literal[ENGINE_IS_MODES]
 
 
@@ -475,7 +481,7 @@ class AlgoConfig(Section):
     )
     advantage_estimator: AdvantageEstimator = Field(
         "grpo",
-        description=f"How rewards become advantages: {', '.join(ESTIMATORS)} (docs/algorithms.md, 'Advantages').",
+        description=f"How rewards become advantages: {', '.join(ESTIMATOR_NAMES)} (docs/algorithms.md, 'Advantages').",
     )
     scale_rewards: RewardScale | None = Field(
         None,
@@ -501,7 +507,7 @@ class AlgoConfig(Section):
     )
     beta: float = Field(0.0, ge=0.0, description="KL coefficient to the reference model (0 = no reference model).")
     kl_estimator: KlEstimator = Field(
-        "k3", description=f"Per-token KL estimator: {', '.join(KL_ESTIMATORS)} (see plait/algo/kl.py)."
+        "k3", description=f"Per-token KL estimator: {', '.join(KL_NAMES)} (see plait/algo/kl.py)."
     )
     kl_in_reward: bool = Field(
         False, description="Subtract beta x sequence KL from the reward instead of adding KL to the loss."

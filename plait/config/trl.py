@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from plait.algo.names import LOSS_TYPES
 from plait.config.trl_names import NO_EFFECT, TRL_DEFAULTS
 
 
@@ -75,7 +76,6 @@ CODE_KEYS = (
     "morph_router_url",
     "enforce_same_language",
 )
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
 SCHEDULES = {
     "linear": "linear",
     "cosine": "cosine",

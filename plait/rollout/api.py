@@ -23,6 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from plait.algo.names import MAX_TOP_K
 from plait.auth import token_matches
 
 
@@ -95,10 +96,6 @@ class ScoredSequence(_Strict):
 
     token_ids: list[int] = Field(min_length=2)
     start: int = Field(ge=1)
-
-
-# vLLM's default max_logprobs: the most likeliest tokens a replica names at a position
-MAX_TOP_K = 20
 
 
 class LogprobsRequest(_Strict):

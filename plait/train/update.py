@@ -21,9 +21,7 @@ import torch
 
 from plait import comm
 from plait.algo.advantages import (
-    DEFAULT_SCALE,
     ESTIMATORS,
-    TOKEN_WHITENED,
     combine_rewards,
     reinforce_pp_returns,
     weighted_total,
@@ -48,6 +46,7 @@ from plait.algo.losses import (
     policy_loss,
     top_k_distillation,
 )
+from plait.algo.names import DEFAULT_SCALE, TOKEN_WHITENED
 from plait.algo.stats import Sums, stat
 from plait.telemetry import PhaseTimer
 from plait.train.backends.base import Backend, StepOutcome

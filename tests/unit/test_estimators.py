@@ -169,3 +169,18 @@ def test_reinforce_pp_with_the_kl_in_the_reward_gives_token_advantages():
     kl = batch.old_logprobs - batch.ref_logprobs
     step = (adv[5, 1] - adv[5, 0]) / (adv[4, 1] - adv[4, 0])
     assert float(step) == pytest.approx(float(kl[5, 0] / kl[4, 0]), rel=1e-4)
+
+
+def test_every_name_the_config_offers_has_its_function_and_no_function_lacks_a_name():
+    """The config chooses among plait.algo.names (so it loads without torch); each name must be a
+    key of the table the trainer looks it up in, and each table entry a name the config accepts."""
+    from plait.algo import names
+    from plait.algo.kl import KL_ESTIMATORS
+    from plait.algo.losses import AGGREGATIONS, OBJECTIVES
+
+    assert tuple(ESTIMATORS) == names.ESTIMATOR_NAMES
+    assert set(names.DEFAULT_SCALE) == set(ESTIMATORS) and set(names.DEFAULT_SCALE.values()) <= set(names.SCALES)
+    assert set(names.TOKEN_WHITENED) <= set(ESTIMATORS)
+    assert tuple(KL_ESTIMATORS) == names.KL_NAMES
+    assert {o for o, _ in names.LOSS_TYPES.values()} == set(OBJECTIVES)
+    assert {a for _, a in names.LOSS_TYPES.values()} == set(AGGREGATIONS)

@@ -125,3 +125,23 @@ def test_no_two_test_files_share_a_name():
     for path in tests.rglob("test_*.py"):
         names.setdefault(path.name, []).append(str(path.relative_to(tests)))
     assert {n: p for n, p in names.items() if len(p) > 1} == {}
+
+
+def test_the_config_and_the_commands_load_without_torch():
+    """`plait config`, `plait --help` and a config mistake in `plait train` answer without loading
+    torch or transformers (seconds a process): the config names what it chooses among in
+    plait.algo.names, and the command line catches plait's failures by the modules loaded."""
+    import subprocess
+    import sys
+
+    probe = "import sys, plait.cli, plait.config; print(sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))"
+    shown = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert shown.stdout.strip() == "[]", shown.stdout
+    said = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "plait", "train", "--set", "train.learnng_rate=1"],
+        capture_output=True,
+        text=True,
+    )
+    assert said.returncode == 2 and "Did you mean 'learning_rate'" in said.stderr, said.stderr[-2000:]
+    loaded = {line.split("|")[-1].strip() for line in said.stderr.splitlines() if line.startswith("import time:")}
+    assert "transformers" not in loaded and "plait.train.loop" not in loaded

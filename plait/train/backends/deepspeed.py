@@ -64,6 +64,12 @@ class DeepSpeedBackend(LocalBackend):
         if comm.world_size() == 1:  # started without torchrun: DeepSpeed still reads these
             for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
                 os.environ.setdefault(key, value)
+        if not torch.cuda.is_available():
+            # the CPU accelerator compiles a shared-memory all-reduce (deepspeed_shm_comm) when its
+            # process group starts: 30-75 s of a 2-core CPU the first time (and again for each
+            # install), for DeepSpeed's inference kernels; ZeRO's collectives go through
+            # torch.distributed and never call it
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())  # adopts plait's process group
         self.stage = cfg.train.deepspeed.zero_stage
         self.ds_config = deepspeed_config(cfg, comm.world_size())
