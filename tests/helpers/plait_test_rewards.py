@@ -38,7 +38,9 @@ def vowel_share_kill_env(completions, **kwargs):
     """vowel_share, but in round $PLAIT_TEST_KILL_ROUND (from `trainer_state`, however many reward
     calls a round makes) it SIGKILLs (or sends $PLAIT_TEST_KILL_SIGNAL to) process group
     $PLAIT_TEST_KILL_PGID, or process $PLAIT_TEST_KILL_PID, once: a rollout server, or its engine
-    alone, dying or hanging mid-run."""
+    alone, dying or hanging mid-run. With $PLAIT_TEST_KILL_AWAIT set to a process id, the round
+    goes on only once that process has exited (a replica that must notice its engine's death by
+    itself, with no request in flight)."""
     import os
     import signal
 
@@ -51,7 +53,25 @@ def vowel_share_kill_env(completions, **kwargs):
             os.kill(int(os.environ["PLAIT_TEST_KILL_PID"]), sig)
         else:
             os.killpg(int(os.environ["PLAIT_TEST_KILL_PGID"]), sig)
+        if "PLAIT_TEST_KILL_AWAIT" in os.environ:
+            _await_exit(int(os.environ["PLAIT_TEST_KILL_AWAIT"]), timeout=600)
     return vowel_share(completions, **kwargs)
+
+
+def _await_exit(pid: int, timeout: float) -> None:
+    """Returns once process `pid` is gone (not this process's child: another reaps it)."""
+    import os
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {pid} was still alive {timeout} s after its engine was killed")
+        time.sleep(0.05)
 
 
 def sometimes_constant(completions, prompts, **_):

@@ -286,11 +286,13 @@ def test_server_mode_two_trainers_share_two_replicas(vllm_model, prompts_jsonl, 
 
 def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl, tmp_path, helper_env):
     """A tensor-parallel server (--tp 2: the weights are broadcast to both workers, each loads its
-    shard) loses its engine during step 2 while its HTTP front end lives on. Whether the trainer's
-    next request reaches the replica before it has exited (a 503 naming the engine's death) or after
-    (refused connection) is up to the scheduler; either way the trainer stops with a message naming
-    the replica and the resume advice, step 2's checkpoint stays valid, and the server exits with
-    code 1. With the server back, resume=auto finishes and the restarted server (base weights) is
+    shard) loses its engine during step 2, between requests, while its HTTP front end lives on: the
+    replica notices by itself, with no request in flight (the round waits for it to exit), and exits
+    with code 1, the supervisor with it, naming the cause; the trainer's next request is refused and
+    it stops with a message naming the replica and the resume advice, step 2's checkpoint valid (a
+    death under a running request, answered 503, is
+    test_a_replica_whose_engine_dies_mid_request_answers_503_and_exits). With the server back,
+    resume=auto finishes and the restarted server (base weights) is
     given the trainer's weights first: the resumed run ends with the weights and every round's
     hashes of the same run never stopped (on the restarted server), bit for bit. Then the replica
     hangs (SIGSTOP) mid-run: the run stops after request_timeout_s with the same advice, its last
@@ -312,7 +314,13 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
             "rollout.vllm.connect_timeout_s=5",
             "rewards=[{name: 'plait_test_rewards:vowel_share_kill_env'}]",
         )
-        env = {**helper_env, "PLAIT_TEST_KILL_ROUND": "2", "PLAIT_TEST_KILL_PID": str(server.engine_core_pid())}
+        (replica,) = server.replica_pids()
+        env = {
+            **helper_env,
+            "PLAIT_TEST_KILL_ROUND": "2",
+            "PLAIT_TEST_KILL_PID": str(server.engine_core_pid()),
+            "PLAIT_TEST_KILL_AWAIT": str(replica),  # shutting vLLM's workers down took over 120 s once under load
+        }
         proc = subprocess.run(train_cmd(1, args), capture_output=True, text=True, env=env, timeout=900)
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert f"rollout server {server.url}" in proc.stderr and "resume=auto" in proc.stderr, proc.stderr[-2000:]
@@ -322,11 +330,10 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
             "logprob_gap"
         ] < SYNCED_GAP  # both TP workers got step 1's weights
         assert (out / "checkpoints" / "step_00000002" / "COMMITTED").is_file()
-        # the replica exits when its engine dies, and the supervisor with it; shutting vLLM's workers down
-        # took over 120 s once on a busy 2-core machine (the whole suite beside it): a bound for a hang only
-        server.proc.wait(REPLICA_EXIT_S)
+        server.proc.wait(REPLICA_EXIT_S)  # a bound for a hang only
         assert server.proc.returncode == 1
-        assert "the engine of replica 0 died (EngineDeadError" in server.output()
+        said = server.output()
+        assert "the engine of replica 0 died (EngineDeadError" in said and "exited with code 1" in said, said[-3000:]
     finally:
         server.stop()
 
@@ -379,21 +386,11 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
         server.stop()
 
 
-def test_a_replica_whose_engine_dies_exits_whether_idle_or_mid_request(vllm_model, helper_env):
-    """vLLM's engine-core process is killed while its replica's HTTP front end lives on: (1) with no
-    request in flight, the replica notices by itself and exits with code 1 (so does the supervisor,
-    naming the cause); (2) under a running request (waited for through /health's `running`), that
-    request's answer is a 503 naming the engine's death, then the replica exits with code 1."""
-    server = RolloutServer(vllm_model, dp=1, env=helper_env)
-    try:
-        os.kill(server.engine_core_pid(), signal.SIGKILL)
-        server.proc.wait(REPLICA_EXIT_S)
-        assert server.proc.returncode == 1
-        said = server.output()
-        assert "the engine of replica 0 died (EngineDeadError" in said and "exited with code 1" in said, said[-3000:]
-    finally:
-        server.stop()
-
+def test_a_replica_whose_engine_dies_mid_request_answers_503_and_exits(vllm_model, helper_env):
+    """vLLM's engine-core process is killed under a running request (waited for through /health's
+    `running`) while its replica's HTTP front end lives on: that request's answer is a 503 naming the
+    engine's death, then the replica exits with code 1. (An engine that dies with no request in
+    flight: test_server_death_is_reported_and_the_run_resumes.)"""
     server = RolloutServer(vllm_model, dp=1, env=helper_env)
     try:
         core = server.engine_core_pid()
