@@ -5,6 +5,10 @@ machine's idle share while it ran (from /proc/stat), and a summary of what it wr
         -p suite_timeline -n 2 --dist loadgroup --no-loadscope-reorder
     .venv/bin/python bench/suite_timeline.py /tmp/tl
 
+With `PYTHONPATH=bench:bench/proclog PLAIT_PROCLOG=/tmp/tl/procs.jsonl` as well, every Python process
+the tests start that exits normally logs its start, end and CPU time (bench/proclog), and the summary
+adds them up by kind (`plait train`, torchrun, processes started by spawn...).
+
 The summary: the wall time from the first start to the last end, the test time by file, the
 longest tests, the time each worker sat between tests, and the machine's idle share weighted by
 each test's length (docs/testing.md, "Where the 30 minutes go"). Say which CPU ran it (`lscpu`).
@@ -67,6 +71,36 @@ def summary(folder: Path, longest: int = 20) -> None:
         mine = sorted((r for r in rows if r["w"] == worker), key=lambda r: r["start"])
         gaps = sum(max(0.0, b["start"] - a["end"]) for a, b in zip(mine, mine[1:]))
         print(f"{worker}: {len(mine)} tests, {gaps:.0f} s between them")
+    if (folder / "procs.jsonl").is_file():
+        processes(folder / "procs.jsonl")
+
+
+def _kind(argv: str) -> str:
+    words = argv.split()
+    if not words:
+        return "?"
+    name = Path(words[0]).name
+    if name == "__main__.py" and Path(words[0]).parent.name == "plait" and len(words) > 1:
+        return f"plait {words[1]}"
+    return {"run.py": "torchrun", "-c": "started by spawn (-c)"}.get(name, name)
+
+
+def processes(log: Path) -> None:
+    """The logged processes by kind: how many, their seconds alive and their CPU seconds."""
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    kinds = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    for r in rows:
+        k = kinds[_kind(r["argv"])]
+        k[0] += 1
+        k[1] += r["end"] - r["start"]
+        k[2] += r["user"]
+        k[3] += r["sys"]
+    print(
+        f"{len(rows)} processes exited normally: {sum(r['user'] for r in rows):.0f} s user CPU, "
+        f"{sum(r['sys'] for r in rows):.0f} s system"
+    )
+    for name, (n, alive, user, system) in sorted(kinds.items(), key=lambda x: -x[1][2] - x[1][3])[:12]:
+        print(f"{n:5d} x {name:28s} alive {alive:6.0f} s  user {user:6.0f} s  system {system:5.0f} s")
 
 
 if __name__ == "__main__":

@@ -770,7 +770,10 @@ def _is(err: BaseException, module: str, name: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from plait.train.determinism import separate_kernel_cache
+
     _enable_faulthandler()
+    separate_kernel_cache()  # before anything compiles; the processes this one starts inherit it
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # plait never reaches a hub at run time
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 

@@ -13,6 +13,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # (engine log-probs within 1e-5 of the trainer's) and of runs split over processes (the tokens one
 # process samples) are about fp32, on every CPU kind CI may get. The tests of auto itself unset it.
 os.environ.setdefault("PLAIT_AUTO_PRECISION", "fp32")
+# The AVX2 pass compiles into a kernel cache of its own, as `plait` does (plait.train.determinism)
+from plait.train.determinism import separate_kernel_cache  # noqa: E402
+
+
+separate_kernel_cache()
 # On pytest-xdist workers, each worker's share of the cores: torch in the worker and in every
 # process a test starts (inheriting it) runs that many threads, not one per core. Two workers
 # that each ran two OpenMP threads on two cores kept their threads waiting at every parallel

@@ -49,6 +49,28 @@ def pinned_environment(machine: str | None = None) -> dict[str, str]:
     return {**(X86_PINS if x86 else {}), **COMMON_PINS}
 
 
+def separate_kernel_cache(environ=os.environ) -> None:
+    """Under a capped instruction set (ATEN_CPU_CAPABILITY, as this mode and the test suite's
+    AVX2 pass set it), compile kernels into a cache of that cap's own. torch inductor's graph cache
+    does not key on the cap: a graph compiled with AVX-512 vectors was loaded under the AVX2 cap
+    and its kernel rebuilt with 8-wide vectors in loops stepping by 16, leaving every other block
+    of the output garbage (vLLM's tensor-parallel embedding lookup then read past its table).
+    A TORCHINDUCTOR_CACHE_DIR already set is left as it is."""
+    cap = environ.get("ATEN_CPU_CAPABILITY")
+    if not cap or "TORCHINDUCTOR_CACHE_DIR" in environ:
+        return
+    import tempfile
+
+    try:
+        import getpass
+
+        user = getpass.getuser()
+    except (KeyError, OSError, ImportError):  # no passwd entry (some containers)
+        user = str(os.getuid())
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{user}_{cap.lower()}")
+    environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{safe}")
+
+
 def missing_pins(environ=os.environ) -> dict[str, str]:
     """Pins not in `environ` yet (or set to another value)."""
     return {k: v for k, v in pinned_environment().items() if environ.get(k) != v}

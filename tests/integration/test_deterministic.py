@@ -85,3 +85,48 @@ def test_diff_finds_a_one_ulp_reward_change_at_its_round_and_stage(runs):
     shown = subprocess.run([sys.executable, "-m", "plait", "diff", str(a), str(ulp)], capture_output=True, text=True)
     assert shown.returncode == 1
     assert "hashes: the runs part at round 2, first in its scoring stage" in shown.stdout, shown.stdout
+
+
+MASKED = """
+import torch
+
+
+def masked(x, start: int, end: int):  # vLLM's vocabulary-parallel embedding mask, in short
+    keep = (x >= start) & (x < end)
+    return keep * (x - start * keep), ~keep
+
+
+def right() -> bool:
+    x = torch.arange(64, dtype=torch.int32) % 7
+    return torch.equal(torch.compile(masked, dynamic=True)(x, 0, 24576)[0], x.long())
+"""
+PLAIT_START = "from plait.train.determinism import separate_kernel_cache\nseparate_kernel_cache()\n"
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="an x86 instruction-set cap")
+def test_a_capped_process_compiles_its_kernels_apart_from_the_native_ones(tmp_path):
+    """torch inductor's graph cache does not key on ATEN_CPU_CAPABILITY: a graph compiled with the
+    machine's kernels (AVX-512) and loaded under the AVX2 cap (the deterministic mode, the suite's
+    AVX2 pass) was rebuilt with 8-wide vectors in loops stepping by 16, half its output garbage
+    (a Zen 4, torch 2.13: vLLM's tensor-parallel embedding then read past its table, and a TP-2
+    rollout server died at its first request). A process compiles the graph into a fresh default
+    cache, then a capped one started as `plait` starts (which gives it a cache of its own) compiles
+    the same graph, and its kernel computes what eager torch does. (The same two without plait's
+    start: the capped one printed False on that Zen 4.)"""
+    import shutil
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("torch inductor needs a C++ compiler")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}
+    env["TMPDIR"] = str(tmp_path)  # where inductor's default cache lives: empty here
+    for cap in ({}, {"ATEN_CPU_CAPABILITY": "avx2"}):
+        done = subprocess.run(
+            [sys.executable, "-c", PLAIT_START + MASKED + "print(right())"],
+            env={**env, **cap},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.stdout.strip() == "True", (cap, done.stdout[-1000:] + done.stderr[-3000:])
+    caches = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("torchinductor_"))
+    assert len(caches) == 2 and caches[1] == caches[0] + "_avx2", caches
