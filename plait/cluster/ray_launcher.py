@@ -38,7 +38,8 @@ from plait.train.determinism import pinned_environment
 
 
 # environment every actor gets from the driver (besides cluster.ray.env)
-FORWARDED = ("HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY", "HF_HOME", "PLAIT_HOME")
+# TORCHINDUCTOR_CACHE_DIR: a capped run compiles apart from native ones (determinism.separate_kernel_cache)
+FORWARDED = ("HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY", "HF_HOME", "PLAIT_HOME", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def ray_problems(cfg: Config) -> list[str]:
