@@ -67,6 +67,8 @@ def separate_kernel_cache(environ=os.environ) -> None:
         user = getpass.getuser()
     except (KeyError, OSError, ImportError):  # no passwd entry (some containers)
         user = str(os.getuid())
+    # torch's own default (torchinductor_<user> in the temp folder) with the cap added, named
+    # here so that the command line loads no torch for it
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{user}_{cap.lower()}")
     environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{safe}")
 

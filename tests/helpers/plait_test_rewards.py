@@ -59,19 +59,13 @@ def vowel_share_kill_env(completions, **kwargs):
 
 
 def _await_exit(pid: int, timeout: float) -> None:
-    """Returns once process `pid` is gone (not this process's child: another reaps it)."""
-    import os
-    import time
+    """Returns once process `pid` is gone (not this process's child: psutil polls for it)."""
+    import psutil
 
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"process {pid} was still alive {timeout} s after its engine was killed")
-        time.sleep(0.05)
+    try:
+        psutil.Process(pid).wait(timeout)
+    except psutil.NoSuchProcess:
+        pass
 
 
 def sometimes_constant(completions, prompts, **_):
