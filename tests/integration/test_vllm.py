@@ -289,14 +289,13 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
     shard) loses its engine during step 2, between requests, while its HTTP front end lives on: the
     replica notices by itself, with no request in flight (the round waits for it to exit), and exits
     with code 1, the supervisor with it, naming the cause; the trainer's next request is refused and
-    it stops with a message naming the replica and the resume advice, step 2's checkpoint valid (a
-    death under a running request, answered 503, is
-    test_a_replica_whose_engine_dies_mid_request_answers_503_and_exits). With the server back,
+    it stops with a message naming the replica and the resume advice, step 2's checkpoint valid. With the server back,
     resume=auto finishes and the restarted server (base weights) is
     given the trainer's weights first: the resumed run ends with the weights and every round's
     hashes of the same run never stopped (on the restarted server), bit for bit. Then the replica
     hangs (SIGSTOP) mid-run: the run stops after request_timeout_s with the same advice, its last
-    round saved. The kills land in a round (the reward reads it from trainer_state), not on a count
+    round saved. Last, its engine is killed under a running request: a 503, and the replica exits
+    with code 1 as it did idle. The kills land in a round (the reward reads it from trainer_state), not on a count
     of calls; the death is told apart from a slow answer: the first part's request_timeout_s is far
     above any round's generation, so the stop it sees is the death's own (a first request on a slow
     kernel path once took over 60 s, and the timeout's message names the server and resume too)."""
@@ -382,38 +381,40 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
         assert "did not answer" in proc.stderr and "request_timeout_s=20" in proc.stderr, proc.stderr[-2000:]
         assert [x["step"] for x in metrics_of(out)] == [1, 2, 3, 4]
         assert (out / "checkpoints" / "step_00000004" / "COMMITTED").is_file()
+
+        # the same server's engine dies again, this time under a running request
+        _a_death_under_a_running_request_answers_503_and_the_replica_exits(server)
     finally:
         server.stop()
 
 
-def test_a_replica_whose_engine_dies_mid_request_answers_503_and_exits(vllm_model, helper_env):
+def _a_death_under_a_running_request_answers_503_and_the_replica_exits(server):
     """vLLM's engine-core process is killed under a running request (waited for through /health's
     `running`) while its replica's HTTP front end lives on: that request's answer is a 503 naming the
-    engine's death, then the replica exits with code 1. (An engine that dies with no request in
-    flight: test_server_death_is_reported_and_the_run_resumes.)"""
-    server = RolloutServer(vllm_model, dp=1, env=helper_env)
-    try:
-        core = server.engine_core_pid()
-        long = {"prompts": [{"token_ids": [1, 2, 3, i], "sampling": {"n": 4, "max_tokens": 250}} for i in range(4)]}
-        answer: dict = {}
+    engine's death, then the replica exits with code 1."""
+    deadline = time.monotonic() + REPLICA_EXIT_S
+    while server.health()["running"]:  # what an earlier client left (a trainer that gave up) ends first
+        assert time.monotonic() < deadline, server.health()
+        time.sleep(0.1)
+    core = server.engine_core_pid()
+    long = {"prompts": [{"token_ids": [1, 2, 3, i], "sampling": {"n": 4, "max_tokens": 250}} for i in range(4)]}
+    answer: dict = {}
 
-        def ask():
-            answer["r"] = httpx.post(server.url + "/generate", json=long, headers=server.headers, timeout=600)
+    def ask():
+        answer["r"] = httpx.post(server.url + "/generate", json=long, headers=server.headers, timeout=600)
 
-        asking = threading.Thread(target=ask)
-        os.kill(core, signal.SIGSTOP)  # the request cannot end before the kill, however fast the engine
-        asking.start()
-        while server.health()["running"] == 0:
-            assert asking.is_alive(), answer["r"].text  # the request is still on its way in
-            time.sleep(0.02)
-        os.kill(core, signal.SIGKILL)
-        asking.join()
-        r = answer["r"]
-        assert r.status_code == 503 and "the engine of replica 0 died" in r.json()["detail"], r.text
-        server.proc.wait(REPLICA_EXIT_S)
-        assert server.proc.returncode == 1
-    finally:
-        server.stop()
+    asking = threading.Thread(target=ask)
+    os.kill(core, signal.SIGSTOP)  # the request cannot end before the kill, however fast the engine
+    asking.start()
+    while server.health()["running"] == 0:
+        assert asking.is_alive(), answer["r"].text  # the request is still on its way in
+        time.sleep(0.02)
+    os.kill(core, signal.SIGKILL)
+    asking.join()
+    r = answer["r"]
+    assert r.status_code == 503 and "the engine of replica 0 died" in r.json()["detail"], r.text
+    server.proc.wait(REPLICA_EXIT_S)
+    assert server.proc.returncode == 1
 
 
 @pytest.mark.parametrize("mode", ["colocate", "server"])
