@@ -159,11 +159,9 @@ def test_a_dead_generation_process_stops_the_run_with_the_fix(tiny_model_path, p
     assert proc.returncode == 2, shown[-3000:]
     assert "the HF generation process" in shown and "resume=auto" in shown, shown[-2000:]
     assert committed.is_file()
-    proc = subprocess.run(
-        train_cmd(1, [*args, "train.max_steps=40", "resume=auto"]), env=helper_env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [x["step"] for x in metrics_of(out)] == list(range(1, 41))
+    # 40 rounds kept the first run going past the kill; the resume (in this process) need not run them all
+    train(load_config(None, [*args, "train.max_steps=6", "resume=auto"]))
+    assert [x["step"] for x in metrics_of(out)] == list(range(1, 7))
 
 
 @pytest.mark.parametrize(

@@ -172,18 +172,20 @@ def test_sigterm_checkpoints_the_step_and_exits_75_then_resume_is_exact(
     is written, the process exits with 75; `--resume` ends with the weights of an unbroken run.
     Under torchrun the signal goes to torchrun, which passes it to its workers."""
     steps = 8
+    # with one process the unbroken run and the resume run in this one (only the stopped run's process
+    # is under test), the stopped one in its own: one thread in all three
+    threads = ["train.threads=1"] if nproc == 1 else []
     straight = tmp_path / "straight"
-    assert (
-        subprocess.run(
-            train_cmd(nproc, tiny_overrides(tiny_model_path, prompts_jsonl, straight, f"train.max_steps={steps}")),
-            env=helper_env,
-            capture_output=True,
-            timeout=600,
-        ).returncode
-        == 0
-    )
+    unbroken = tiny_overrides(tiny_model_path, prompts_jsonl, straight, f"train.max_steps={steps}", *threads)
+    if nproc == 1:
+        loop.train(load_config(None, unbroken))
+    else:
+        done = subprocess.run(train_cmd(nproc, unbroken), env=helper_env, capture_output=True, timeout=600)
+        assert done.returncode == 0
     run = tmp_path / "run"
-    args = tiny_overrides(tiny_model_path, prompts_jsonl, run, f"train.max_steps={steps}", "log.console=plain")
+    args = tiny_overrides(
+        tiny_model_path, prompts_jsonl, run, f"train.max_steps={steps}", "log.console=plain", *threads
+    )
     proc = start(train_cmd(nproc, args), helper_env, tmp_path / "log")
     wait_for_steps(run, 2, proc)
     proc.send_signal(signal.SIGTERM)
@@ -194,10 +196,13 @@ def test_sigterm_checkpoints_the_step_and_exits_75_then_resume_is_exact(
     assert "SIGTERM received: finishing this step" in shown
     assert f"stopped after round {done[0]} with a checkpoint; continue with `plait train --resume {run}`" in shown
     assert code == PREEMPTED_EXIT if nproc == 1 else code != 0  # torchrun, signalled itself, exits on its own terms
-    res = subprocess.run(
-        train_cmd(nproc, [*args, "resume=auto"]), env=helper_env, capture_output=True, text=True, timeout=600
-    )
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    if nproc == 1:
+        loop.train(load_config(None, [*args, "resume=auto"]))
+    else:
+        res = subprocess.run(
+            train_cmd(nproc, [*args, "resume=auto"]), env=helper_env, capture_output=True, text=True, timeout=600
+        )
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert [m["step"] for m in metrics_of(run)] == list(range(1, steps + 1))
     a, b = final_weights(straight), final_weights(run)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -211,7 +216,7 @@ def test_sigterm_to_one_worker_stops_both_at_the_same_round(tiny_model_path, pro
     round's save, so one checkpoint is written, by both, and `resume=auto` finishes the run."""
     import psutil
 
-    steps = 30
+    steps = 12  # round 2 logged, then the signal: rounds to spare, as the torchrun case above has with 8
     run = tmp_path / "run"
     args = tiny_overrides(tiny_model_path, prompts_jsonl, run, f"train.max_steps={steps}", "log.console=plain")
     proc = start(train_cmd(2, args), helper_env, tmp_path / "log")

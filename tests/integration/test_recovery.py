@@ -137,16 +137,10 @@ def test_a_run_killed_after_a_rollback_resumes_as_the_unbroken_one(
     stopped after its first rollback and resumed makes the same later rollbacks and ends with the
     unbroken run's weights, every round's samples, rewards and advantages bit for bit."""
     steps = 9
-    args = ["recovery.max_recoveries=5", f"train.max_steps={steps}", "log.console=plain"]
+    # the unbroken run and the resume in this process, the stopped run a process of its own: one thread in all
+    args = ["recovery.max_recoveries=5", f"train.max_steps={steps}", "log.console=plain", "train.threads=1"]
     straight = tmp_path / "straight"
-    res = subprocess.run(
-        train_cmd(1, overrides(tiny_model_path, prompts_jsonl, straight, *args)),
-        env=helper_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    train(load_config(None, overrides(tiny_model_path, prompts_jsonl, straight, *args)))
     rollbacks = [x["recovery/rollbacks"] for x in metrics_of(straight)]
     assert rollbacks == [0, 0, 0, 0, 1, 1, 2, 2, 3]  # at rounds 4, 6 and 8
     run = tmp_path / "run"
@@ -157,10 +151,7 @@ def test_a_run_killed_after_a_rollback_resumes_as_the_unbroken_one(
     proc.wait(timeout=120)
     done = [int(p.name.split("_")[1]) for p in (run / "checkpoints").iterdir() if (p / "COMMITTED").is_file()]
     assert max(done) >= 5 and max(done) < steps, (tmp_path / "log").read_text()[-3000:]
-    res = subprocess.run(
-        train_cmd(1, [*sets, "resume=auto"]), env=helper_env, capture_output=True, text=True, timeout=600
-    )
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    train(load_config(None, [*sets, "resume=auto"]))
     assert [x["recovery/rollbacks"] for x in metrics_of(run)] == rollbacks
     a, b = final_weights(straight), final_weights(run)
     assert all(torch.equal(a[k], b[k]) for k in a)

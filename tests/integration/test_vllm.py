@@ -25,6 +25,8 @@ from test_train import final_weights, tiny_overrides
 
 from plait.auth import bearer, resolve_token
 from plait.comm import free_port
+from plait.config import load_config
+from plait.train.loop import train
 
 
 pytestmark = [
@@ -142,7 +144,6 @@ def test_colocated_engine_matches_the_trainer_before_and_after_an_update(vllm_mo
     reproducible and a group's completions don't depend on its batch."""
     from transformers import AutoModelForCausalLM
 
-    from plait.config import load_config
     from plait.models import load_tokenizer
     from plait.rollout import make_engine
     from plait.types import Prompt, SamplingParams
@@ -225,7 +226,6 @@ def test_server_mode_two_trainers_share_two_replicas(vllm_model, prompts_jsonl, 
     server's greedy generations equal the trained model's own."""
     from transformers import AutoModelForCausalLM
 
-    from plait.config import load_config
     from plait.models import load_tokenizer
     from plait.rollout import make_engine
     from plait.rollout.vllm_engine import sampling_dict
@@ -312,6 +312,7 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
             "rollout.vllm.request_timeout_s=500",
             "rollout.vllm.connect_timeout_s=5",
             "rewards=[{name: 'plait_test_rewards:vowel_share_kill_env'}]",
+            "train.threads=1",  # the killed run's rounds and the unbroken one's, made in this process, agree
         )
         (replica,) = server.replica_pids()
         env = {
@@ -338,19 +339,11 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
 
     server = RolloutServer(vllm_model, dp=1, tp=2, env=helper_env, port=server.port)  # back where it was
     try:
-        unbroken = tmp_path / "unbroken"  # the same run, never stopped (a new trainer always pushes first)
-        proc = subprocess.run(
-            train_cmd(1, [a.replace(str(out), str(unbroken)) for a in args]),
-            capture_output=True,
-            text=True,
-            env=helper_env,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        proc = subprocess.run(
-            train_cmd(1, [*args, "resume=auto"]), capture_output=True, text=True, env=helper_env, timeout=600
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        # the same run never stopped (a new trainer always pushes first), then the resume: in this
+        # process, as nothing of theirs but their files is asserted (train.threads=1 in every run)
+        unbroken = tmp_path / "unbroken"
+        train(load_config(None, [a.replace(str(out), str(unbroken)) for a in args]))
+        train(load_config(None, [*args, "resume=auto"]))
         m = metrics_of(out)
         assert [x["step"] for x in m] == [1, 2, 3]
         assert m[-1]["logprob_gap"] < SYNCED_GAP  # the new server samples from the resumed weights
@@ -433,10 +426,8 @@ def test_a_vllm_engine_given_corrupted_weights_stops_the_run(
     from test_drift_guard import committed, noisy, rounds_logged
 
     import plait.rollout.vllm_engine as vllm_engine
-    from plait.config import load_config
     from plait.rollout.remote import RemoteEngine
     from plait.train.guard import EngineDrift
-    from plait.train.loop import train
 
     server = request.getfixturevalue("base_server") if mode == "server" else None  # its own push before the patch
     syncs = {"n": 0}
@@ -503,8 +494,7 @@ def test_server_mode_generates_asynchronously(vllm_model, prompts_jsonl, tmp_pat
             "train.max_steps=4",
             *extra,
         )
-        proc = subprocess.run(train_cmd(1, args), capture_output=True, text=True, env=helper_env, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        train(load_config(None, args))
         m = metrics_of(out)
         assert [x["rollout/weight_staleness"] for x in m] == [0, 1, 1, 1]
         assert [x["async/scheduled_version"] for x in m] == [0, 0, 1, 2]
@@ -533,7 +523,6 @@ def _an_update_sent_mid_request_waits_for_it(server, final):
     weights."""
     from transformers import AutoModelForCausalLM
 
-    from plait.config import load_config
     from plait.models import load_tokenizer
     from plait.rollout import make_engine
     from plait.rollout.vllm_engine import sampling_dict
@@ -599,7 +588,6 @@ def _an_adapter_push_makes_the_server_decode_as_the_adapted_model(vllm_model, se
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from plait.config import load_config
     from plait.models import load_tokenizer
     from plait.rollout import make_engine
     from plait.types import Prompt, SamplingParams
@@ -649,10 +637,8 @@ def test_a_teacher_on_a_rollout_server_scores_as_the_held_one(vllm_model, prompt
     from test_distillation import sampled_batch
 
     from plait.algo.logprobs import positions
-    from plait.config import load_config
     from plait.models import load_model
     from plait.train.backends.local import LocalBackend
-    from plait.train.loop import train
     from plait.train.teacher import HeldTeacher, ServerTeacher, TeacherFailed
 
     server = base_server  # the teacher is the base model, as the server holds it
