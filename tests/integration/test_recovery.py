@@ -24,6 +24,7 @@ from test_fault_tolerance import start, wait_for_steps
 from test_train import final_weights, tiny_overrides
 from test_vllm import metrics_of, train_cmd
 
+from plait.cli import main
 from plait.config import load_config
 from plait.report import write_report
 from plait.train.loop import train
@@ -160,7 +161,7 @@ def test_a_run_killed_after_a_rollback_resumes_as_the_unbroken_one(
 
 @pytest.mark.parametrize("layout", ["ddp", "async"])
 def test_recovery_rolls_back_under_ddp_and_with_asynchronous_rounds(
-    layout, tiny_model_path, prompts_jsonl, tmp_path, helper_env
+    layout, tiny_model_path, prompts_jsonl, tmp_path, helper_env, capsys
 ):
     """Two DDP processes roll back together (the decision is made from metrics both hold); an
     asynchronous run rolls the trainer back while the rounds already generated ahead are trained
@@ -169,17 +170,16 @@ def test_recovery_rolls_back_under_ddp_and_with_asynchronous_rounds(
     extra = ["train.max_steps=8", "recovery.max_recoveries=1", "log.console=plain"]
     if layout == "async":
         extra += ["rollout.max_staleness=1", "train.threads=1"]
-    nproc = 2 if layout == "ddp" else 1
-    res = subprocess.run(
-        train_cmd(nproc, overrides(tiny_model_path, prompts_jsonl, run, *extra)),
-        env=helper_env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "rolled back to round 3's state" in res.stdout
-    assert "the run ends on round 3's state" in res.stdout
+    sets = overrides(tiny_model_path, prompts_jsonl, run, *extra)
+    if layout == "ddp":
+        res = subprocess.run(train_cmd(2, sets), env=helper_env, capture_output=True, text=True, timeout=900)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        said = res.stdout
+    else:  # one process: the command in this one
+        assert main(["train", *(x for a in sets for x in ("--set", a))]) == 0
+        said = capsys.readouterr().out
+    assert "rolled back to round 3's state" in said
+    assert "the run ends on round 3's state" in said
     assert [x["recovery/rollbacks"] for x in metrics_of(run)] == [0, 0, 0, 0, 1, 1]
     kept = load_file(str(best_checkpoint(run) / "model.safetensors"))
     ended = final_weights(run)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 
 import psutil
 import pytest
@@ -342,7 +341,9 @@ def run_ok(cmd, env, timeout=900):
     return res
 
 
-def test_a_run_calls_tools_logs_them_and_rewards_see_the_conversation(tool_model, tmp_path, helper_env):
+def test_a_run_calls_tools_logs_them_and_rewards_see_the_conversation(tool_model, tmp_path, capsys):
+    from plait.cli import main
+
     out = tmp_path / "run"
     args = tool_run(
         tool_model,
@@ -350,7 +351,8 @@ def test_a_run_calls_tools_logs_them_and_rewards_see_the_conversation(tool_model
         "data.conversational=true",
         "rewards=[{name: accuracy}, {name: 'plait_test_rewards:used_a_tool'}]",
     )
-    res = run_ok(train_cmd(1, args), helper_env)
+    assert main(["train", *(x for a in args for x in ("--set", a))]) == 0
+    shown = capsys.readouterr()
     metrics = metrics_of(out)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
@@ -359,10 +361,10 @@ def test_a_run_calls_tools_logs_them_and_rewards_see_the_conversation(tool_model
         assert m["tools/output_tokens"] > 0 and m["tools/call_seconds"] > 0
         # the reward that checks for a tool turn in the conversation it is given agrees with the count
         assert m["reward/plait_test_rewards:used_a_tool/mean"] == pytest.approx(m["tools/used_share"])
-    assert "tools " in res.stdout + res.stderr  # the console line shows the calls
+    assert "tools " in shown.out + shown.err  # the console line shows the calls
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert any(any(t["role"] == "tool" for t in s["conversation"]) for s in samples)
-    run_ok([sys.executable, "-m", "plait", "report", str(out)], helper_env, timeout=300)
+    assert main(["report", str(out)]) == 0
     page = (out / "report" / "index.html").read_text()
     assert "id='fig-tools'" in page and "<b>[tool]</b>" in page  # the tool figure, conversations turn by turn
 

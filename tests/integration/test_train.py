@@ -326,37 +326,30 @@ def test_evaluation_in_a_run_and_plait_eval_decode_in_the_trainers_precision(
     assert set(calls) == {(True, "int8", "fp32")}  # the run's int8 engine, decoding in the run's fp32
 
 
-def test_cli_eval_scores_a_model_folder(tiny_model_path, prompts_jsonl, helper_env):
+def test_cli_eval_scores_a_model_folder(tiny_model_path, prompts_jsonl, helper_env, capsys):
+    """`plait eval` of a model folder (its command, in this process), and of a missing one (a
+    process of its own: the message and the exit code a user sees)."""
+    from plait.cli import main
+
     train_f, eval_f = prompts_jsonl
-    cmd = [
-        sys.executable,
-        "-m",
-        "plait.cli",
-        "eval",
-        str(tiny_model_path),
-        "--show",
-        "1",
-        "--set",
+    sets = [
         "data.task=null",
-        "--set",
         f"data.path={train_f}",
-        "--set",
         f"data.eval_path={eval_f}",
-        "--set",
         "data.prompt_field=question",
-        "--set",
         "rollout.max_completion_length=8",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=helper_env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "boxed_accuracy: 0.000 on 8 prompts" in proc.stdout  # a random model never boxes the sum
+    assert main(["eval", str(tiny_model_path), "--show", "1", *(x for a in sets for x in ("--set", a))]) == 0
+    assert "boxed_accuracy: 0.000 on 8 prompts" in capsys.readouterr().out  # a random model never boxes the sum
     missing = subprocess.run(
         [sys.executable, "-m", "plait.cli", "eval", "/no/such/model"], capture_output=True, text=True, env=helper_env
     )
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
 
-def test_a_reward_returning_inf_stops_the_run_before_its_update(tiny_model_path, prompts_jsonl, tmp_path, helper_env):
+def test_a_reward_returning_inf_stops_the_run_before_its_update(
+    tiny_model_path, prompts_jsonl, tmp_path, monkeypatch, capsys
+):
     """A reward that returns inf in round 3 stops `plait train` with exit code 2 and a message that
     names the reward, the completion and the rule, before round 3 updates anything: the metrics end
     at round 2 and round 2's checkpoint stays committed and loadable."""
@@ -370,11 +363,14 @@ def test_a_reward_returning_inf_stops_the_run_before_its_update(tiny_model_path,
         "checkpoint.async_save=false",
         "rewards=[{name: 'plait_test_rewards:vowel_share_inf_env'}]",
     )
-    cmd = [sys.executable, "-m", "plait.cli", "train", *(x for a in args for x in ("--set", a))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**helper_env, "PLAIT_TEST_INF_CALL": "3"})
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "reward 'plait_test_rewards:vowel_share_inf_env' returned inf for completion 0" in proc.stderr
-    assert "rewards must be finite" in proc.stderr
+    from plait.cli import main
+
+    monkeypatch.setenv("PLAIT_TEST_INF_CALL", "3")
+    assert main(["train", *(x for a in args for x in ("--set", a))]) == 2
+    err = capsys.readouterr().err
+    assert "reward 'plait_test_rewards:vowel_share_inf_env' returned inf for completion 0" in err, err[-3000:]
+    assert "rewards must be finite" in err
+    monkeypatch.delenv("PLAIT_TEST_INF_CALL")
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
     committed = sorted(p.name for p in (out / "checkpoints").iterdir() if (p / "COMMITTED").is_file())
