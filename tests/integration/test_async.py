@@ -24,6 +24,7 @@ import yaml
 from test_fault_tolerance import assert_every_relaunch_resumed_from_the_newest_commit
 from test_train import final_weights, sampled, tiny_overrides
 from test_vllm import metrics_of, train_cmd
+from tool_model import made_once
 
 from plait.config import load_config
 from plait.diff import hashes_by_round
@@ -191,16 +192,29 @@ def test_async_with_dynamic_sampling_and_two_stage(tiny_model_path, prompts_json
         assert [x["sampling/generated_groups"] - x["two_stage/prompts_skipped"] for x in m] == [2] * len(m)
 
 
+@pytest.fixture
+def one_process_async_run(tiny_model_path, prompts_jsonl, tmp_path_factory) -> Path:
+    """The one-process async run the two-process ones are held against, made once for the session
+    (one thread: the same bits whichever worker makes it)."""
+
+    def make(out: Path) -> Path:
+        train(load_config(None, async_overrides(tiny_model_path, prompts_jsonl, out)))
+        return out
+
+    return made_once(tmp_path_factory, "async-one-process", make)
+
+
 @pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
-def test_async_under_torchrun_two_processes(tiny_model_path, prompts_jsonl, tmp_path, helper_env, backend):
+def test_async_under_torchrun_two_processes(
+    tiny_model_path, prompts_jsonl, tmp_path, helper_env, backend, one_process_async_run
+):
     """2 processes with k=1: rank 0's producer makes both processes' shares (fsdp2: the weights
     it pushes are gathered from both shards). Rounds 1 and 2 are sampled from the initial
     weights, so their completions (token for token) and rewards equal a one-process async run's. The same
     2-process run, crashed in rank 0's seventh reward call, round 4's (its producer scores each
     process's share, ahead of the trainer), and resumed with resume=auto, ends with the unbroken
     run's weights and every round's hashes, bit for bit."""
-    one, two, crashed = tmp_path / "one", tmp_path / "two", tmp_path / "crashed"
-    train(load_config(None, async_overrides(tiny_model_path, prompts_jsonl, one)))
+    one, two, crashed = one_process_async_run, tmp_path / "two", tmp_path / "crashed"
     crashing = ["rewards=[{name: 'plait_test_rewards:vowel_share_crash_env'}]", "checkpoint.save_steps=1"]
     args = async_overrides(tiny_model_path, prompts_jsonl, two, f"train.backend={backend}", *crashing)
     proc = subprocess.run(train_cmd(2, args), env=helper_env, capture_output=True, text=True, timeout=900)
