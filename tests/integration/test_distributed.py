@@ -9,6 +9,7 @@ not depend on the process count) and so must its rewards.
 """
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -105,8 +106,6 @@ def assert_same_run(run, reference, atol=WEIGHT_ATOL):
 @pytest.fixture(scope="module")
 def single_process_run(tiny_model_path, prompts_jsonl, tmp_path_factory):
     """The reference: the same config trained in one process, no torchrun."""
-    import shutil
-
     root = tmp_path_factory.mktemp("single")
     shutil.copy(tiny_model_path / "model.safetensors", root / "start.safetensors")
     out = root / "run"
@@ -122,7 +121,8 @@ def test_two_processes_match_one_and_resume_after_a_crash(
     3, torchrun stops the job, the committed checkpoints of steps 1-2 resume it, and the
     finished run equals the same backend's unbroken 2-process run bit for bit (the same hashes of
     every stage in every round, torch.equal weights) and the single-process one within
-    WEIGHT_ATOL. Its last checkpoint exports as a model folder with final/'s weights."""
+    WEIGHT_ATOL. Its last checkpoint exports as a model folder with final/'s weights. fsdp2's
+    checkpoint of the crashed run also resumes in one process and gives the never-split run."""
     out = tmp_path / "run"
     opts = _options(
         tiny_model_path, prompts_jsonl, out, "checkpoint.save_steps=1", "checkpoint.keep_last=3", *BACKENDS[backend]
@@ -137,6 +137,16 @@ def test_two_processes_match_one_and_resume_after_a_crash(
     assert done == ["step_00000001", "step_00000002"], done  # no half-written checkpoint is visible
     state = json.loads((out / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and state["prompts_consumed_per_rank"] == [4, 4]
+    if backend == "fsdp2":
+        # DCP shards written by 2 processes load into 1 (a job that lost a node goes on), in this
+        # process: the data position and weights carry over, and the run equals one never split
+        alone = tmp_path / "alone"
+        shutil.copytree(out, alone)
+        resumed = train(load_config(None, [*(o.replace(str(out), str(alone)) for o in opts), "resume=auto"]))
+        assert [m["reward/total/mean"] for m in resumed.history] == pytest.approx(
+            [m["reward/total/mean"] for m in _metrics(single_process_run)][2:], rel=1e-6
+        )
+        assert_same_run(alone, single_process_run)
 
     resumed = _torchrun([*opts, "resume=auto"], helper_env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -266,8 +276,6 @@ def test_reference_model_checkpointing_and_lora_match_one_process(
     """A sharded reference model (KL in the loss, or in REINFORCE++'s token rewards) and a
     sharded distillation teacher, activation checkpointing, and LoRA under ddp train the same as
     in one process."""
-    import shutil
-
     backend, extra = VARIANTS[variant]
     extra = [e.replace("{teacher}", str(teacher_model_path)) for e in extra]
     shutil.copy(tiny_model_path / "model.safetensors", tmp_path / "start.safetensors")
@@ -284,27 +292,6 @@ def test_reference_model_checkpointing_and_lora_match_one_process(
             got, want = ([m[key] for m in _metrics(d)] for d in (run, single))
             assert got == pytest.approx(want, abs=1e-5) and all(abs(k) > 1e-3 for k in want), key
     assert_same_run(run, single, TEACHER_WEIGHT_ATOL if teacher else WEIGHT_ATOL)
-
-
-def test_fsdp2_checkpoint_resumes_with_another_number_of_processes(
-    tiny_model_path, prompts_jsonl, tmp_path, helper_env
-):
-    """DCP shards written by 2 processes load into 1 (a job that lost a node goes on): the
-    data position and weights carry over, and the run equals one never split."""
-    import shutil
-
-    shutil.copy(tiny_model_path / "model.safetensors", tmp_path / "start.safetensors")
-    constant = ["train.lr_scheduler=constant", "train.backend=fsdp2"]  # extending a run keeps its schedule
-    single, run = tmp_path / "single", tmp_path / "run"
-    train(load_config(None, _options(tiny_model_path, prompts_jsonl, single, *constant)))
-    first = _torchrun(_options(tiny_model_path, prompts_jsonl, run, *constant, "train.max_steps=2"), helper_env)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert (run / "checkpoints" / "step_00000002" / "dcp" / ".metadata").is_file()
-    resumed = train(load_config(None, _options(tiny_model_path, prompts_jsonl, run, *constant, "resume=auto")))
-    assert [m["reward/total/mean"] for m in resumed.history] == pytest.approx(
-        [m["reward/total/mean"] for m in _metrics(single)][2:], rel=1e-6
-    )
-    assert_same_run(run, single)
 
 
 @pytest.mark.parametrize(
