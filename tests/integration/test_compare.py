@@ -4,44 +4,45 @@ metric (Welch's t-test, the same numbers scipy gives for the per-run values)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 from test_train import tiny_overrides
 
+from plait.cli import main
 from plait.compare import parse_seeds
 
 
 pytestmark = pytest.mark.slow
 
 
-def plait(*args, env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "plait", *args], capture_output=True, text=True, env=env, timeout=900)
+def plait(*args) -> subprocess.CompletedProcess:
+    """`plait ARGS`, the command in this process: its exit code and what it printed."""
+    said, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["plait", *args], code, said.getvalue(), err.getvalue())
 
 
-def seed_group(model, data, out, env, seeds, *extra) -> subprocess.CompletedProcess:
+def seed_group(model, data, out, seeds, *extra) -> subprocess.CompletedProcess:
     sets = sum((["--set", s] for s in tiny_overrides(model, data, out, "train.max_steps=2", *extra)), [])
-    return plait("train", "--seeds", seeds, *sets, env=env)
+    return plait("train", "--seeds", seeds, *sets)
 
 
 @pytest.fixture(scope="module")
 def groups(tiny_model_path, prompts_jsonl, tmp_path_factory):
-    import os
-
     root = tmp_path_factory.mktemp("seeds")
-    helpers = str(Path(__file__).parents[1] / "helpers")  # the test reward functions
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([helpers, os.environ.get("PYTHONPATH", "")])}
-    low = seed_group(tiny_model_path, prompts_jsonl, root / "lr-low", env, "0-2", "train.learning_rate=1e-5")
-    high = seed_group(tiny_model_path, prompts_jsonl, root / "lr-high", env, "0,1", "train.learning_rate=1e-2")
-    return root, low, high, env
+    low = seed_group(tiny_model_path, prompts_jsonl, root / "lr-low", "0-2", "train.learning_rate=1e-5")
+    high = seed_group(tiny_model_path, prompts_jsonl, root / "lr-high", "0,1", "train.learning_rate=1e-2")
+    return root, low, high
 
 
 def test_seeds_run_one_after_another_and_are_compared(groups):
-    root, low, _, _ = groups
+    root, low, _ = groups
     assert low.returncode == 0, low.stderr[-3000:]
     runs = sorted(p.name for p in (root / "lr-low").glob("seed-*"))
     assert runs == ["seed-0", "seed-1", "seed-2"]
@@ -61,9 +62,9 @@ def test_seeds_run_one_after_another_and_are_compared(groups):
 def test_compare_tests_two_groups_final_metric_as_scipy_does(groups):
     from scipy.stats import ttest_ind
 
-    root, low, high, env = groups
+    root, low, high = groups
     assert high.returncode == 0, high.stderr[-3000:]
-    shown = plait("compare", str(root / "lr-low"), str(root / "lr-high"), "--out", str(root / "ab"), env=env)
+    shown = plait("compare", str(root / "lr-low"), str(root / "lr-high"), "--out", str(root / "ab"))
     assert shown.returncode == 0, shown.stderr
     summary = json.loads((root / "ab" / "compare.json").read_text())
     finals = {label: g["final"]["values"] for label, g in summary["groups"].items()}
@@ -77,7 +78,7 @@ def test_compare_tests_two_groups_final_metric_as_scipy_does(groups):
 
 
 def test_compare_of_a_folder_without_runs_is_a_clear_error(tmp_path):
-    shown = plait("compare", str(tmp_path), env=None)  # no runs needed: not the seed groups above
+    shown = plait("compare", str(tmp_path))  # no runs needed: not the seed groups above
     assert shown.returncode == 2 and "no metrics.jsonl" in shown.stderr
 
 
@@ -88,8 +89,8 @@ def test_seed_lists():
 
 
 def test_report_of_a_seed_group_is_its_comparison(groups, tmp_path):
-    root, _, _, env = groups
-    shown = plait("report", str(root / "lr-low"), "--out", str(tmp_path / "page"), env=env)
+    root, _, _ = groups
+    shown = plait("report", str(root / "lr-low"), "--out", str(tmp_path / "page"))
     assert shown.returncode == 0, shown.stderr
     page = (tmp_path / "page" / "index.html").read_text()
     assert "<img" in page and "mean +- sd over runs" in page
