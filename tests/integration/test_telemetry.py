@@ -11,6 +11,7 @@ import sys
 import pytest
 from test_train import tiny_overrides
 
+from plait.cli import main
 from plait.config import load_config
 from plait.train.loop import train
 
@@ -98,14 +99,9 @@ def test_samples_log_prompt_completion_and_each_reward(run_dir):
 
 
 def report_page(run_dir, tmp_path):
+    """`plait report RUN --out DIR`, the command in this process."""
     out = tmp_path / "report"
-    proc = subprocess.run(
-        [sys.executable, "-m", "plait", "report", str(run_dir), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert main(["report", str(run_dir), "--out", str(out)]) == 0
     return out / "index.html"
 
 
@@ -128,12 +124,9 @@ def test_report_is_self_contained(run_dir, tmp_path):
     assert html.count("<tr><td class='num'>") >= 6  # the sample table's rows
 
 
-def test_report_of_a_directory_without_a_run_says_so(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "plait", "report", str(tmp_path)], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 2
-    assert "no metrics.jsonl" in proc.stderr
+def test_report_of_a_directory_without_a_run_says_so(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
