@@ -78,6 +78,22 @@ def _torchrun(options, env, nproc=2, launcher=None, timeout=600):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+def _two_nodes(options, env, timeout=600) -> subprocess.CompletedProcess:
+    """Two torchrun invocations (--nnodes 2, one process each) meeting at a local rendezvous, as
+    two machines' would: one job of 2 processes. Exit code 0 when both ended well, else the first
+    failure's; their outputs joined."""
+    port = str(free_port())
+    procs = []
+    for node in (0, 1):
+        launcher = ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "--master_addr", "127.0.0.1"]
+        cmd += ["--master_port", port, "-m", "plait", "train", *sum((["--set", o] for o in options), [])]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    return subprocess.CompletedProcess(["torchrun x 2 nodes"], code, *("".join(o[i] for o in outs) for i in (0, 1)))
+
+
 def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -122,14 +138,20 @@ def test_two_processes_match_one_and_resume_after_a_crash(
     finished run equals the same backend's unbroken 2-process run bit for bit (the same hashes of
     every stage in every round, torch.equal weights) and the single-process one within
     WEIGHT_ATOL. Its last checkpoint exports as a model folder with final/'s weights. fsdp2's
-    checkpoint of the crashed run also resumes in one process and gives the never-split run."""
+    checkpoint of the crashed run also resumes in one process and gives the never-split run, and its
+    unbroken run is two torchrun invocations (--nnodes 2) meeting at a local rendezvous: one job."""
     out = tmp_path / "run"
     opts = _options(
         tiny_model_path, prompts_jsonl, out, "checkpoint.save_steps=1", "checkpoint.keep_last=3", *BACKENDS[backend]
     )
     unbroken = tmp_path / "unbroken"
-    straight = _torchrun([*opts, f"output_dir={unbroken}"], helper_env)
+    # fsdp2's unbroken run is launched as two nodes of one process each (their job is the same 2 ranks)
+    launch = _two_nodes if backend == "fsdp2" else _torchrun
+    straight = launch([*opts, f"output_dir={unbroken}"], helper_env)
     assert straight.returncode == 0, straight.stderr[-3000:]
+    if backend == "fsdp2":  # the two nodes formed one job, and it matches the single-process run
+        assert [p["rank"] for p in json.loads((unbroken / "cluster.json").read_text())] == [0, 1]
+        assert_same_run(unbroken, single_process_run)
     crash_env = {**helper_env, "PLAIT_TEST_CRASH_CALL": "3", "PLAIT_TEST_CRASH_RANK": "1"}
     crashed = _torchrun(opts, crash_env)
     assert crashed.returncode != 0 and "simulated crash" in crashed.stderr, crashed.stderr[-3000:]
@@ -181,44 +203,6 @@ def test_one_process_under_torchrun(backend, single_process_run, tiny_model_path
     done = _torchrun(_options(tiny_model_path, prompts_jsonl, out, *BACKENDS[backend]), helper_env, nproc=1)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_run(out, single_process_run)
-
-
-def test_two_nodes_on_one_machine(single_process_run, tiny_model_path, prompts_jsonl, tmp_path, helper_env):
-    """Two torchrun invocations (--nnodes 2, one process each) meeting at a local
-    rendezvous form one job, and it matches the single-process run."""
-    out = tmp_path / "run"
-    opts = _options(tiny_model_path, prompts_jsonl, out, "train.backend=fsdp2")
-    port = str(free_port())
-    procs = []
-    for node in (0, 1):
-        launcher = [
-            "--nnodes",
-            "2",
-            "--node_rank",
-            str(node),
-            "--nproc_per_node",
-            "1",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            port,
-        ]
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            *launcher,
-            "-m",
-            "plait",
-            "train",
-            *sum((["--set", o] for o in opts), []),
-        ]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=helper_env))
-    outs = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    assert_same_run(out, single_process_run)
-    assert [p["rank"] for p in json.loads((out / "cluster.json").read_text())] == [0, 1]
 
 
 def test_a_config_problem_is_reported_once_and_stops_every_process(
