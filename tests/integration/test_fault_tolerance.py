@@ -180,8 +180,8 @@ def test_sigterm_checkpoints_the_step_and_exits_75_then_resume_is_exact(
     if nproc == 1:
         loop.train(load_config(None, unbroken))
     else:
-        done = subprocess.run(train_cmd(nproc, unbroken), env=helper_env, capture_output=True, timeout=600)
-        assert done.returncode == 0
+        ran = subprocess.run(train_cmd(nproc, unbroken), env=helper_env, capture_output=True, text=True, timeout=600)
+        assert ran.returncode == 0, ran.stderr[-3000:]
     run = tmp_path / "run"
     args = tiny_overrides(
         tiny_model_path, prompts_jsonl, run, f"train.max_steps={steps}", "log.console=plain", *threads

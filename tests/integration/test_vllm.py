@@ -289,14 +289,14 @@ def test_server_death_is_reported_and_the_run_resumes(vllm_model, prompts_jsonl,
     shard) loses its engine during step 2, between requests, while its HTTP front end lives on: the
     replica notices by itself, with no request in flight (the round waits for it to exit), and exits
     with code 1, the supervisor with it, naming the cause; the trainer's next request is refused and
-    it stops with a message naming the replica and the resume advice, step 2's checkpoint valid. With the server back,
-    resume=auto finishes and the restarted server (base weights) is
-    given the trainer's weights first: the resumed run ends with the weights and every round's
-    hashes of the same run never stopped (on the restarted server), bit for bit. Then the replica
-    hangs (SIGSTOP) mid-run: the run stops after request_timeout_s with the same advice, its last
-    round saved. Last, its engine is killed under a running request: a 503, and the replica exits
-    with code 1 as it did idle. The kills land in a round (the reward reads it from trainer_state), not on a count
-    of calls; the death is told apart from a slow answer: the first part's request_timeout_s is far
+    it stops with a message naming the replica and the resume advice, step 2's checkpoint valid.
+    With the server back, resume=auto finishes and the restarted server (base weights) is given the
+    trainer's weights first: the resumed run ends with the weights and every round's hashes of the
+    same run never stopped (on the restarted server), bit for bit. Then the replica hangs (SIGSTOP)
+    mid-run: the run stops after request_timeout_s with the same advice, its last round saved.
+    Last, its engine is killed under a running request: a 503, and the replica exits with code 1
+    as it did idle. The kills land in a round (the reward reads it from trainer_state), not on a
+    count of calls; the death is told apart from a slow answer: the first part's request_timeout_s is far
     above any round's generation, so the stop it sees is the death's own (a first request on a slow
     kernel path once took over 60 s, and the timeout's message names the server and resume too)."""
     out = tmp_path / "run"
