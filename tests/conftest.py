@@ -69,8 +69,25 @@ LONGEST_LAST = (
     "integration/test_vllm.py::test_server_death_is_reported_and_the_run_resumes",
     "integration/test_setup_and_offline.py::test_the_bundled_model_learns_in_a_few_rounds",
     "integration/test_vllm.py::test_server_mode_two_trainers_share_two_replicas",
-    "integration/test_ray.py::test_ray_run_places_actors_as_planned_and_matches_torchrun",
 )
+
+# The tests of one vLLM server (`shared_server`) and the Ray tests (whose placement test uses that
+# server too) go to one worker together, at the start of the last block: handed out one by one, both
+# workers started a server and a Ray cluster of their own (a server takes ~30 s, three processes
+# importing vLLM). `pytest_xdist_make_scheduler` below keeps them together.
+ONE_WORKER = (
+    "integration/test_ray.py::",
+    "integration/test_rollout_security.py::test_a_vllm_rollout_server_refuses_hostile_clients_and_its_trainer",
+    "integration/test_vllm.py::test_a_vllm_engine_given_corrupted_weights_stops_the_run[server]",
+    "integration/test_vllm.py::test_server_mode_generates_asynchronously[full]",
+    "integration/test_vllm.py::test_a_teacher_on_a_rollout_server_scores_as_the_held_one",
+)
+
+
+def _on_one_worker(nodeid: str) -> bool:
+    """Is this test (its node id, `tests/...`) one of ONE_WORKER's?"""
+    return nodeid.removeprefix("tests/").startswith(ONE_WORKER)
+
 
 # A test of the taught tool model comes first: its worker makes the model (about a minute of CPU,
 # once per session: tests/helpers/tool_model.py) while the other worker runs other tests. In
@@ -89,9 +106,26 @@ def _turn(item) -> tuple[int, int]:
     named = f"{where}::{item.originalname}"
     if named in RUN_FIRST:
         return 0, 0
+    if _on_one_worker(f"{where}::{item.name}"):
+        return 2, -1
     if where not in RUN_LAST:
         return 1, 0
     return (2, LONGEST_LAST.index(named)) if named in LONGEST_LAST else (3, 0)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` (make test's), with ONE_WORKER's tests handed out as one unit of work and
+    every other test as a unit of its own: pytest-xdist's own way to group tests (xdist_group) no
+    longer reaches the node ids under pytest 9.2."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerForTheSharedServer(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "shared vLLM server and Ray" if _on_one_worker(nodeid) else nodeid
+
+    return OneWorkerForTheSharedServer(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
