@@ -187,7 +187,8 @@ def shared_server(vllm_model, helper_env):
     """One `plait rollout-server` (dp 1, started as a user starts it) per pytest worker, for the
     tests that stop nothing of it and make it hold what they need first (`base_server`): a server
     takes about half a minute to start (31 s on a 2-core Xeon), paid once per worker instead of once
-    per test, in test_vllm.py, test_ray.py and test_rollout_security.py alike."""
+    per test, in test_vllm.py, test_ray.py and test_rollout_security.py alike. Under `make test`
+    those tests share one worker (ONE_WORKER above), so one server serves them all."""
     from test_vllm import RolloutServer
 
     server = RolloutServer(vllm_model, dp=1, env=helper_env)
