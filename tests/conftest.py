@@ -113,6 +113,7 @@ def _turn(item) -> tuple[int, int]:
     return (2, LONGEST_LAST.index(named)) if named in LONGEST_LAST else (3, 0)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: pytest without it runs the suite too
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadgroup` (make test's), with ONE_WORKER's tests handed out as one unit of work and
     every other test as a unit of its own: pytest-xdist's own way to group tests (xdist_group) no
