@@ -4,33 +4,23 @@ metric (Welch's t-test, the same numbers scipy gives for the per-run values)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import subprocess
 
 import pytest
 import yaml
+from commands import plait_here
 from test_train import tiny_overrides
 
-from plait.cli import main
 from plait.compare import parse_seeds
 
 
 pytestmark = pytest.mark.slow
 
 
-def plait(*args) -> subprocess.CompletedProcess:
-    """`plait ARGS`, the command in this process: its exit code and what it printed."""
-    said, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return subprocess.CompletedProcess(["plait", *args], code, said.getvalue(), err.getvalue())
-
-
 def seed_group(model, data, out, seeds, *extra) -> subprocess.CompletedProcess:
     sets = sum((["--set", s] for s in tiny_overrides(model, data, out, "train.max_steps=2", *extra)), [])
-    return plait("train", "--seeds", seeds, *sets)
+    return plait_here("train", "--seeds", seeds, *sets)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +54,7 @@ def test_compare_tests_two_groups_final_metric_as_scipy_does(groups):
 
     root, low, high = groups
     assert high.returncode == 0, high.stderr[-3000:]
-    shown = plait("compare", str(root / "lr-low"), str(root / "lr-high"), "--out", str(root / "ab"))
+    shown = plait_here("compare", str(root / "lr-low"), str(root / "lr-high"), "--out", str(root / "ab"))
     assert shown.returncode == 0, shown.stderr
     summary = json.loads((root / "ab" / "compare.json").read_text())
     finals = {label: g["final"]["values"] for label, g in summary["groups"].items()}
@@ -78,7 +68,7 @@ def test_compare_tests_two_groups_final_metric_as_scipy_does(groups):
 
 
 def test_compare_of_a_folder_without_runs_is_a_clear_error(tmp_path):
-    shown = plait("compare", str(tmp_path))  # no runs needed: not the seed groups above
+    shown = plait_here("compare", str(tmp_path))  # no runs needed: not the seed groups above
     assert shown.returncode == 2 and "no metrics.jsonl" in shown.stderr
 
 
@@ -90,7 +80,7 @@ def test_seed_lists():
 
 def test_report_of_a_seed_group_is_its_comparison(groups, tmp_path):
     root, _, _ = groups
-    shown = plait("report", str(root / "lr-low"), "--out", str(tmp_path / "page"))
+    shown = plait_here("report", str(root / "lr-low"), "--out", str(tmp_path / "page"))
     assert shown.returncode == 0, shown.stderr
     page = (tmp_path / "page" / "index.html").read_text()
     assert "<img" in page and "mean +- sd over runs" in page

@@ -4,8 +4,6 @@ that round and in the stage the metric belongs to; so is a one-ulp change in a w
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 import shutil
@@ -13,10 +11,10 @@ import subprocess
 
 import pytest
 import torch
+from commands import plait_here
 from safetensors.torch import load_file, save_file
 from test_train import tiny_overrides
 
-from plait.cli import main
 from plait.config import load_config
 from plait.diff import diff_runs
 from plait.train.loop import train
@@ -50,11 +48,7 @@ def two_runs(tiny_model_path, prompts_jsonl, tmp_path_factory):
 
 
 def plait_diff(a, b) -> subprocess.CompletedProcess:
-    """`plait diff A B`, the command in this process: its exit code and what it printed."""
-    said, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(err):
-        code = main(["diff", str(a), str(b)])
-    return subprocess.CompletedProcess(["plait", "diff", str(a), str(b)], code, said.getvalue(), err.getvalue())
+    return plait_here("diff", str(a), str(b))
 
 
 def test_two_runs_of_one_config_agree_bit_for_bit(two_runs):

@@ -3,11 +3,10 @@ arithmetic, alternatives, --auto and the memory estimate. Pure functions, no Ray
 
 from __future__ import annotations
 
-import contextlib
-import io
 import subprocess
 
 import pytest
+from commands import plait_here
 
 from plait.cluster import placement as pl
 from plait.config import load_config
@@ -219,16 +218,7 @@ def test_the_plan_places_the_teacher_and_counts_its_weights_where_they_are_held(
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess:
-    """`plait plan ARGS`, the command in this process: its exit code (argparse's own too) and what it printed."""
-    from plait.cli import main
-
-    said, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(err):
-        try:
-            code = main(["plan", *args])
-        except SystemExit as stop:  # a bad argument: argparse's usage message and exit code
-            code = stop.code
-    return subprocess.CompletedProcess(["plait", "plan", *args], code, said.getvalue(), err.getvalue())
+    return plait_here("plan", *args)
 
 
 def test_plait_plan_prints_the_placement_and_exits_2_when_it_cannot():
