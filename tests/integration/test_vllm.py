@@ -19,6 +19,7 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 import torch
 from test_train import final_weights, tiny_overrides
@@ -106,8 +107,6 @@ class RolloutServer:
             time.sleep(1)
 
     def replica_pids(self) -> list[int]:
-        import psutil
-
         return [
             c.pid for c in psutil.Process(self.proc.pid).children() if "plait.rollout.server" in " ".join(c.cmdline())
         ]
@@ -115,8 +114,6 @@ class RolloutServer:
     def engine_core_pid(self) -> int:
         """vLLM's engine-core process of the (only) replica: its model runs there, not in the
         replica's HTTP front end."""
-        import psutil
-
         (replica,) = self.replica_pids()
         (core,) = [c.pid for c in psutil.Process(replica).children() if c.name().startswith("VLLM::Engine")]
         return core
@@ -558,6 +555,8 @@ def _an_update_sent_mid_request_waits_for_it(server, final):
         asking = threading.Thread(target=ask, args=(during,))
         pushing = threading.Thread(target=remote.weights_for_round, args=(11,))
         core = server.engine_core_pid()
+        # at tp 1 the model runs inside the engine core, with no worker process beside it (one_process_worker)
+        assert not [c for c in psutil.Process(core).children() if c.name().startswith("VLLM::Worker")]
         os.kill(core, signal.SIGSTOP)  # first: the request then cannot end before the push comes
         try:
             asking.start()
