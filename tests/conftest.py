@@ -73,8 +73,8 @@ LONGEST_LAST = (
 
 # The tests of one vLLM server (`shared_server`) and the Ray tests (whose placement test uses that
 # server too) go to one worker together, at the start of the last block: handed out one by one, both
-# workers started a server and a Ray cluster of their own (a server takes ~30 s, three processes
-# importing vLLM). `pytest_xdist_make_scheduler` below keeps them together.
+# workers started a server and a Ray cluster of their own (a server of the tiny model takes 22-29 s
+# to start on a 2-core Zen 4). `pytest_xdist_make_scheduler` below keeps them together.
 ONE_WORKER = (
     "integration/test_ray.py::",
     "integration/test_rollout_security.py::test_a_vllm_rollout_server_refuses_hostile_clients_and_its_trainer",

@@ -107,15 +107,6 @@ class _Gate:
                 self.cond.notify_all()
 
 
-class _NotThisWarning(logging.Filter):
-    def __init__(self, start: str):
-        super().__init__()
-        self.start = start
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.start)
-
-
 def one_process_worker() -> None:
     """vLLM's model worker runs inside its engine-core process (the uniprocess executor) instead
     of a process of its own. vLLM's CPU platform turns a one-device engine's executor into its
@@ -126,7 +117,8 @@ def one_process_worker() -> None:
     makes vLLM warn that its seed may touch the launching process's random state; this replica
     process draws no random numbers, so that one warning is dropped."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    logging.getLogger("vllm.engine.arg_utils").addFilter(_NotThisWarning("The global random seed is set to"))
+    seed_warning = "The global random seed is set to"
+    logging.getLogger("vllm.engine.arg_utils").addFilter(lambda record: not str(record.msg).startswith(seed_warning))
 
 
 class VllmReplica:
