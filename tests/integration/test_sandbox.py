@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import json
 import os
 import platform
 import secrets
@@ -46,6 +47,9 @@ FAST = Limits(timeout_s=4, cpu_s=4, memory_mb=512, max_processes=32)
 # For programs that end by themselves in well under a second: a timeout that only a stalled
 # machine reaches, so that their verdict is the attack's outcome and not a timeout.
 ROOMY = dataclasses.replace(FAST, timeout_s=60, cpu_s=60)
+# For programs only the clock (or RLIMIT_CPU) stops, whatever it is: their verdict is the same at
+# any limit, and every test waits the whole limit out.
+CLOCKED = dataclasses.replace(FAST, timeout_s=2, cpu_s=2)
 # How long a process the sandbox SIGKILLed may take to vanish on a loaded machine. Every
 # program's processes run for at least 60 s unless killed, so this wait can't hide a survivor.
 GRACE_S = 30.0
@@ -356,6 +360,7 @@ STOPPED_BY = {
     "memory_bomb_many_processes": {"memory_limit"},
     "floods_stdout": {"output_limit"},
 }
+CLOCK = {"timeout", "killed"}
 
 # Calls only the seccomp tier's deny-list stops (supervisor.DENIED_SYSCALLS, the socket
 # families, clone's namespace flags), each made so that without the filter it works or fails
@@ -510,16 +515,26 @@ def _still_running(deadline_s: float = GRACE_S) -> list:
     return left
 
 
-def _leftover_dirs(before: set, deadline_s: float = 60.0) -> set:
-    """Temp dirs of this test's run still in /tmp. Other jobs' sandbox runs make plait-sbx-*
-    dirs too, which go when those runs end (in well under a minute); ours was removed before
-    run_tests returned, so one that stays is a leftover."""
-    new = set(Path("/tmp").glob("plait-sbx-*")) - before
+def _leftover_dirs(before: set, code: str, deadline_s: float = 60.0) -> set:
+    """Temp dirs of this test's run of `code` still in /tmp. Other sandbox runs (the other test
+    worker's, other jobs') make plait-sbx-* dirs too: one whose program is another is left alone,
+    one that can't be read is waited for (they go when their runs end, in well under a minute).
+    Ours was removed before run_tests returned, so one that stays is a leftover."""
+    new = {d for d in set(Path("/tmp").glob("plait-sbx-*")) - before if _may_run(d, code)}
     end = time.monotonic() + deadline_s
     while new and time.monotonic() < end:
         time.sleep(0.1)
         new = {d for d in new if os.path.lexists(d)}
     return new
+
+
+def _may_run(top: Path, code: str) -> bool:
+    """Is the sandbox dir `top` a run of `code`, as far as its request file tells (unreadable:
+    it may be)?"""
+    try:
+        return json.loads((top / "src" / "spec.json").read_text())["code"] == code
+    except (OSError, ValueError, KeyError):
+        return True
 
 
 def _reached(srv: socket.socket, wait_s: float) -> bool:
@@ -612,7 +627,7 @@ def test_hostile_program_is_contained(name, tier, host, request):
     srv = _listener()
     try:
         src = _program(name, srv.getsockname()[1], helper_pid, tier)
-        limits = ROOMY if name in RUN_TO_THE_END else FAST
+        limits = ROOMY if name in RUN_TO_THE_END else CLOCKED if STOPPED_BY.get(name, set()) <= CLOCK else FAST
         res = run_tests(src, ["assert ESCAPED"], limits=limits, tier=tier)
         assert not _reached(srv, 5.0 if "PORT" in PROGRAMS[name] else 0.0), "the program reached the trainer's port"
     finally:
@@ -624,7 +639,7 @@ def test_hostile_program_is_contained(name, tier, host, request):
         assert res.status in STOPPED_BY[name], f"{name} ended by {res.status}, not by its limit ({res})"
     assert len(res.stdout) <= limits.output_bytes and len(res.stderr) <= limits.output_bytes
     assert _still_running() == [], "processes outlived the sandbox"
-    assert not _leftover_dirs(host["tmp_dirs"]), "temp dir left behind"
+    assert not _leftover_dirs(host["tmp_dirs"], src), "temp dir left behind"
     leaked = SECRET in res.stdout + res.stderr + "".join(res.errors)
     if as_the_runner and (res.passed or leaked):
         pytest.xfail(NEEDS_ROOT_IN_PROCESS_TIER[name])
@@ -682,7 +697,7 @@ def test_daemon_does_not_outlive_the_run(tier, host):
 
 def test_outcomes_are_reported_by_cause():
     tier = sandbox.active_tier()
-    assert run_tests("import time\ntime.sleep(30)", [], limits=FAST, tier=tier).status == "timeout"
+    assert run_tests("import time\ntime.sleep(30)", [], limits=CLOCKED, tier=tier).status == "timeout"
     assert run_tests(_program("floods_stdout", 0), [], limits=FAST, tier=tier).status == "output_limit"
     mem = run_tests(_program("memory_bomb_many_processes", 0), [], limits=FAST, tier=tier)
     assert mem.status == "memory_limit", mem
