@@ -360,7 +360,7 @@ STOPPED_BY = {
     "memory_bomb_many_processes": {"memory_limit"},
     "floods_stdout": {"output_limit"},
 }
-CLOCK = {"timeout", "killed"}
+CLOCK = {"timeout", "killed"}  # the outcomes of a program only the clock or RLIMIT_CPU stops
 
 # Calls only the seccomp tier's deny-list stops (supervisor.DENIED_SYSCALLS, the socket
 # families, clone's namespace flags), each made so that without the filter it works or fails
@@ -528,6 +528,14 @@ def _leftover_dirs(before: set, code: str, deadline_s: float = 60.0) -> set:
     return new
 
 
+def _limits_for(name: str) -> Limits:
+    if name in RUN_TO_THE_END:
+        return ROOMY
+    if name in STOPPED_BY and STOPPED_BY[name] <= CLOCK:
+        return CLOCKED
+    return FAST
+
+
 def _may_run(top: Path, code: str) -> bool:
     """Is the sandbox dir `top` a run of `code`, as far as its request file tells (unreadable:
     it may be)?"""
@@ -627,7 +635,7 @@ def test_hostile_program_is_contained(name, tier, host, request):
     srv = _listener()
     try:
         src = _program(name, srv.getsockname()[1], helper_pid, tier)
-        limits = ROOMY if name in RUN_TO_THE_END else CLOCKED if STOPPED_BY.get(name, set()) <= CLOCK else FAST
+        limits = _limits_for(name)
         res = run_tests(src, ["assert ESCAPED"], limits=limits, tier=tier)
         assert not _reached(srv, 5.0 if "PORT" in PROGRAMS[name] else 0.0), "the program reached the trainer's port"
     finally:
