@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -140,12 +141,14 @@ def test_async_chaos_kills_at_every_moment_and_the_run_ends_bitwise_equal(tmp_pa
 
 
 def orphaned_weight_files(before: set) -> set:
-    """Shared-memory weight files made since `before` whose trainer (named in the file) is dead.
-    A live trainer's file is another run's, such as the other test worker's."""
+    """Shared-memory weight files made since `before` whose trainer is dead (plait names them
+    plait-weights-PID-..., plait.rollout.shared_weights_path). A live trainer's file is another run's,
+    such as the other test worker's; a name without a pid is no trainer's (the unit tests' files)."""
+    owner = re.compile(r"plait-weights-(\d+)-")
     return {
         f
         for f in set(Path("/dev/shm").glob("plait-weights-*")) - before
-        if not psutil.pid_exists(int(f.name.split("-")[2]))
+        if (m := owner.match(f.name)) and not psutil.pid_exists(int(m.group(1)))
     }
 
 

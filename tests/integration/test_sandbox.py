@@ -529,6 +529,8 @@ def _leftover_dirs(before: set, code: str, deadline_s: float = 60.0) -> set:
 
 
 def _limits_for(name: str) -> Limits:
+    """The limits a hostile program runs under: its verdict must be its own doing, not a timeout,
+    unless the clock is what is meant to stop it."""
     if name in RUN_TO_THE_END:
         return ROOMY
     if name in STOPPED_BY and STOPPED_BY[name] <= CLOCK:
